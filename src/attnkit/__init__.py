@@ -1,0 +1,39 @@
+"""attnkit: attention mechanisms on PyTorch, from the textbook's first dot product to fused kernels.
+
+The layers, bottom up: input checks (``_checks``) and one mask convention (:mod:`attnkit.masks`,
+True = may attend, causal aligned bottom-right); backends in a small registry
+(:mod:`attnkit.backends`); the one entry point :func:`attnkit.functional.attention`; thin modules
+(:mod:`attnkit.modules`); and the chapter's first steps (:mod:`attnkit.textbook`).
+"""
+
+from attnkit import functional
+from attnkit.functional import attention
+from attnkit.masks import causal_mask, window_mask
+from attnkit.modules import (
+    AdditiveAttention,
+    CausalAttention,
+    CrossAttention,
+    MultiHeadAttention,
+    MultiHeadAttentionWrapper,
+    SelfAttention,
+)
+from attnkit.textbook import AttentionResult, attend, simple_self_attention
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AdditiveAttention",
+    "AttentionResult",
+    "CausalAttention",
+    "CrossAttention",
+    "MultiHeadAttention",
+    "MultiHeadAttentionWrapper",
+    "SelfAttention",
+    "__version__",
+    "attend",
+    "attention",
+    "causal_mask",
+    "functional",
+    "simple_self_attention",
+    "window_mask",
+]

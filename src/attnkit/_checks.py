@@ -1,0 +1,186 @@
+"""Input validation shared by every layer.
+
+Every public entry point checks its arguments here, so that bad input raises a ``ValueError`` or
+``TypeError`` that names the argument and the values it got, instead of a bare ``assert`` (removed by
+``python -O``) or a shape error from deep inside torch.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def _shape(x: Tensor) -> str:
+    return str(tuple(x.shape))
+
+
+def check_tensor(x: object, name: str) -> Tensor:
+    """Return ``x`` if it is a tensor, else raise a TypeError naming it."""
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    return x
+
+
+def check_floating(x: Tensor, name: str) -> None:
+    if not x.is_floating_point():
+        raise TypeError(f"{name} must have a floating-point dtype, got {x.dtype}")
+
+
+def check_rank(x: Tensor, name: str, ranks: tuple[int, ...], layout: str) -> None:
+    """Raise unless ``x.dim()`` is one of ``ranks``; ``layout`` names the expected axes."""
+    if x.dim() not in ranks:
+        raise ValueError(f"{name} must be {layout}, got shape {_shape(x)} ({x.dim()} dims)")
+
+
+def check_probability(p: float, name: str = "dropout") -> float:
+    """Dropout probabilities live in [0, 1): p = 1 would zero every weight."""
+    if isinstance(p, bool) or not isinstance(p, (int, float)):
+        raise TypeError(f"{name} must be a float in [0, 1), got {type(p).__name__}")
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"{name} must be in [0, 1), got {p}")
+    return float(p)
+
+
+def check_positive_int(value: object, name: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+
+
+def check_divisible(numerator: int, num_name: str, denominator: int, den_name: str) -> None:
+    if numerator % denominator:
+        raise ValueError(
+            f"{num_name} ({numerator}) must be divisible by {den_name} ({denominator})"
+        )
+
+
+def check_same_dtype_device(tensors: dict[str, Tensor]) -> None:
+    """All named tensors must share one dtype and one device."""
+    (first_name, first), *rest = tensors.items()
+    for name, x in rest:
+        if x.dtype != first.dtype:
+            raise TypeError(
+                f"{first_name} and {name} must have the same dtype, "
+                f"got {first_name}: {first.dtype} and {name}: {x.dtype}"
+            )
+        if x.device != first.device:
+            raise ValueError(
+                f"{first_name} and {name} must be on the same device, "
+                f"got {first_name}: {first.device} and {name}: {x.device}"
+            )
+
+
+def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
+    """Check the ``(b, h, t, d)`` / ``(b, h_kv, s, d)`` layout of the functional entry point."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        check_tensor(x, name)
+        check_rank(x, name, (4,), "(batch, heads, length, head_dim)")
+        check_floating(x, name)
+    check_same_dtype_device({"q": q, "k": k, "v": v})
+    (b, h, _, d), (bk, h_kv, s, dk), (bv, h_v, sv, _) = q.shape, k.shape, v.shape
+    if not b == bk == bv:
+        raise ValueError(
+            f"q, k and v must have the same batch size, got {b}, {bk} and {bv} "
+            f"(shapes {_shape(q)}, {_shape(k)}, {_shape(v)})"
+        )
+    if dk != d:
+        raise ValueError(f"q and k must have the same head_dim, got q: {d} and k: {dk}")
+    if s != sv:
+        raise ValueError(
+            f"k and v must have the same length, got k: {s} and v: {sv} "
+            f"(shapes {_shape(k)} and {_shape(v)})"
+        )
+    if h_v != h_kv:
+        raise ValueError(f"k and v must have the same number of heads, got {h_kv} and {h_v}")
+    if h_kv == 0 or h % h_kv:
+        raise ValueError(
+            f"the query heads ({h}) must be a multiple of the key/value heads ({h_kv})"
+        )
+    if s == 0:
+        raise ValueError(f"k and v must hold at least one position, got shape {_shape(k)}")
+
+
+def check_key_mask(key_mask: Tensor, b: int, s: int) -> None:
+    """``key_mask`` is ``(b, s)`` bool, True for a real token (a key that may be attended)."""
+    check_tensor(key_mask, "key_mask")
+    if key_mask.dtype != torch.bool:
+        raise TypeError(
+            f"key_mask must be a bool tensor (True = real token), got dtype {key_mask.dtype}"
+        )
+    if tuple(key_mask.shape) != (b, s):
+        raise ValueError(
+            f"key_mask must have shape (batch, key_length) = {(b, s)}, got {_shape(key_mask)}"
+        )
+
+
+def check_attn_mask(attn_mask: Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    """``attn_mask`` is bool (True = may attend) or a float of the query's dtype, added to scores,
+    and must broadcast to ``shape`` = ``(b, h, t, s)``."""
+    check_tensor(attn_mask, "attn_mask")
+    if attn_mask.dtype != torch.bool and attn_mask.dtype != dtype:
+        raise TypeError(
+            f"attn_mask must be bool (True = may attend) or the query's dtype {dtype} "
+            f"(added to the scores), got {attn_mask.dtype}"
+        )
+    ok = attn_mask.dim() <= len(shape) and all(
+        m in (1, n) for m, n in zip(reversed(attn_mask.shape), reversed(shape))
+    )
+    if not ok:
+        raise ValueError(
+            f"attn_mask of shape {_shape(attn_mask)} does not broadcast to "
+            f"(batch, heads, query_length, key_length) = {shape}"
+        )
+
+
+def check_features(x: Tensor, name: str, expected: int, expected_name: str) -> None:
+    """The last dim of a ``(..., e)`` input must match the layer's input width."""
+    if x.shape[-1] != expected:
+        raise ValueError(
+            f"{name} has {x.shape[-1]} features in its last dim, but {expected_name} is {expected} "
+            f"(shape {_shape(x)})"
+        )
+
+
+def check_context_length(t: int, context_length: int | None, name: str = "x") -> None:
+    if context_length is not None and t > context_length:
+        raise ValueError(f"{name} has {t} tokens, longer than context_length ({context_length})")
+
+
+def check_window(window: object) -> tuple[int, int] | None:
+    """``window`` is None or ``(left, right)``: two ints, each >= 0 or -1 for unbounded."""
+    if window is None:
+        return None
+    ok = (
+        isinstance(window, (tuple, list))
+        and len(window) == 2
+        and all(isinstance(w, int) and not isinstance(w, bool) for w in window)
+    )
+    if not ok:
+        raise TypeError(f"window must be a pair of ints (left, right), got {window!r}")
+    left, right = window
+    if left < -1 or right < -1:
+        raise ValueError(f"window sizes must be >= 0, or -1 for unbounded, got {tuple(window)}")
+    return (left, right)
+
+
+def check_positive_number(value: object, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    if not value > 0:
+        raise ValueError(f"{name} must be > 0, got {value}")
+    return float(value)
+
+
+def check_alibi_slopes(slopes: object, num_heads: int, device: torch.device) -> Tensor:
+    """ALiBi slopes: one float per query head, on the queries' device."""
+    slopes = check_tensor(slopes, "alibi_slopes")
+    check_floating(slopes, "alibi_slopes")
+    if tuple(slopes.shape) != (num_heads,):
+        raise ValueError(
+            f"alibi_slopes must have shape (heads,) = ({num_heads},), got {_shape(slopes)}"
+        )
+    if slopes.device != device:
+        raise ValueError(f"alibi_slopes is on {slopes.device} but q is on {device}")
+    return slopes

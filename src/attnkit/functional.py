@@ -1,0 +1,105 @@
+"""``attention(q, k, v, ...)``: the one entry point that every attnkit module calls.
+
+It checks the inputs, gathers the masks into one :class:`~attnkit.masks.Masks`, then runs the backend
+that :func:`~attnkit.backends.resolve_backend` picks. Semantics, with queries aligned bottom-right
+(query ``i`` sits at ``p(i) = i + s - t``):
+
+- score = ``(q . k) * scale``, ``scale = 1 / sqrt(d)`` by default;
+- ``softcap``: score = ``softcap * tanh(score / softcap)``;
+- ``alibi_slopes`` ``(h,)``: score += ``-slope * |p(i) - j|``;
+- ``attn_mask``: bool (True = may attend) or float (added to the score; allowed where > -inf);
+  ``key_mask`` ``(b, s)``: True = real token;
+- ``causal``: key ``j`` allowed iff ``j <= p(i)``; ``window=(left, right)`` (-1 unbounded):
+  ``p(i) - left <= j <= p(i) + right``;
+- a query with no allowed key gets output 0, lse ``-inf`` and zero gradients.
+
+Shapes: ``b`` batch, ``h`` query heads, ``h_kv`` key/value heads, ``t`` query length, ``s`` key
+length, ``d`` head dim.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from attnkit import _checks
+from attnkit.backends import Request, resolve_backend
+from attnkit.masks import Masks, merge_window
+
+
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    attn_mask: Tensor | None = None,
+    key_mask: Tensor | None = None,
+    causal: bool = False,
+    window: tuple[int, int] | None = None,
+    alibi_slopes: Tensor | None = None,
+    softcap: float | None = None,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    return_lse: bool = False,
+    return_weights: bool = False,
+    backend: str = "auto",
+) -> Tensor | tuple[Tensor, ...]:
+    """Scaled dot-product attention with every mask and score modifier, on any backend.
+
+    Args:
+        q: ``(b, h, t, d)`` queries.
+        k: ``(b, h_kv, s, d)`` keys; ``h % h_kv == 0`` and query head ``i`` uses key/value head
+            ``i // (h // h_kv)`` (grouped-query attention; ``h_kv = 1`` is multi-query).
+        v: ``(b, h_kv, s, d_v)`` values.
+        attn_mask: bool (True = may attend) or float of q's dtype (added to the scores),
+            broadcastable to ``(b, h, t, s)``.
+        key_mask: ``(b, s)`` bool, True for a real token, False for padding.
+        causal: key ``j`` is visible to query ``i`` iff ``j <= i + s - t`` (bottom-right aligned).
+        window: ``(left, right)`` positions around ``p(i)`` that a query sees; -1 is unbounded.
+        alibi_slopes: ``(h,)`` ALiBi slopes (see :func:`attnkit.alibi_slopes`).
+        softcap: caps scores smoothly to ``(-softcap, softcap)`` (Gemma 2).
+        scale: multiplies ``q . k``; defaults to ``1 / sqrt(d)``.
+        dropout_p: dropout probability on the weights, applied whenever > 0 (pass 0 in eval).
+        return_lse: also return the log-sum-exp of the (modified, masked) scores, ``(b, h, t)``,
+            float32 (float64 for float64 inputs), ``-inf`` for a query with no key. Gradients flow
+            through it on the reference backend.
+        return_weights: also return the softmax weights before dropout, ``(b, h, t, s)``, q's dtype.
+        backend: ``"auto"`` (the fastest backend that computes exactly this request), or a name in
+            :data:`attnkit.backends.BACKENDS`.
+
+    Returns:
+        ``out`` ``(b, h, t, d_v)``, or a tuple ``(out, lse)``, ``(out, weights)`` or
+        ``(out, lse, weights)`` when those are asked for.
+
+    Raises:
+        TypeError: a tensor of the wrong dtype, or an argument of the wrong type.
+        ValueError: shapes that do not fit, an option out of range, an unknown backend, or a backend
+            that cannot do an option in use.
+
+    Example:
+        >>> q = torch.randn(2, 8, 5, 64); k = v = torch.randn(2, 2, 7, 64)  # GQA: 8 q heads, 2 kv
+        >>> attention(q, k, v, causal=True).shape
+        torch.Size([2, 8, 5, 64])
+    """
+    _checks.check_qkv(q, k, v)
+    b, h, t, _ = q.shape
+    s = k.shape[-2]
+    if key_mask is not None:
+        _checks.check_key_mask(key_mask, b, s)
+    if attn_mask is not None:
+        _checks.check_attn_mask(attn_mask, q.dtype, (b, h, t, s))
+    if alibi_slopes is not None:
+        _checks.check_alibi_slopes(alibi_slopes, h, q.device)
+    request = Request(
+        masks=Masks(merge_window(causal, _checks.check_window(window)), key_mask, attn_mask),
+        scale=q.shape[-1] ** -0.5
+        if scale is None
+        else _checks.check_positive_number(scale, "scale"),
+        softcap=None if softcap is None else _checks.check_positive_number(softcap, "softcap"),
+        alibi_slopes=alibi_slopes,
+        dropout_p=_checks.check_probability(dropout_p, "dropout_p"),
+        return_lse=return_lse,
+        return_weights=return_weights,
+    )
+    out, lse, weights = resolve_backend(backend, request).fn(q, k, v, request)
+    extras = [x for x, asked in ((lse, return_lse), (weights, return_weights)) if asked]
+    return (out, *extras) if extras else out

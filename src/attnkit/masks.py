@@ -1,0 +1,144 @@
+"""One mask convention for all of attnkit.
+
+Boolean masks mean **True = may attend** (the convention of ``torch.nn.functional.
+scaled_dot_product_attention``). A float ``attn_mask`` is *added* to the scores; a key is allowed where
+it is greater than ``-inf``. ``key_mask`` is ``(b, s)``, True for a real token and False for padding.
+
+Queries and keys are aligned **bottom-right**: query ``i`` of ``t`` sits at absolute position
+``p(i) = i + s - t``, so the last query is level with the last key. This is what a decoder needs when
+``t`` new tokens attend to ``s`` cached keys. For ``t = 2, s = 5`` a causal mask is::
+
+    keys     0 1 2 3 4
+    query 0  1 1 1 1 0      p(0) = 3
+    query 1  1 1 1 1 1      p(1) = 4
+
+(torch's ``is_causal=True`` aligns top-left instead: query 0 would see key 0 only.) When ``t > s``
+the first ``t - s`` queries see no key at all; attnkit returns zeros for such rows, never NaN.
+
+Shapes: ``b`` batch, ``h`` heads, ``t`` query length, ``s`` key length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+def query_positions(t: int, s: int, device: torch.device | None = None) -> Tensor:
+    """Absolute positions ``p(i) = i + s - t`` of the ``t`` queries, aligned bottom-right."""
+    return torch.arange(s - t, s, device=device)
+
+
+def causal_mask(t: int, s: int, *, device: torch.device | None = None) -> Tensor:
+    """``(t, s)`` bool, True where key ``j <= p(i)`` (bottom-right aligned, see module doc).
+
+    Example:
+        >>> causal_mask(2, 4).int()
+        tensor([[1, 1, 1, 0],
+                [1, 1, 1, 1]], dtype=torch.int32)
+    """
+    return window_mask(t, s, (-1, 0), device=device)
+
+
+def window_mask(
+    t: int, s: int, window: tuple[int, int], *, device: torch.device | None = None
+) -> Tensor:
+    """``(t, s)`` bool, True where ``p(i) - left <= j <= p(i) + right``; -1 means unbounded.
+
+    ``window=(-1, 0)`` is the causal mask; ``(W - 1, 0)`` a causal sliding window of ``W`` keys.
+    """
+    left, right = window
+    distance = query_positions(t, s, device)[:, None] - torch.arange(s, device=device)  # p(i) - j
+    allowed = torch.ones(t, s, dtype=torch.bool, device=device)
+    if left >= 0:
+        allowed &= distance <= left
+    if right >= 0:
+        allowed &= distance >= -right
+    return allowed
+
+
+def alibi_bias(slopes: Tensor, t: int, s: int) -> Tensor:
+    """``(h, t, s)`` ALiBi bias ``-slope * |p(i) - j|`` (Press et al., 2022), in the slopes' dtype."""
+    distance = query_positions(t, s, slopes.device)[:, None] - torch.arange(s, device=slopes.device)
+    return -slopes[:, None, None] * distance.abs().to(slopes.dtype)  # (h, 1, 1) * (t, s)
+
+
+def merge_window(causal: bool, window: tuple[int, int] | None) -> tuple[int, int] | None:
+    """Fold ``causal`` into a window: causal is ``right = 0``; None when nothing limits positions."""
+    if window is None:
+        return (-1, 0) if causal else None
+    left, right = window
+    if causal:
+        right = 0 if right < 0 else min(right, 0)
+    return None if (left, right) == (-1, -1) else (left, right)
+
+
+@dataclass(frozen=True)
+class Masks:
+    """Everything that decides which keys a query may see, kept structured until a backend needs it.
+
+    The reference and SDPA backends materialise it with :meth:`allowed`; a tiled kernel asks for one
+    block at a time (``rows``/``cols``) and skips the blocks that :meth:`window` empties.
+
+    Attributes:
+        window: ``(left, right)`` in positions around ``p(i)``, -1 unbounded, causal folded in; None
+            when no positional limit applies.
+        key_mask: ``(b, s)`` bool, True for a real token, or None.
+        attn_mask: bool (True = may attend) or float (added to scores), broadcastable to
+            ``(b, h, t, s)``, or None.
+    """
+
+    window: tuple[int, int] | None = None
+    key_mask: Tensor | None = None
+    attn_mask: Tensor | None = None
+
+    @property
+    def is_empty(self) -> bool:
+        return self.window is None and self.key_mask is None and self.attn_mask is None
+
+    @property
+    def is_causal_only(self) -> bool:
+        return self.window == (-1, 0) and self.key_mask is None and self.attn_mask is None
+
+    def bias(self) -> Tensor | None:
+        """The float ``attn_mask`` to add to the scores, or None."""
+        m = self.attn_mask
+        return m if m is not None and m.dtype != torch.bool else None
+
+    def allowed(
+        self,
+        t: int,
+        s: int,
+        device: torch.device,
+        rows: slice = slice(None),
+        cols: slice = slice(None),
+    ) -> Tensor | None:
+        """Bool mask broadcastable to ``(b, h, t, s)`` (or to the block ``rows x cols`` of it),
+        True = may attend; None when every key is allowed."""
+        allowed: Tensor | None = None
+
+        def combine(m: Tensor) -> None:
+            nonlocal allowed
+            allowed = m if allowed is None else allowed & m
+
+        if self.window is not None:
+            positions = window_mask(t, s, self.window, device=device)
+            combine(positions[rows, cols])  # (t, s)
+        if self.key_mask is not None:
+            combine(self.key_mask[:, None, None, cols])  # (b, s) -> (b, 1, 1, s)
+        if self.attn_mask is not None:
+            m = self.attn_mask
+            m = m if m.dtype == torch.bool else m > float("-inf")
+            combine(_block(m, rows, cols))
+        return allowed
+
+
+def _block(m: Tensor, rows: slice, cols: slice) -> Tensor:
+    """Slice a mask broadcastable to ``(..., t, s)`` to a block; broadcast dims of size 1 stay."""
+    if m.dim() >= 2 and m.shape[-2] != 1:
+        m = m[..., rows, :]
+    if m.shape[-1] != 1:
+        m = m[..., cols]
+    return m

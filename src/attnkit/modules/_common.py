@@ -1,0 +1,32 @@
+"""Helpers shared by the modules: input checks at the module boundary and head reshapes.
+
+Shapes: ``b`` batch, ``t`` tokens, ``h`` heads, ``d`` head dim, ``e = h * d`` embed dim.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from attnkit import _checks
+
+
+def as_batched(x: Tensor, name: str, features: int, features_name: str) -> tuple[Tensor, bool]:
+    """Check a ``(b, t, e)`` or unbatched ``(t, e)`` input; return it as ``(b, t, e)`` and whether
+    it was unbatched (the output is then squeezed back, as torch's own modules do)."""
+    _checks.check_tensor(x, name)
+    _checks.check_rank(x, name, (2, 3), "(batch, tokens, features) or (tokens, features)")
+    _checks.check_floating(x, name)
+    _checks.check_features(x, name, features, features_name)
+    return (x.unsqueeze(0), True) if x.dim() == 2 else (x, False)
+
+
+def split_heads(x: Tensor, num_heads: int) -> Tensor:
+    """``(b, t, h * d) -> (b, h, t, d)``."""
+    b, t, e = x.shape
+    return x.view(b, t, num_heads, e // num_heads).transpose(1, 2)  # (b, t, h, d) -> (b, h, t, d)
+
+
+def merge_heads(x: Tensor) -> Tensor:
+    """``(b, h, t, d) -> (b, t, h * d)``, the heads side by side."""
+    b, h, t, d = x.shape
+    return x.transpose(1, 2).reshape(b, t, h * d)  # (b, h, t, d) -> (b, t, h, d) -> (b, t, e)

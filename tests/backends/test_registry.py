@@ -1,0 +1,60 @@
+"""The backend registry and "auto": which backend runs, and refusals that name the option."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnkit import attention
+from attnkit.backends import AUTO_ORDER, BACKENDS, Request, resolve_backend
+from attnkit.masks import Masks
+
+
+def request(**options) -> Request:
+    return Request(masks=Masks(), scale=1.0, **options)
+
+
+def test_auto_picks_sdpa_for_plain_attention():
+    assert resolve_backend("auto", request()).name == "sdpa"
+
+
+@pytest.mark.parametrize("option", ["return_weights", "return_lse"])
+def test_auto_picks_reference_when_weights_or_lse_are_asked(option):
+    assert resolve_backend("auto", request(**{option: True})).name == "reference"
+
+
+def test_auto_picks_reference_for_softcap():
+    assert resolve_backend("auto", request(softcap=5.0)).name == "reference"
+
+
+def test_every_backend_supports_at_least_plain_attention():
+    assert set(AUTO_ORDER) == set(BACKENDS)
+    for backend in BACKENDS.values():
+        assert resolve_backend(backend.name, request()) is backend
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        ({"return_weights": True}, "return_weights"),
+        ({"return_lse": True}, "return_lse"),
+        ({"softcap": 30.0}, "softcap"),
+    ],
+)
+def test_sdpa_refuses_what_it_cannot_do_and_names_it(options, named):
+    q = k = v = torch.randn(1, 1, 3, 4)
+    with pytest.raises(ValueError, match=rf"backend 'sdpa' does not support {named}; use"):
+        attention(q, k, v, backend="sdpa", **options)
+
+
+def test_unknown_backend_name_lists_the_choices():
+    q = k = v = torch.randn(1, 1, 3, 4)
+    with pytest.raises(ValueError, match=r"unknown backend 'flash'; choose one of 'auto', "):
+        attention(q, k, v, backend="flash")
+
+
+def test_request_options_name_the_arguments():
+    masks = Masks(window=(-1, 0), key_mask=torch.ones(1, 3, dtype=torch.bool))
+    options = Request(masks=masks, scale=1.0, dropout_p=0.1, return_lse=True).options
+    assert options == {"causal", "key_mask", "dropout_p", "return_lse"}
+    assert "window" in Request(masks=Masks(window=(2, 0)), scale=1.0).options

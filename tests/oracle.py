@@ -1,0 +1,72 @@
+"""An independent float64 oracle for attention, written for the tests only.
+
+It shares no code with attnkit: masks are built from explicit position comparisons, the softmax is
+torch's own, and empty rows are handled by zeroing, so a bug in attnkit's masks or softmax cannot
+hide behind the same bug here. Run it in a low precision to get the "naive path" error baseline.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def allowed_positions(t: int, s: int, causal: bool, window: tuple[int, int] | None) -> Tensor:
+    """(t, s) bool from the definition: p(i) = i + s - t, causal j <= p(i), window bounds."""
+    allowed = torch.ones(t, s, dtype=torch.bool)
+    for i in range(t):
+        p = i + s - t
+        for j in range(s):
+            if causal and j > p:
+                allowed[i, j] = False
+            if window is not None:
+                left, right = window
+                if left >= 0 and j < p - left:
+                    allowed[i, j] = False
+                if right >= 0 and j > p + right:
+                    allowed[i, j] = False
+    return allowed
+
+
+def naive_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    attn_mask: Tensor | None = None,
+    key_mask: Tensor | None = None,
+    causal: bool = False,
+    window: tuple[int, int] | None = None,
+    alibi_slopes: Tensor | None = None,
+    softcap: float | None = None,
+    scale: float | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Returns (out, lse, weights) in the inputs' dtype; q (b, h, t, d), k/v (b, h_kv, s, d)."""
+    b, h, t, d = q.shape
+    s = k.shape[-2]
+    kv_head = torch.arange(h) // (h // k.shape[1])
+    k, v = k[:, kv_head], v[:, kv_head]
+    scale = d**-0.5 if scale is None else scale
+    scores = torch.einsum("bhtd,bhsd->bhts", q, k) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    if alibi_slopes is not None:
+        pos = torch.arange(t)[:, None] + s - t
+        dist = (pos - torch.arange(s)[None, :]).abs().to(q.dtype)
+        scores = scores - alibi_slopes.to(q.dtype)[:, None, None] * dist
+    allowed = allowed_positions(t, s, causal, window).expand(b, h, t, s).clone()
+    if key_mask is not None:
+        allowed &= key_mask[:, None, None, :]
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            allowed &= attn_mask
+        else:
+            scores = scores + attn_mask
+            allowed &= attn_mask > float("-inf")
+    has_key = allowed.any(-1, keepdim=True)
+    # Empty rows: softmax over zeros (finite), then zeroed, so gradients stay finite.
+    filled = scores.masked_fill(~allowed, float("-inf")).masked_fill(~has_key, 0.0)
+    weights = torch.softmax(filled, dim=-1) * has_key
+    lse = torch.logsumexp(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+    out = torch.einsum("bhts,bhsd->bhtd", weights, v)
+    return out, lse, weights

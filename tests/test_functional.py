@@ -1,0 +1,221 @@
+"""attnkit.functional.attention on every backend against the float64 oracle (tests/oracle.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from attnkit import attention
+from attnkit.backends import BACKENDS
+from oracle import naive_attention
+
+# (b, h, h_kv, t, s, d)
+SHAPES = {
+    "mha": (2, 4, 4, 5, 5, 16),
+    "gqa t<s d=40": (1, 4, 2, 7, 11, 40),
+    "mqa t>s d=59": (2, 3, 1, 11, 6, 59),
+    "t=1": (1, 2, 2, 1, 9, 8),
+    "odd lengths": (1, 2, 1, 67, 130, 32),  # do not divide any block size
+}
+MASK_KINDS = ["none", "key_mask", "bool", "float"]
+
+
+def make_inputs(shape, dtype=torch.float32, mask_kind="none", requires_grad=True):
+    b, h, h_kv, t, s, d = shape
+    q = torch.randn(b, h, t, d, dtype=dtype)
+    k = torch.randn(b, h_kv, s, d, dtype=dtype)
+    v = torch.randn(b, h_kv, s, d, dtype=dtype)
+    for x in (q, k, v):
+        x.requires_grad_(requires_grad)
+    masks = {}
+    if mask_kind == "key_mask":
+        key_mask = torch.rand(b, s) > 0.3
+        key_mask[0, -1] = True
+        if b > 1:
+            key_mask[-1] = False  # a whole batch row of padding: every query of it is empty
+        masks["key_mask"] = key_mask
+    elif mask_kind == "bool":
+        attn_mask = torch.rand(b, 1, t, s) > 0.4
+        attn_mask[..., 0, :] = False  # query 0 sees nothing
+        masks["attn_mask"] = attn_mask
+    elif mask_kind == "float":
+        attn_mask = torch.randn(1, h, t, s, dtype=dtype)
+        attn_mask[..., -1, :] = float("-inf")  # the last query sees nothing
+        attn_mask[..., :, 0] = float("-inf")
+        masks["attn_mask"] = attn_mask
+    return q, k, v, masks
+
+
+def oracle64(q, k, v, masks, **options):
+    """The oracle in float64 on the same values, with gradients."""
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    masks64 = {n: m if m.dtype == torch.bool else m.double() for n, m in masks.items()}
+    out, lse, weights = naive_attention(q64, k64, v64, **masks64, **options)
+    return (q64, k64, v64), out, lse, weights
+
+
+def grads(out, inputs, dout):
+    return torch.autograd.grad(out, inputs, dout)
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("mask_kind", MASK_KINDS)
+def test_fp32_outputs_and_gradients_match_float64_oracle(backend, shape, causal, mask_kind):
+    q, k, v, masks = make_inputs(shape, mask_kind=mask_kind)
+    full = "return_lse" in BACKENDS[backend].supports
+    result = attention(
+        q, k, v, **masks, causal=causal, backend=backend, return_lse=full, return_weights=full
+    )
+    out = result[0] if full else result
+    inputs64, out64, lse64, weights64 = oracle64(q, k, v, masks, causal=causal)
+
+    torch.testing.assert_close(out, out64.float())
+    if full:
+        torch.testing.assert_close(result[1], lse64.float())
+        torch.testing.assert_close(result[2], weights64.float())
+    dout = torch.randn_like(out)
+    for g, g64 in zip(grads(out, (q, k, v), dout), grads(out64, inputs64, dout.double())):
+        torch.testing.assert_close(g, g64.float())
+
+
+MODIFIERS = {
+    "window": {"window": (3, 2)},
+    "left window": {"window": (4, -1)},
+    "alibi": {"alibi_slopes": torch.tensor([0.5, 0.25, 0.125, 0.0625])},
+    "softcap": {"softcap": 2.5, "scale": 1.0},
+    "everything": {"window": (5, 1), "softcap": 3.0, "alibi_slopes": torch.tensor([0.3] * 4)},
+}
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("name", MODIFIERS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_score_modifiers_match_oracle(backend, name, causal):
+    options = MODIFIERS[name]
+    shape = (2, 4, 2, 9, 13, 16)
+    q, k, v, masks = make_inputs(shape, mask_kind="key_mask")
+    if not {k for k in options if k != "scale"} <= BACKENDS[backend].supports:
+        with pytest.raises(ValueError, match=f"backend '{backend}' does not support softcap"):
+            attention(q, k, v, **masks, causal=causal, backend=backend, **options)
+        return
+    out = attention(q, k, v, **masks, causal=causal, backend=backend, **options)
+    inputs64, out64, _, _ = oracle64(q, k, v, masks, causal=causal, **options)
+    torch.testing.assert_close(out, out64.float())
+    dout = torch.randn_like(out)
+    for g, g64 in zip(grads(out, (q, k, v), dout), grads(out64, inputs64, dout.double())):
+        torch.testing.assert_close(g, g64.float())
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_low_precision_within_twice_the_naive_error(backend, dtype, causal):
+    shape = (2, 4, 2, 33, 47, 40)
+    q, k, v, masks = make_inputs(shape, dtype=dtype, mask_kind="key_mask")
+    out = attention(q, k, v, **masks, causal=causal, backend=backend)
+    inputs64, out64, _, _ = oracle64(q, k, v, masks, causal=causal)
+    naive_inputs = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    naive_out, _, _ = naive_attention(*naive_inputs, **masks, causal=causal)
+
+    def err(x, ref):
+        return (x.double() - ref).abs().max().item()
+
+    assert out.dtype == dtype
+    assert err(out, out64) <= 2 * err(naive_out, out64) + 1e-6
+    dout = torch.randn_like(out)
+    exact = grads(out64, inputs64, dout.double())
+    for g, g_naive, g64 in zip(
+        grads(out, (q, k, v), dout), grads(naive_out, naive_inputs, dout), exact
+    ):
+        assert err(g, g64) <= 3 * err(g_naive, g64) + 1e-6
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_huge_scores_stay_finite_and_exact(backend):
+    q = torch.randn(1, 2, 8, 16) * 100.0  # scores of magnitude ~1e4
+    k = torch.randn(1, 2, 8, 16) * 100.0
+    v = torch.randn(1, 2, 8, 16)
+    out = attention(q, k, v, scale=1.0, backend=backend)
+    _, out64, _, _ = oracle64(q, k, v, {}, scale=1.0)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, out64.float(), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_fully_masked_rows_give_zeros_and_zero_gradients(backend):
+    q, k, v, _ = make_inputs((2, 2, 2, 4, 6, 8))
+    key_mask = torch.zeros(2, 6, dtype=torch.bool)
+    key_mask[0, :3] = True  # batch row 1 has no real token at all
+    out = attention(q, k, v, key_mask=key_mask, causal=True, backend=backend)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    # causal with t < s: query 0 sits at position 2, so it sees keys 0..2 of row 0
+    assert out[0].abs().sum() > 0
+    gq, gk, gv = grads(out, (q, k, v), torch.ones_like(out))
+    for g in (gq, gk, gv):
+        assert torch.isfinite(g).all()
+        assert torch.equal(g[1], torch.zeros_like(g[1]))
+
+
+def test_causal_with_more_queries_than_keys_empties_the_first_rows():
+    q, k, v, _ = make_inputs((1, 1, 1, 5, 3, 4), requires_grad=False)
+    out, lse, weights = attention(q, k, v, causal=True, return_lse=True, return_weights=True)
+    # p(i) = i + s - t = i - 2: queries 0 and 1 see no key
+    assert torch.equal(out[..., :2, :], torch.zeros(1, 1, 2, 4))
+    assert torch.isneginf(lse[..., :2]).all() and torch.isfinite(lse[..., 2:]).all()
+    assert torch.equal(weights[0, 0, 2], torch.tensor([1.0, 0.0, 0.0]))
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_gradcheck_in_float64(backend):
+    q, k, v, _masks = make_inputs((1, 2, 1, 3, 4, 3), dtype=torch.float64, mask_kind="key_mask")
+    mask = torch.tensor([[True, False, True, True]])
+
+    def f(q, k, v):
+        return attention(q, k, v, key_mask=mask, causal=True, backend=backend)
+
+    assert torch.autograd.gradcheck(f, (q, k, v))
+
+
+def test_float64_is_computed_in_float64():
+    q, k, v, _ = make_inputs((1, 2, 2, 5, 5, 8), dtype=torch.float64, requires_grad=False)
+    out, lse = attention(q, k, v, return_lse=True)
+    _, out64, _lse64, _ = oracle64(q, k, v, {})
+    assert out.dtype == lse.dtype == torch.float64
+    torch.testing.assert_close(out, out64, rtol=1e-12, atol=1e-12)
+
+
+@given(
+    b=st.integers(1, 2),
+    h_kv=st.integers(1, 2),
+    groups=st.integers(1, 3),
+    t=st.integers(1, 9),
+    s=st.integers(1, 9),
+    d=st.sampled_from([1, 3, 8]),
+    causal=st.booleans(),
+    window=st.none() | st.tuples(st.integers(-1, 4), st.integers(-1, 4)),
+    softcap=st.none() | st.floats(0.5, 5.0),
+    alibi=st.booleans(),
+    mask_kind=st.sampled_from(MASK_KINDS),
+)
+def test_property_auto_and_reference_match_oracle_in_float64(
+    b, h_kv, groups, t, s, d, causal, window, softcap, alibi, mask_kind
+):
+    h = h_kv * groups
+    q, k, v, masks = make_inputs((b, h, h_kv, t, s, d), torch.float64, mask_kind)
+    options = {"causal": causal, "window": window, "softcap": softcap}
+    if alibi:
+        options["alibi_slopes"] = torch.rand(h, dtype=torch.float64)
+    inputs64, out64, lse64, _ = oracle64(q, k, v, masks, **options)
+    dout = torch.randn_like(out64)
+    expected = grads(out64, inputs64, dout)
+    for backend in ("auto", "reference"):
+        out = attention(q, k, v, **masks, **options, backend=backend)
+        torch.testing.assert_close(out, out64)
+        for g, g64 in zip(grads(out, (q, k, v), dout), expected):
+            torch.testing.assert_close(g, g64)
+    _, lse = attention(q, k, v, **masks, **options, return_lse=True)
+    torch.testing.assert_close(lse, lse64)

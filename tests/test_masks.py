@@ -1,0 +1,54 @@
+"""The mask convention: True = may attend, causal and windows aligned bottom-right."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from oracle import allowed_positions
+
+from attnkit.masks import Masks, alibi_bias, causal_mask, merge_window, window_mask
+
+
+@pytest.mark.parametrize(("t", "s"), [(1, 1), (1, 5), (2, 5), (5, 5), (5, 2), (7, 3)])
+def test_causal_mask_is_bottom_right(t, s):
+    assert torch.equal(causal_mask(t, s), allowed_positions(t, s, causal=True, window=None))
+    assert causal_mask(t, s)[-1].all()  # the last query sees every key
+
+
+def test_causal_mask_drawn_in_the_docstring():
+    assert causal_mask(2, 5).int().tolist() == [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
+
+
+@pytest.mark.parametrize("window", [(0, 0), (2, 1), (3, -1), (-1, 2), (-1, -1)])
+@pytest.mark.parametrize(("t", "s"), [(4, 4), (3, 7), (6, 2)])
+def test_window_mask_matches_definition(window, t, s):
+    assert torch.equal(window_mask(t, s, window), allowed_positions(t, s, False, window))
+
+
+def test_merge_window_folds_causal_in():
+    assert merge_window(False, None) is None
+    assert merge_window(True, None) == (-1, 0)
+    assert merge_window(True, (3, 5)) == (3, 0)
+    assert merge_window(True, (3, -1)) == (3, 0)
+    assert merge_window(False, (-1, -1)) is None
+
+
+def test_alibi_bias_penalises_distance():
+    bias = alibi_bias(torch.tensor([1.0, 0.5]), 2, 4)  # p = (2, 3)
+    assert bias.shape == (2, 2, 4)
+    assert bias[0, 0].tolist() == [-2.0, -1.0, 0.0, -1.0]
+    assert bias[1, 1].tolist() == [-1.5, -1.0, -0.5, 0.0]
+
+
+def test_masks_combine_and_slice_into_blocks():
+    key_mask = torch.tensor([[True, True, False, True, True]])
+    attn_mask = torch.zeros(1, 1, 3, 5)
+    attn_mask[..., 1, 0] = float("-inf")
+    masks = Masks(window=(-1, 0), key_mask=key_mask, attn_mask=attn_mask)
+    full = masks.allowed(3, 5, torch.device("cpu"))
+    expected = causal_mask(3, 5) & key_mask[:, None, None, :] & (attn_mask > float("-inf"))
+    assert torch.equal(full.expand(1, 1, 3, 5), expected)
+    block = masks.allowed(3, 5, torch.device("cpu"), rows=slice(1, 3), cols=slice(0, 2))
+    assert torch.equal(block.expand(1, 1, 2, 2), expected[..., 1:3, 0:2])
+    assert masks.bias() is attn_mask
+    assert Masks().allowed(3, 5, torch.device("cpu")) is None and Masks().is_empty
