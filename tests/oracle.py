@@ -70,3 +70,27 @@ def naive_attention(
     lse = torch.logsumexp(scores.masked_fill(~allowed, float("-inf")), dim=-1)
     out = torch.einsum("bhts,bhsd->bhtd", weights, v)
     return out, lse, weights
+
+
+def projected_attention_reference(
+    params: dict[str, Tensor], x: Tensor, memory: Tensor, h: int, h_kv: int, **options
+) -> tuple[Tensor, Tensor]:
+    """A multi-head module's forward from its parameters (``dict(module.named_parameters())``,
+    e.g. float64 copies): returns (output, per-head weights).
+
+    Works for attnkit's MultiHeadAttention and CrossAttention (W_query, W_key, W_value, out_proj).
+    """
+
+    def linear(name, inp):
+        out = inp @ params[f"{name}.weight"].T
+        bias = params.get(f"{name}.bias")
+        return out if bias is None else out + bias
+
+    b, t, _ = x.shape
+    s = memory.shape[1]
+    q = linear("W_query", x).view(b, t, h, -1).transpose(1, 2)
+    k = linear("W_key", memory).view(b, s, h_kv, -1).transpose(1, 2)
+    v = linear("W_value", memory).view(b, s, h_kv, -1).transpose(1, 2)
+    out, _, weights = naive_attention(q, k, v, **options)
+    merged = out.transpose(1, 2).reshape(b, t, -1)
+    return linear("out_proj", merged), weights

@@ -143,6 +143,19 @@ def check_features(x: Tensor, name: str, expected: int, expected_name: str) -> N
         )
 
 
+def check_matches_parameters(x: Tensor, name: str, weight: Tensor) -> None:
+    """A module input must match its parameters' device, and dtype unless autocast casts both."""
+    if x.device != weight.device:
+        raise ValueError(
+            f"{name} is on {x.device} but the module's parameters are on {weight.device}"
+        )
+    if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
+        raise TypeError(
+            f"{name} has dtype {x.dtype} but the module's parameters are {weight.dtype}; "
+            f"convert one of them (e.g. module.to({x.dtype}))"
+        )
+
+
 def check_context_length(t: int, context_length: int | None, name: str = "x") -> None:
     if context_length is not None and t > context_length:
         raise ValueError(f"{name} has {t} tokens, longer than context_length ({context_length})")

@@ -10,13 +10,17 @@ from torch import Tensor
 from attnkit import _checks
 
 
-def as_batched(x: Tensor, name: str, features: int, features_name: str) -> tuple[Tensor, bool]:
-    """Check a ``(b, t, e)`` or unbatched ``(t, e)`` input; return it as ``(b, t, e)`` and whether
-    it was unbatched (the output is then squeezed back, as torch's own modules do)."""
+def as_batched(
+    x: Tensor, name: str, features: int, features_name: str, like: Tensor
+) -> tuple[Tensor, bool]:
+    """Check a ``(b, t, e)`` or unbatched ``(t, e)`` input against the layer's width and its
+    parameter ``like`` (dtype, device); return it as ``(b, t, e)`` and whether it was unbatched
+    (the output is then squeezed back, as torch's own modules do)."""
     _checks.check_tensor(x, name)
     _checks.check_rank(x, name, (2, 3), "(batch, tokens, features) or (tokens, features)")
     _checks.check_floating(x, name)
     _checks.check_features(x, name, features, features_name)
+    _checks.check_matches_parameters(x, name, like)
     return (x.unsqueeze(0), True) if x.dim() == 2 else (x, False)
 
 

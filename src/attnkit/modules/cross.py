@@ -20,8 +20,8 @@ from attnkit.modules.multihead import ProjectedAttention, _unbatch
 from attnkit.textbook import attend
 
 
-def _check_memory(memory: Tensor, d_kv: int, x: Tensor, unbatched: bool) -> Tensor:
-    memory, memory_unbatched = as_batched(memory, "memory", d_kv, "d_kv")
+def _check_memory(memory: Tensor, d_kv: int, like: Tensor, x: Tensor, unbatched: bool) -> Tensor:
+    memory, memory_unbatched = as_batched(memory, "memory", d_kv, "d_kv", like)
     if memory_unbatched != unbatched or memory.shape[0] != x.shape[0]:
         raise ValueError(
             f"x and memory must both be batched with the same batch size or both unbatched, "
@@ -94,8 +94,8 @@ class CrossAttention(ProjectedAttention):
         Returns:
             ``(b, t, d_out)``, or ``(output, weights)``.
         """
-        x, unbatched = as_batched(x, "x", self.d_q, "d_q")
-        memory = _check_memory(memory, self.d_kv, x, unbatched)
+        x, unbatched = as_batched(x, "x", self.d_q, "d_q", self.W_query.weight)
+        memory = _check_memory(memory, self.d_kv, self.W_key.weight, x, unbatched)
         if unbatched and key_mask is not None and key_mask.dim() == 1:
             key_mask = key_mask.unsqueeze(0)
         result = self._forward(
@@ -165,7 +165,7 @@ class AdditiveAttention(nn.Module):
         _checks.check_tensor(query, "query")
         _checks.check_rank(query, "query", (2, 3), "(batch, d_query) or (batch, steps, d_query)")
         _checks.check_features(query, "query", self.d_query, "d_query")
-        keys, keys_unbatched = as_batched(keys, "keys", self.d_key, "d_key")
+        keys, keys_unbatched = as_batched(keys, "keys", self.d_key, "d_key", self.W_key.weight)
         values = keys if values is None else values
         _checks.check_tensor(values, "values")
         _checks.check_rank(values, "values", (3,), "(batch, keys, d_v)")

@@ -181,7 +181,7 @@ class MultiHeadAttention(ProjectedAttention):
         Returns:
             ``(b, t, d_out)``, or ``(output, weights)``.
         """
-        x, unbatched = as_batched(x, "x", self.d_q, "d_in")
+        x, unbatched = as_batched(x, "x", self.d_q, "d_in", self.W_query.weight)
         _checks.check_context_length(x.shape[1], self.context_length)
         if unbatched and key_mask is not None and key_mask.dim() == 1:
             key_mask = key_mask.unsqueeze(0)

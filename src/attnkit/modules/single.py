@@ -92,7 +92,7 @@ class SelfAttention(nn.Module):
         return module
 
     def _project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, bool]:
-        x, unbatched = as_batched(x, "x", self.d_in, "d_in")
+        x, unbatched = as_batched(x, "x", self.d_in, "d_in", self.W_query.weight)
         _checks.check_context_length(x.shape[1], self.context_length)
         # (b, t, d_in) -> (b, t, d_out) -> (b, 1, t, d_out): a single head
         queries, keys, values = (

@@ -1,0 +1,188 @@
+"""MultiHeadAttention against a float64 reference and against torch.nn.MultiheadAttention."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from oracle import projected_attention_reference
+from torch import nn
+
+from attnkit import MultiHeadAttention
+
+# (b, t, d_in, d_out, num_heads, num_kv_heads)
+CONFIGS = {
+    "mha": (2, 7, 16, 16, 4, None),
+    "gqa": (2, 9, 12, 24, 6, 2),
+    "mqa": (1, 5, 8, 12, 3, 1),
+    "t=1": (3, 1, 8, 8, 2, None),
+    "head_dim 40": (1, 13, 20, 80, 2, None),
+    "head_dim 59, odd t": (2, 11, 30, 118, 2, 1),
+}
+
+
+def float64_leaves(module):
+    return {name: p.detach().double().requires_grad_() for name, p in module.named_parameters()}
+
+
+@pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("masked", [False, True])
+def test_matches_float64_reference_outputs_weights_gradients(config, causal, masked):
+    b, t, d_in, d_out, h, h_kv = config
+    module = MultiHeadAttention(
+        d_in, d_out, 32, 0.3, h, num_kv_heads=h_kv, causal=causal, qkv_bias=True
+    ).eval()
+    x = torch.randn(b, t, d_in, requires_grad=True)
+    key_mask = torch.rand(b, t) > 0.3 if masked else None
+    out, weights = module(x, key_mask=key_mask, need_weights=True, average_weights=False)
+
+    params64 = float64_leaves(module)
+    x64 = x.detach().double().requires_grad_()
+    out64, weights64 = projected_attention_reference(
+        params64, x64, x64, h, h_kv or h, causal=causal, key_mask=key_mask
+    )
+    torch.testing.assert_close(out, out64.float())
+    torch.testing.assert_close(weights, weights64.float())
+    assert out.shape == (b, t, d_out) and weights.shape == (b, h, t, t)
+
+    dout = torch.randn_like(out)
+    names = [n for n, _ in module.named_parameters()]
+    grads = torch.autograd.grad(out, [x, *module.parameters()], dout)
+    grads64 = torch.autograd.grad(out64, [x64, *(params64[n] for n in names)], dout.double())
+    for g, g64 in zip(grads, grads64):
+        torch.testing.assert_close(g, g64.float())
+
+
+def test_average_weights_is_the_mean_over_heads():
+    module = MultiHeadAttention(8, 8, None, 0.0, 2).eval()
+    x = torch.randn(2, 5, 8)
+    _, per_head = module(x, need_weights=True, average_weights=False)
+    _, averaged = module(x, need_weights=True)
+    torch.testing.assert_close(averaged, per_head.mean(1))
+
+
+def test_bool_and_float_attn_masks_agree():
+    module = MultiHeadAttention(8, 8, None, 0.0, 2, causal=False).eval()
+    x = torch.randn(2, 5, 8)
+    allowed = torch.rand(5, 5) > 0.3
+    allowed.fill_diagonal_(True)
+    as_float = torch.zeros(5, 5).masked_fill(~allowed, float("-inf"))
+    torch.testing.assert_close(module(x, attn_mask=allowed), module(x, attn_mask=as_float))
+
+
+def test_causal_output_ignores_future_tokens():
+    module = MultiHeadAttention(8, 8, 16, 0.0, 2, num_kv_heads=1).eval()
+    x = torch.randn(1, 9, 8)
+    changed = x.clone()
+    changed[:, 6:] = torch.randn(1, 3, 8)
+    torch.testing.assert_close(module(x)[:, :6], module(changed)[:, :6], rtol=0, atol=0)
+
+
+def test_fully_masked_row_gives_bias_only_and_finite_gradients():
+    module = MultiHeadAttention(8, 8, None, 0.0, 2, causal=False).eval()
+    x = torch.randn(2, 4, 8, requires_grad=True)
+    key_mask = torch.tensor([[True, True, False, True], [False, False, False, False]])
+    out = module(x, key_mask=key_mask)
+    # batch row 1 attends to nothing: its context is zero, so only the output bias remains
+    torch.testing.assert_close(out[1], module.out_proj.bias.expand(4, 8))
+    out.sum().backward()
+    assert all(torch.isfinite(p.grad).all() for p in module.parameters())
+    assert torch.isfinite(x.grad).all()
+
+
+def test_dropout_in_training_only():
+    module = MultiHeadAttention(8, 8, None, 0.5, 2)
+    x = torch.randn(2, 6, 8)
+    assert not torch.equal(module(x), module(x))
+    module.eval()
+    assert torch.equal(module(x), module(x))
+
+
+# torch.nn.MultiheadAttention equivalence: (b, t, e, num_heads, bias)
+TORCH_CONFIGS = [
+    (2, 5, 16, 4, True),
+    (1, 1, 8, 2, True),
+    (3, 11, 30, 3, False),
+    (2, 7, 12, 1, True),
+]
+
+
+@pytest.mark.parametrize(("b", "t", "e", "h", "bias"), TORCH_CONFIGS)
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("padded", [False, True])
+def test_from_torch_matches_torch(b, t, e, h, bias, batch_first, padded):
+    torch_mha = nn.MultiheadAttention(e, h, bias=bias, batch_first=batch_first).eval()
+    ours = MultiHeadAttention.from_torch(torch_mha).eval()
+    x = torch.randn(b, t, e)
+    key_padding_mask = None
+    if padded:
+        key_padding_mask = torch.rand(b, t) > 0.6
+        key_padding_mask[:, 0] = False  # no fully padded row: torch returns NaN there
+    torch_x = x if batch_first else x.transpose(0, 1)
+    expected, expected_weights = torch_mha(
+        torch_x, torch_x, torch_x, key_padding_mask=key_padding_mask, need_weights=True
+    )
+    if not batch_first:
+        expected = expected.transpose(0, 1)
+    key_mask = None if key_padding_mask is None else ~key_padding_mask
+    out, weights = ours(x, key_mask=key_mask, need_weights=True)
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(weights, expected_weights)
+
+    back = ours.to_torch().eval()
+    assert back.batch_first
+    for name, tensor in torch_mha.state_dict().items():
+        assert torch.equal(back.state_dict()[name], tensor), name
+    round_trip, _ = back(x, x, x, key_padding_mask=key_padding_mask)
+    torch.testing.assert_close(round_trip, out)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"add_bias_kv": True}, "add_bias_kv=True is not supported"),
+        ({"add_zero_attn": True}, "add_zero_attn=True is not supported"),
+        ({"kdim": 4, "vdim": 4}, r"kdim/vdim \(4/4\) different from embed_dim \(8\)"),
+    ],
+)
+def test_from_torch_refuses_what_it_cannot_represent(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        MultiHeadAttention.from_torch(nn.MultiheadAttention(8, 2, **kwargs))
+
+
+def test_from_torch_needs_a_torch_module():
+    with pytest.raises(TypeError, match="m must be a torch.nn.MultiheadAttention, got Linear"):
+        MultiHeadAttention.from_torch(nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize(
+    ("module", "message"),
+    [
+        (MultiHeadAttention(8, 8, None, 0.0, 2), "causal=True cannot be stored"),
+        (MultiHeadAttention(8, 8, None, 0.0, 2, causal=False, num_kv_heads=1), r"num_kv_heads \(1\) != num_heads \(2\)"),
+        (MultiHeadAttention(4, 8, None, 0.0, 2, causal=False), r"d_in \(4\) != d_out \(8\)"),
+        (MultiHeadAttention(8, 8, None, 0.0, 2, causal=False, qkv_bias=True, out_bias=False), r"qkv_bias \(True\) and out_bias \(False\) differ"),
+    ],
+)  # fmt: skip
+def test_to_torch_refuses_what_torch_cannot_represent(module, message):
+    with pytest.raises(ValueError, match=message):
+        module.to_torch()
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "message"),
+    [
+        (lambda: MultiHeadAttention(10, 10, None, 0.0, 3), ValueError, r"d_out \(10\) must be divisible by num_heads \(3\)"),
+        (lambda: MultiHeadAttention(12, 12, None, 0.0, 6, num_kv_heads=4), ValueError, r"num_heads \(6\) must be divisible by num_kv_heads \(4\)"),
+        (lambda: MultiHeadAttention(8, 8, None, 1.5, 2), ValueError, r"dropout must be in \[0, 1\), got 1.5"),
+        (lambda: MultiHeadAttention(8, 8, 4, 0.0, 2)(torch.randn(1, 5, 8)), ValueError, r"x has 5 tokens, longer than context_length \(4\)"),
+        (lambda: MultiHeadAttention(8, 8, 4, 0.0, 2)(torch.randn(8)), ValueError, r"x must be \(batch, tokens, features\) or \(tokens, features\), got shape \(8,\)"),
+        (lambda: MultiHeadAttention(8, 8, 4, 0.0, 2)(torch.randn(1, 3, 6)), ValueError, "x has 6 features in its last dim, but d_in is 8"),
+        (lambda: MultiHeadAttention(8, 8, 4, 0.0, 2)(torch.randn(2, 3, 8), key_mask=torch.ones(2, 4, dtype=torch.bool)), ValueError, r"key_mask must have shape \(batch, key_length\) = \(2, 3\), got \(2, 4\)"),
+        (lambda: MultiHeadAttention(8, 8, 4, 0.0, 2)(torch.randn(2, 3, 8), attn_mask=torch.ones(3, 3, dtype=torch.long)), TypeError, "attn_mask must be bool"),
+        (lambda: MultiHeadAttention(8, 8, 4, 0.0, 2)(torch.randn(2, 3, 8, dtype=torch.float64)), TypeError, r"x has dtype torch.float64 but the module's parameters are torch.float32"),
+    ],
+)  # fmt: skip
+def test_bad_input(call, error, message):
+    with pytest.raises(error, match=message):
+        call()

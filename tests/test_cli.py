@@ -1,0 +1,84 @@
+"""The attnkit command, run in-process."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from attnkit.cli import main
+
+
+def test_explain_default_is_the_chapter_example(capsys):
+    assert main(["explain"]) == 0
+    out = capsys.readouterr().out
+    assert "Query 'journey'" in out
+    assert "0.4419  0.6515  0.5683" in out
+
+
+def test_explain_query_and_normalize(capsys):
+    assert main(["explain", "--query", "step", "--normalize", "sum"]) == 0
+    out = capsys.readouterr().out
+    assert "Query 'step' (position 5)" in out and "score / sum of scores" in out
+    assert main(["explain", "--query-index", "0", "--causal"]) == 0
+    out = capsys.readouterr().out
+    assert "Query 'Your' (position 0)" in out and "causal" in out
+
+
+def test_explain_own_text_with_embeddings_file(tmp_path, capsys):
+    path = tmp_path / "emb.json"
+    path.write_text(json.dumps({"hello": [1.0, 0.0], "world": [0.0, 1.0]}))
+    assert main(["explain", "--text", "hello world", "--embeddings", str(path)]) == 0
+    assert "Query 'world' (position 1)" in capsys.readouterr().out
+
+
+def test_explain_random_embeddings(capsys):
+    assert main(["explain", "--text", "a b c", "--dim", "5", "--seed", "1"]) == 0
+    assert "(3 tokens, 5 dims)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["explain", "--query", "nope"], "query token 'nope' is not in the text"),
+        (["explain", "--query-index", "9"], r"--query-index must be in [0, 5], got 9"),
+        (["explain", "--text", "   "], "the text is empty"),
+        (["explain", "--text", "a", "--embeddings", "/no/such/file.json"], "cannot read embeddings file"),
+        (["explain", "--dim", "3"], "--dim gives random embeddings for --text; add --text"),
+        (["explain", "--text", "a", "--dim", "0"], "--dim must be >= 1, got 0"),
+        (["explain", "--normalize", "max"], "argument --normalize: invalid choice: 'max'"),
+        (["explain", "--bogus"], "unrecognized arguments: --bogus"),
+        ([], "the following arguments are required: COMMAND"),
+    ],
+)  # fmt: skip
+def test_bad_input_prints_one_line_and_exits_2(argv, message, capsys):
+    try:
+        status = main(argv)
+    except SystemExit as exit_:
+        status = exit_.code
+    captured = capsys.readouterr()
+    assert status == 2
+    assert captured.out == ""
+    lines = captured.err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("attnkit: error: ")
+    assert message in lines[0]
+
+
+def test_bad_embeddings_file_content(tmp_path, capsys):
+    path = tmp_path / "emb.json"
+    path.write_text('{"a": [1, 2], "b": [3]}')
+    assert main(["explain", "--text", "a b", "--embeddings", str(path)]) == 2
+    assert "unequal lengths" in capsys.readouterr().err
+
+
+def test_console_script_runs_without_traceback():
+    done = subprocess.run(
+        [sys.executable, "-m", "attnkit.cli", "explain", "--query", "nope"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
