@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from oracle import allowed_positions
 
 from attnkit.masks import Masks, alibi_bias, causal_mask, merge_window, window_mask
+from oracle import allowed_positions
 
 
 @pytest.mark.parametrize(("t", "s"), [(1, 1), (1, 5), (2, 5), (5, 5), (5, 2), (7, 3)])

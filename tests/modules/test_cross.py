@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from oracle import projected_attention_reference
 
 from attnkit import AdditiveAttention, CrossAttention
+from oracle import projected_attention_reference
 
 
 @pytest.mark.parametrize(

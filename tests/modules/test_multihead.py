@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from oracle import projected_attention_reference
 from torch import nn
 
 from attnkit import MultiHeadAttention
+from oracle import projected_attention_reference
 
 # (b, t, d_in, d_out, num_heads, num_kv_heads)
 CONFIGS = {
@@ -151,7 +151,7 @@ def test_from_torch_refuses_what_it_cannot_represent(kwargs, message):
 
 
 def test_from_torch_needs_a_torch_module():
-    with pytest.raises(TypeError, match="m must be a torch.nn.MultiheadAttention, got Linear"):
+    with pytest.raises(TypeError, match=r"m must be a torch\.nn\.MultiheadAttention, got Linear"):
         MultiHeadAttention.from_torch(nn.Linear(2, 2))
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from oracle import naive_attention
 
 from attnkit import CausalAttention, MultiHeadAttentionWrapper, SelfAttention
+from oracle import naive_attention
 
 
 def single_head_reference(module, x, causal, weights64=None):
