@@ -10,6 +10,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
+from attnkit.backends import tiled
+
 # Small example counts keep `make test` quick on a 2-core machine; ATTNKIT_HYPOTHESIS=thorough for more.
 settings.register_profile(
     "quick", max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow]
@@ -23,6 +25,14 @@ DATA = Path(__file__).parent / "data"
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _small_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tiny tiles, so that the tests' small shapes span many blocks of the tiled kernel, with
+    lengths that do not divide the block sizes (the production sizes are 256 and 512)."""
+    monkeypatch.setattr(tiled, "BLOCK_Q", 5)
+    monkeypatch.setattr(tiled, "BLOCK_K", 7)
 
 
 @pytest.fixture(scope="session")

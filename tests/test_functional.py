@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from attnkit import attention
-from attnkit.backends import BACKENDS
+from attnkit.backends import BACKENDS, tiled
 from oracle import naive_attention
 
 # (b, h, h_kv, t, s, d)
@@ -110,10 +110,13 @@ def test_score_modifiers_match_oracle(backend, name, causal):
         torch.testing.assert_close(g, g64.float())
 
 
-@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("backend", [*BACKENDS, "tiled, half-precision products"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("causal", [False, True])
-def test_low_precision_within_twice_the_naive_error(backend, dtype, causal):
+def test_low_precision_within_twice_the_naive_error(backend, dtype, causal, monkeypatch):
+    if backend == "tiled, half-precision products":  # the path of CPUs with AVX512-BF16 or AMX
+        monkeypatch.setattr(tiled, "_fast_half_matmul", lambda dtype, device: True)
+        backend = "tiled"
     shape = (2, 4, 2, 33, 47, 40)
     q, k, v, masks = make_inputs(shape, dtype=dtype, mask_kind="key_mask")
     out = attention(q, k, v, **masks, causal=causal, backend=backend)
@@ -192,8 +195,8 @@ def test_float64_is_computed_in_float64():
     b=st.integers(1, 2),
     h_kv=st.integers(1, 2),
     groups=st.integers(1, 3),
-    t=st.integers(1, 9),
-    s=st.integers(1, 9),
+    t=st.integers(1, 12),
+    s=st.integers(1, 12),
     d=st.sampled_from([1, 3, 8]),
     causal=st.booleans(),
     window=st.none() | st.tuples(st.integers(-1, 4), st.integers(-1, 4)),
@@ -201,7 +204,7 @@ def test_float64_is_computed_in_float64():
     alibi=st.booleans(),
     mask_kind=st.sampled_from(MASK_KINDS),
 )
-def test_property_auto_and_reference_match_oracle_in_float64(
+def test_property_every_capable_backend_matches_oracle_in_float64(
     b, h_kv, groups, t, s, d, causal, window, softcap, alibi, mask_kind
 ):
     h = h_kv * groups
@@ -209,13 +212,22 @@ def test_property_auto_and_reference_match_oracle_in_float64(
     options = {"causal": causal, "window": window, "softcap": softcap}
     if alibi:
         options["alibi_slopes"] = torch.rand(h, dtype=torch.float64)
-    inputs64, out64, lse64, _ = oracle64(q, k, v, masks, **options)
+    inputs64, out64, lse64, weights64 = oracle64(q, k, v, masks, **options)
     dout = torch.randn_like(out64)
     expected = grads(out64, inputs64, dout)
-    for backend in ("auto", "reference"):
-        out = attention(q, k, v, **masks, **options, backend=backend)
+    used = {name for name, value in options.items() if value is not None and value is not False}
+    used |= set(masks)
+    for name, backend in BACKENDS.items():
+        if not used <= backend.supports:
+            continue
+        full = {"return_lse", "return_weights"} <= backend.supports
+        result = attention(
+            q, k, v, **masks, **options, backend=name, return_lse=full, return_weights=full
+        )
+        out = result[0] if full else result
         torch.testing.assert_close(out, out64)
+        if full:
+            torch.testing.assert_close(result[1], lse64)
+            torch.testing.assert_close(result[2], weights64)
         for g, g64 in zip(grads(out, (q, k, v), dout), expected):
             torch.testing.assert_close(g, g64)
-    _, lse = attention(q, k, v, **masks, **options, return_lse=True)
-    torch.testing.assert_close(lse, lse64)

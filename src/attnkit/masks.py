@@ -43,15 +43,24 @@ def causal_mask(t: int, s: int, *, device: torch.device | None = None) -> Tensor
 
 
 def window_mask(
-    t: int, s: int, window: tuple[int, int], *, device: torch.device | None = None
+    t: int,
+    s: int,
+    window: tuple[int, int],
+    *,
+    device: torch.device | None = None,
+    rows: slice = slice(None),
+    cols: slice = slice(None),
 ) -> Tensor:
     """``(t, s)`` bool, True where ``p(i) - left <= j <= p(i) + right``; -1 means unbounded.
 
     ``window=(-1, 0)`` is the causal mask; ``(W - 1, 0)`` a causal sliding window of ``W`` keys.
+    ``rows``/``cols`` build only that block, in ``O(block)`` memory.
     """
     left, right = window
-    distance = query_positions(t, s, device)[:, None] - torch.arange(s, device=device)  # p(i) - j
-    allowed = torch.ones(t, s, dtype=torch.bool, device=device)
+    q_pos = query_positions(t, s, device)[rows]
+    k_pos = torch.arange(s, device=device)[cols]
+    distance = q_pos[:, None] - k_pos  # p(i) - j, (rows, cols)
+    allowed = torch.ones(distance.shape, dtype=torch.bool, device=device)
     if left >= 0:
         allowed &= distance <= left
     if right >= 0:
@@ -114,18 +123,20 @@ class Masks:
         device: torch.device,
         rows: slice = slice(None),
         cols: slice = slice(None),
+        *,
+        with_window: bool = True,
     ) -> Tensor | None:
         """Bool mask broadcastable to ``(b, h, t, s)`` (or to the block ``rows x cols`` of it),
-        True = may attend; None when every key is allowed."""
+        True = may attend; None when every key is allowed. ``with_window=False`` leaves out the
+        positional part, for a block that a tiled kernel knows lies inside the window."""
         allowed: Tensor | None = None
 
         def combine(m: Tensor) -> None:
             nonlocal allowed
             allowed = m if allowed is None else allowed & m
 
-        if self.window is not None:
-            positions = window_mask(t, s, self.window, device=device)
-            combine(positions[rows, cols])  # (t, s)
+        if self.window is not None and with_window:
+            combine(window_mask(t, s, self.window, device=device, rows=rows, cols=cols))
         if self.key_mask is not None:
             combine(self.key_mask[:, None, None, cols])  # (b, s) -> (b, 1, 1, s)
         if self.attn_mask is not None:

@@ -18,13 +18,14 @@ def test_auto_picks_sdpa_for_plain_attention():
     assert resolve_backend("auto", request()).name == "sdpa"
 
 
-@pytest.mark.parametrize("option", ["return_weights", "return_lse"])
-def test_auto_picks_reference_when_weights_or_lse_are_asked(option):
-    assert resolve_backend("auto", request(**{option: True})).name == "reference"
+@pytest.mark.parametrize("option", ["return_weights", "return_lse", "softcap"])
+def test_auto_picks_tiled_for_what_sdpa_cannot_do(option):
+    value = 5.0 if option == "softcap" else True
+    assert resolve_backend("auto", request(**{option: value})).name == "tiled"
 
 
-def test_auto_picks_reference_for_softcap():
-    assert resolve_backend("auto", request(softcap=5.0)).name == "reference"
+def test_auto_picks_reference_for_dropout_with_weights():
+    assert resolve_backend("auto", request(dropout_p=0.1, return_weights=True)).name == "reference"
 
 
 def test_every_backend_supports_at_least_plain_attention():
@@ -58,3 +59,12 @@ def test_request_options_name_the_arguments():
     options = Request(masks=masks, scale=1.0, dropout_p=0.1, return_lse=True).options
     assert options == {"causal", "key_mask", "dropout_p", "return_lse"}
     assert "window" in Request(masks=Masks(window=(2, 0)), scale=1.0).options
+
+
+def test_tiled_refuses_dropout_and_mask_gradients():
+    q = k = v = torch.randn(1, 1, 3, 4)
+    with pytest.raises(ValueError, match=r"backend 'tiled' does not support dropout_p; use"):
+        attention(q, k, v, backend="tiled", dropout_p=0.1)
+    bias = torch.zeros(3, 3, requires_grad=True)
+    with pytest.raises(ValueError, match="backend 'tiled' does not support attn_mask_grad"):
+        attention(q, k, v, backend="tiled", attn_mask=bias)

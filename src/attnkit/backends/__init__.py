@@ -1,16 +1,19 @@
 """The backend registry: a name -> :class:`Backend` (a function and the options it supports).
 
-======================  =========  ====  =====
-option                  reference  sdpa  notes
-======================  =========  ====  =====
-causal, window          yes        yes   sdpa: a bool mask unless causal with t == s
-attn_mask, key_mask     yes        yes
-alibi_slopes            yes        yes   sdpa: a float mask of shape (h, t, s)
-softcap                 yes        no
-dropout_p               yes        yes
-return_lse              yes        no
-return_weights          yes        no
-======================  =========  ====  =====
+======================  =========  ====  =====  =====
+option                  reference  sdpa  tiled  notes
+======================  =========  ====  =====  =====
+causal, window          yes        yes   yes    sdpa: a bool mask unless causal with t == s;
+                                                tiled: skips the blocks they empty
+attn_mask, key_mask     yes        yes   yes
+attn_mask_grad          yes        yes   no     a float attn_mask that requires grad
+alibi_slopes            yes        yes   yes    sdpa: a float mask of shape (h, t, s)
+softcap                 yes        no    yes
+dropout_p               yes        yes   no
+return_lse              yes        no    yes    tiled: no gradient through it
+return_weights          yes        no    yes    tiled: recomputed from the lse, no gradient
+memory                  O(t s)     O(t s) with a mask    O((t + s) d)
+======================  =========  ====  =====  =====
 
 ``"auto"`` takes the first backend of :data:`AUTO_ORDER` that supports every option in use. A backend
 named explicitly that cannot do what was asked raises, naming the option; nothing falls back silently.
@@ -19,22 +22,21 @@ named explicitly that cannot do what was asked raises, naming the option; nothin
 from __future__ import annotations
 
 from attnkit.backends.base import AttentionOutput, Backend, BackendFn, Request
-from attnkit.backends.reference import reference
-from attnkit.backends.sdpa import sdpa
+from attnkit.backends import reference, sdpa, tiled
 
-_MASKS = frozenset({"causal", "window", "attn_mask", "key_mask", "alibi_slopes", "dropout_p"})
+_MASKS = frozenset({"causal", "window", "attn_mask", "key_mask", "alibi_slopes"})
+_EXTRAS = frozenset({"softcap", "return_lse", "return_weights"})
 
 BACKENDS: dict[str, Backend] = {
     "reference": Backend(
-        "reference",
-        reference,
-        _MASKS | {"softcap", "return_lse", "return_weights"},
+        "reference", reference.reference, _MASKS | _EXTRAS | {"dropout_p", "attn_mask_grad"}
     ),
-    "sdpa": Backend("sdpa", sdpa, _MASKS),
+    "sdpa": Backend("sdpa", sdpa.sdpa, _MASKS | {"dropout_p", "attn_mask_grad"}),
+    "tiled": Backend("tiled", tiled.tiled, _MASKS | _EXTRAS),
 }
 
-# Fastest first.
-AUTO_ORDER: tuple[str, ...] = ("sdpa", "reference")
+# Fastest first: SDPA's fused kernel when it can do the request, then the O(N)-memory tiled kernel.
+AUTO_ORDER: tuple[str, ...] = ("sdpa", "tiled", "reference")
 
 
 def resolve_backend(name: str, request: Request) -> Backend:

@@ -38,6 +38,8 @@ class Request:
         """The options in use, named as the arguments of :func:`attnkit.functional.attention`."""
         used = {
             "attn_mask": self.masks.attn_mask is not None,
+            "attn_mask_grad": self.masks.attn_mask is not None
+            and self.masks.attn_mask.requires_grad,
             "key_mask": self.masks.key_mask is not None,
             "window": self.masks.window not in (None, (-1, 0)),
             "causal": self.masks.window is not None and self.masks.window[1] == 0,

@@ -1,0 +1,274 @@
+"""The tiled backend: FlashAttention-2's online softmax, block by block, in PyTorch operations.
+
+The forward walks over blocks of ``block_q`` queries; for each it streams blocks of ``block_k`` keys,
+keeping a running max ``m``, a running sum ``l`` and an unnormalised output ``acc``, and stores only
+the output and the log-sum-exp ``lse = m + log(l)``. The backward recomputes each block's
+probabilities from ``lse`` (Dao, 2023, Algorithm 2), so no ``(t, s)`` tensor is ever kept: the
+peak extra memory is ``O((t + s) * d + block_q * block_k)`` per head.
+
+Blocks that the causal mask or a window empties are never computed: each query block visits only the
+key range its positions can see, and blocks lying wholly inside the window skip the positional mask.
+
+Grouped-query attention costs nothing extra: the ``g = h / h_kv`` query heads that share a key/value
+head are stacked into one ``(g * block_q)``-row block, so each key block is multiplied once.
+
+Precision: softmax statistics and accumulators are float32 (float64 for float64 inputs). The matrix
+products run in the input dtype where the hardware has fast half-precision products (CUDA, or CPUs
+with AVX512-BF16/AMX); elsewhere half-precision blocks are multiplied in float32, which is both faster
+and more accurate there (bf16 GEMM without hardware support is ~400x slower than fp32 on AVX2).
+
+Shapes: ``b`` batch, ``h`` query heads, ``h_kv`` key/value heads, ``g = h / h_kv``, ``t`` queries,
+``s`` keys, ``d`` head dim, ``bq``/``bk`` block sizes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from attnkit.backends.base import AttentionOutput, Request
+from attnkit.masks import query_positions
+
+BLOCK_Q = 256  # query rows per block
+BLOCK_K = 512  # keys per block: a (12 heads, 256, 512) fp32 score block is 6 MB, cache-resident
+
+_NEG_INF = float("-inf")
+
+
+def _fast_half_matmul(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether ``dtype`` matrix products are fast on ``device`` (else blocks go through float32)."""
+    if device.type != "cpu":
+        return True
+    probe = {
+        torch.bfloat16: ("_is_avx512_bf16_supported", "_is_amx_tile_supported"),
+        torch.float16: ("_is_amx_fp16_supported",),
+    }.get(dtype, ())
+    return any(getattr(torch.cpu, name, lambda: False)() for name in probe)
+
+
+def _by_group(m: Tensor, h_kv: int, groups: int) -> Tensor:
+    """A tensor broadcastable to ``(b, h, bq, bk)`` -> broadcastable to ``(b, h_kv, g, bq, bk)``."""
+    while m.dim() < 4:
+        m = m.unsqueeze(0)
+    return m.unsqueeze(2) if m.shape[1] == 1 else m.unflatten(1, (h_kv, groups))
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What one call needs, shared by the forward, the backward and the weights."""
+
+    request: Request
+    b: int
+    h_kv: int
+    groups: int
+    t: int
+    s: int
+    matmul_dtype: torch.dtype  # dtype of the block products
+    stats_dtype: torch.dtype  # dtype of scores, softmax statistics and accumulators
+    block_q: int
+    block_k: int
+
+    def query_blocks(self) -> Iterator[tuple[int, int]]:
+        for i0 in range(0, self.t, self.block_q):
+            yield i0, min(i0 + self.block_q, self.t)
+
+    def key_blocks(self, i0: int, i1: int) -> Iterator[tuple[int, int, bool]]:
+        """``(j0, j1, needs_window_mask)`` for the key blocks that queries ``i0..i1-1`` can see."""
+        left, right = self.request.masks.window or (-1, -1)
+        first, last = i0 + self.s - self.t, i1 - 1 + self.s - self.t  # p(i0), p(i1 - 1)
+        lo = max(0, first - left) if left >= 0 else 0
+        hi = min(self.s, last + right + 1) if right >= 0 else self.s
+        for j0 in range(lo, hi, self.block_k):
+            j1 = min(j0 + self.block_k, hi)
+            inside = (left < 0 or j0 >= last - left) and (right < 0 or j1 - 1 <= first + right)
+            yield j0, j1, not inside
+
+    def scores(
+        self, q_blk: Tensor, k_blk: Tensor, i0: int, i1: int, j0: int, j1: int, window: bool
+    ) -> tuple[Tensor, Tensor | None]:
+        """The masked scores of one block, ``(b, h_kv, g, bq, bk)`` in ``stats_dtype``, and
+        ``tanh(u / softcap)`` (for the backward) when soft-capping."""
+        req = self.request
+        b, h_kv, g = self.b, self.h_kv, self.groups
+        raw = torch.matmul(q_blk, k_blk.transpose(-2, -1))  # (b, h_kv, g*bq, d) x (b, h_kv, d, bk)
+        scores = raw.to(self.stats_dtype).view(b, h_kv, g, i1 - i0, j1 - j0)
+        capped = None
+        if req.softcap is not None:
+            capped = torch.tanh(scores / req.softcap)
+            scores = capped * req.softcap
+        if req.alibi_slopes is not None:
+            slopes = req.alibi_slopes.to(self.stats_dtype).view(h_kv, g, 1, 1)
+            q_pos = query_positions(self.t, self.s, q_blk.device)[i0:i1]
+            distance = q_pos[:, None] - torch.arange(j0, j1, device=q_blk.device)  # (bq, bk)
+            scores = scores - slopes * distance.abs().to(self.stats_dtype)
+        bias = req.masks.bias()
+        if bias is not None:
+            block = bias[..., i0:i1, :] if bias.dim() >= 2 and bias.shape[-2] != 1 else bias
+            block = block[..., j0:j1] if block.shape[-1] != 1 else block
+            scores = scores + _by_group(block.to(self.stats_dtype), h_kv, g)
+        allowed = req.masks.allowed(
+            self.t, self.s, q_blk.device, slice(i0, i1), slice(j0, j1), with_window=window
+        )
+        if allowed is not None:
+            scores = scores.masked_fill(~_by_group(allowed, h_kv, g), _NEG_INF)
+        return scores, capped
+
+    def grouped_rows(self, x: Tensor, i0: int, i1: int) -> Tensor:
+        """Rows ``i0..i1`` of a ``(b, h_kv, g, t, n)`` tensor as one ``(b, h_kv, g*bq, n)`` block."""
+        return x[:, :, :, i0:i1].reshape(self.b, self.h_kv, -1, x.shape[-1])
+
+
+def _forward(q5: Tensor, k: Tensor, v: Tensor, plan: _Plan) -> tuple[Tensor, Tensor]:
+    """``q5`` ``(b, h_kv, g, t, d)`` pre-scaled, in the matmul dtype; returns the output
+    ``(b, h_kv, g, t, d_v)`` in ``stats_dtype`` and lse ``(b, h_kv, g, t)``."""
+    b, h_kv, g, t, _ = q5.shape
+    out = q5.new_empty(b, h_kv, g, t, v.shape[-1], dtype=plan.stats_dtype)
+    lse = q5.new_empty(b, h_kv, g, t, dtype=plan.stats_dtype)
+    for i0, i1 in plan.query_blocks():
+        bq = i1 - i0
+        q_blk = plan.grouped_rows(q5, i0, i1)  # (b, h_kv, g*bq, d)
+        row_max = q5.new_full((b, h_kv, g, bq, 1), _NEG_INF, dtype=plan.stats_dtype)  # m
+        row_sum = q5.new_zeros((b, h_kv, g, bq, 1), dtype=plan.stats_dtype)  # l
+        acc = q5.new_zeros((b, h_kv, g, bq, v.shape[-1]), dtype=plan.stats_dtype)  # sum_j p_j v_j
+        for j0, j1, window in plan.key_blocks(i0, i1):
+            scores, _ = plan.scores(q_blk, k[:, :, j0:j1], i0, i1, j0, j1, window)
+            new_max = torch.maximum(row_max, scores.amax(dim=-1, keepdim=True))
+            shift = new_max.masked_fill(new_max == _NEG_INF, 0.0)  # rows with no key yet
+            probs = scores.sub_(shift).exp_()  # (b, h_kv, g, bq, bk), unnormalised
+            rescale = torch.exp(row_max - shift)  # how much the old statistics shrink
+            row_sum = row_sum * rescale + probs.sum(dim=-1, keepdim=True)
+            pv = torch.matmul(probs.view(b, h_kv, g * bq, -1).to(plan.matmul_dtype), v[:, :, j0:j1])
+            acc = acc * rescale + pv.view(acc.shape)  # (b, h_kv, g*bq, bk) x (b, h_kv, bk, d_v)
+            row_max = new_max
+        empty = row_sum == 0  # no allowed key: output 0, lse -inf
+        out[:, :, :, i0:i1] = acc / row_sum.masked_fill(empty, 1.0)
+        lse[:, :, :, i0:i1] = (row_max + row_sum.log()).masked_fill(empty, _NEG_INF).squeeze(-1)
+    return out, lse
+
+
+def _backward(
+    dout5: Tensor, q5: Tensor, k: Tensor, v: Tensor, out5: Tensor, lse: Tensor, plan: _Plan
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of q (w.r.t. the pre-scaled q), k and v, in ``stats_dtype``."""
+    b, h_kv, g, t, d = q5.shape
+    delta = (dout5.to(plan.stats_dtype) * out5).sum(dim=-1)  # D_i = dO_i . O_i, (b, h_kv, g, t)
+    lse = lse.masked_fill(lse == _NEG_INF, 0.0)  # empty rows: their scores are -inf, exp() = 0
+    dq5 = torch.zeros_like(q5, dtype=plan.stats_dtype)
+    dk = torch.zeros_like(k, dtype=plan.stats_dtype)
+    dv = torch.zeros_like(v, dtype=plan.stats_dtype)
+    dout5 = dout5.to(plan.matmul_dtype)
+    for i0, i1 in plan.query_blocks():
+        bq = i1 - i0
+        q_blk = plan.grouped_rows(q5, i0, i1)  # (b, h_kv, g*bq, d)
+        do_blk = plan.grouped_rows(dout5, i0, i1)  # (b, h_kv, g*bq, d_v)
+        lse_blk = lse[:, :, :, i0:i1, None]  # (b, h_kv, g, bq, 1)
+        delta_blk = delta[:, :, :, i0:i1, None]
+        dq_blk = q5.new_zeros((b, h_kv, g * bq, d), dtype=plan.stats_dtype)
+        for j0, j1, window in plan.key_blocks(i0, i1):
+            k_blk, v_blk = k[:, :, j0:j1], v[:, :, j0:j1]
+            scores, capped = plan.scores(q_blk, k_blk, i0, i1, j0, j1, window)
+            probs = scores.sub_(lse_blk).exp_()  # P, (b, h_kv, g, bq, bk)
+            p_flat = probs.view(b, h_kv, g * bq, -1).to(plan.matmul_dtype)
+            dv[:, :, j0:j1] += torch.matmul(p_flat.transpose(-2, -1), do_blk)  # P^T dO
+            dprobs = torch.matmul(do_blk, v_blk.transpose(-2, -1)).to(plan.stats_dtype)  # dO V^T
+            dscores = probs * (dprobs.view(probs.shape) - delta_blk)  # dS = P (dP - D)
+            if capped is not None:
+                dscores = dscores * (1.0 - capped * capped)  # d(c tanh(u / c)) / du
+            ds_flat = dscores.view(b, h_kv, g * bq, -1).to(plan.matmul_dtype)
+            dq_blk += torch.matmul(ds_flat, k_blk)  # dS K
+            dk[:, :, j0:j1] += torch.matmul(ds_flat.transpose(-2, -1), q_blk)  # dS^T Q
+        dq5[:, :, :, i0:i1] = dq_blk.view(b, h_kv, g, bq, d)
+    return dq5, dk, dv
+
+
+class _TiledAttention(torch.autograd.Function):
+    """Saves only q, k, v, the output and the lse; the plan holds no tensor the kernel made."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, plan: _Plan) -> tuple[Tensor, Tensor]:
+        q5 = _prescaled(q, plan)
+        out5, lse = _forward(q5, k.to(plan.matmul_dtype), v.to(plan.matmul_dtype), plan)
+        out = out5.view(q.shape[:-1] + (v.shape[-1],)).to(q.dtype)
+        lse = lse.view(q.shape[:-1])
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.plan = plan
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout: Tensor, _dlse: Tensor | None):
+        q, k, v, out, lse = ctx.saved_tensors
+        plan: _Plan = ctx.plan
+        b, h, t, d = q.shape
+        grouped = (plan.b, plan.h_kv, plan.groups, t)
+        dq5, dk, dv = _backward(
+            dout.reshape(*grouped, -1),
+            _prescaled(q, plan),
+            k.to(plan.matmul_dtype),
+            v.to(plan.matmul_dtype),
+            out.to(plan.stats_dtype).view(*grouped, -1),
+            lse.view(grouped),
+            plan,
+        )
+        dq = (dq5 * plan.request.scale).view(b, h, t, d)  # the scores used q * scale
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+
+
+def _prescaled(q: Tensor, plan: _Plan) -> Tensor:
+    """``q * scale`` as ``(b, h_kv, g, t, d)`` in the matmul dtype (scaling q, not the scores)."""
+    q5 = q.view(plan.b, plan.h_kv, plan.groups, plan.t, q.shape[-1])
+    return (q5.to(plan.stats_dtype) * plan.request.scale).to(plan.matmul_dtype)
+
+
+def _weights(q: Tensor, k: Tensor, lse: Tensor, plan: _Plan) -> Tensor:
+    """The softmax weights ``(b, h, t, s)`` from the lse, block by block (no gradient)."""
+    b, h, t, _ = q.shape
+    weights = q.new_zeros(b, plan.h_kv, plan.groups, t, plan.s)
+    q5, k = _prescaled(q, plan), k.to(plan.matmul_dtype)
+    lse = lse.view(plan.b, plan.h_kv, plan.groups, t)
+    lse = lse.masked_fill(lse == _NEG_INF, 0.0)
+    for i0, i1 in plan.query_blocks():
+        q_blk = plan.grouped_rows(q5, i0, i1)
+        for j0, j1, window in plan.key_blocks(i0, i1):
+            scores, _ = plan.scores(q_blk, k[:, :, j0:j1], i0, i1, j0, j1, window)
+            probs = scores.sub_(lse[:, :, :, i0:i1, None]).exp_()
+            weights[:, :, :, i0:i1, j0:j1] = probs
+    return weights.view(b, h, t, plan.s)
+
+
+def tiled(q: Tensor, k: Tensor, v: Tensor, request: Request) -> AttentionOutput:
+    """Shapes ``q (b, h, t, d)``, ``k (b, h_kv, s, d)``, ``v (b, h_kv, s, d_v)``.
+
+    The lse is returned for inspection and merging; no gradient flows through it, nor through the
+    weights, which are recomputed from it after the pass (the output is the same bit for bit).
+    Under autocast, the inputs are cast to the autocast dtype and the kernel runs on them as such.
+    """
+    device = q.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        q, k, v = (x.to(dtype) for x in (q, k, v))
+    with torch.autocast(device, enabled=False):
+        b, h, t, _ = q.shape
+        stats_dtype = torch.promote_types(q.dtype, torch.float32)
+        fast = _fast_half_matmul(q.dtype, q.device)
+        plan = _Plan(
+            request=request,
+            b=b,
+            h_kv=k.shape[1],
+            groups=h // k.shape[1],
+            t=t,
+            s=k.shape[-2],
+            matmul_dtype=q.dtype if fast else stats_dtype,
+            stats_dtype=stats_dtype,
+            block_q=BLOCK_Q,
+            block_k=BLOCK_K,
+        )
+        out, lse = _TiledAttention.apply(q, k, v, plan)
+        weights = None
+        if request.return_weights:
+            with torch.no_grad():
+                weights = _weights(q, k, lse, plan).to(q.dtype)
+    return AttentionOutput(out, lse if request.return_lse else None, weights)
