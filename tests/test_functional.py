@@ -231,3 +231,18 @@ def test_property_every_capable_backend_matches_oracle_in_float64(
             torch.testing.assert_close(result[2], weights64)
         for g, g64 in zip(grads(out, (q, k, v), dout), expected):
             torch.testing.assert_close(g, g64)
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_non_contiguous_inputs_as_modules_produce_them(backend):
+    """Modules hand over (b, t, h, d).transpose(1, 2): strided, not contiguous."""
+    b, h, h_kv, t, s, d = 2, 4, 2, 9, 13, 8
+    q = torch.randn(b, t, h, d).transpose(1, 2).requires_grad_()
+    k = torch.randn(b, s, h_kv, d).transpose(1, 2).requires_grad_()
+    v = torch.randn(b, s, h_kv, d).transpose(1, 2).requires_grad_()
+    out = attention(q, k, v, causal=True, backend=backend)
+    inputs64, out64, _, _ = oracle64(q, k, v, {}, causal=True)
+    torch.testing.assert_close(out, out64.float())
+    dout = torch.randn_like(out)
+    for g, g64 in zip(grads(out, (q, k, v), dout), grads(out64, inputs64, dout.double())):
+        torch.testing.assert_close(g, g64.float())

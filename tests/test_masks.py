@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnkit.masks import Masks, alibi_bias, causal_mask, merge_window, window_mask
+from attnkit.masks import (
+    Masks,
+    alibi_bias,
+    alibi_slopes,
+    causal_mask,
+    merge_window,
+    window_mask,
+)
 from oracle import allowed_positions
 
 
@@ -52,3 +59,13 @@ def test_masks_combine_and_slice_into_blocks():
     assert torch.equal(block.expand(1, 1, 2, 2), expected[..., 1:3, 0:2])
     assert masks.bias() is attn_mask
     assert Masks().allowed(3, 5, torch.device("cpu")) is None and Masks().is_empty
+
+
+def test_alibi_slopes_are_the_standard_geometric_ones():
+    assert alibi_slopes(8).tolist() == [2.0**-i for i in range(1, 9)]
+    assert alibi_slopes(4).tolist() == [2.0**-i for i in (2, 4, 6, 8)]
+    # not a power of two: the 4-head slopes, then every other slope of 8 heads
+    assert alibi_slopes(6).tolist() == [2.0**-i for i in (2, 4, 6, 8, 1, 3)]
+    assert len(alibi_slopes(12)) == 12 and alibi_slopes(1).tolist() == [2.0**-8]
+    with pytest.raises(ValueError, match="num_heads must be an int >= 1, got 0"):
+        alibi_slopes(0)

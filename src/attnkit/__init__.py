@@ -8,7 +8,7 @@ True = may attend, causal aligned bottom-right); backends in a small registry
 
 from attnkit import functional
 from attnkit.functional import attention
-from attnkit.masks import causal_mask, window_mask
+from attnkit.masks import alibi_slopes, causal_mask, window_mask
 from attnkit.modules import (
     AdditiveAttention,
     CausalAttention,
@@ -30,6 +30,7 @@ __all__ = [
     "MultiHeadAttentionWrapper",
     "SelfAttention",
     "__version__",
+    "alibi_slopes",
     "attend",
     "attention",
     "causal_mask",

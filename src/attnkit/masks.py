@@ -20,6 +20,7 @@ Shapes: ``b`` batch, ``h`` heads, ``t`` query length, ``s`` key length.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -72,6 +73,27 @@ def alibi_bias(slopes: Tensor, t: int, s: int) -> Tensor:
     """``(h, t, s)`` ALiBi bias ``-slope * |p(i) - j|`` (Press et al., 2022), in the slopes' dtype."""
     distance = query_positions(t, s, slopes.device)[:, None] - torch.arange(s, device=slopes.device)
     return -slopes[:, None, None] * distance.abs().to(slopes.dtype)  # (h, 1, 1) * (t, s)
+
+
+def alibi_slopes(num_heads: int) -> Tensor:
+    """The standard ALiBi slopes (Press et al., 2022): ``2^(-8 i / n)`` for heads ``i = 1..n`` when
+    ``n`` is a power of two; otherwise the slopes of the nearest lower power of two ``m``, then every
+    other slope of ``2m`` heads, as the paper's reference code does.
+
+    Example:
+        >>> alibi_slopes(4)
+        tensor([0.2500, 0.0625, 0.0156, 0.0039])
+    """
+    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
+        raise ValueError(f"num_heads must be an int >= 1, got {num_heads!r}")
+
+    def geometric(n: int) -> list[float]:
+        start = 2.0 ** (-8.0 / n)
+        return [start ** (i + 1) for i in range(n)]
+
+    m = 2 ** math.floor(math.log2(num_heads))
+    slopes = geometric(m) + geometric(2 * m)[0::2][: num_heads - m]
+    return torch.tensor(slopes)
 
 
 def merge_window(causal: bool, window: tuple[int, int] | None) -> tuple[int, int] | None:

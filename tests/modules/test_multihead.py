@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from attnkit import MultiHeadAttention
+from attnkit import MultiHeadAttention, alibi_slopes
 from oracle import projected_attention_reference
 
 # (b, t, d_in, d_out, num_heads, num_kv_heads)
@@ -186,3 +186,60 @@ def test_to_torch_refuses_what_torch_cannot_represent(module, message):
 def test_bad_input(call, error, message):
     with pytest.raises(error, match=message):
         call()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(
+    "options",
+    [{"window": 4}, {"window": 5}, {"alibi": True}, {"softcap": 2.0}, {"window": 3, "alibi": True, "softcap": 4.0}],
+    ids=["window 4", "window 5", "alibi", "softcap", "all"],
+)  # fmt: skip
+def test_window_alibi_softcap_match_float64_reference(causal, options):
+    h, h_kv = 6, 2
+    module = MultiHeadAttention(12, 24, None, 0.0, h, num_kv_heads=h_kv, causal=causal, **options)
+    x = torch.randn(2, 11, 12, requires_grad=True)
+    out = module(x)
+    W = options.get("window")
+    expected_window = None if W is None else ((W - 1, 0) if causal else (W // 2, (W - 1) // 2))
+    assert module.window == expected_window
+    reference_options = {
+        "causal": causal,
+        "window": expected_window,
+        "softcap": options.get("softcap"),
+    }
+    if options.get("alibi"):
+        reference_options["alibi_slopes"] = alibi_slopes(h).double()
+    params64 = float64_leaves(module)
+    x64 = x.detach().double().requires_grad_()
+    out64, _ = projected_attention_reference(params64, x64, x64, h, h_kv, **reference_options)
+    torch.testing.assert_close(out, out64.float())
+    dout = torch.randn_like(out)
+    (gx,) = torch.autograd.grad(out, x, dout)
+    (gx64,) = torch.autograd.grad(out64, x64, dout.double())
+    torch.testing.assert_close(gx, gx64.float())
+
+
+def test_causal_window_sees_exactly_the_last_w_positions():
+    module = MultiHeadAttention(8, 8, None, 0.0, 2, window=3).eval()
+    _, weights = module(torch.randn(1, 6, 8), need_weights=True)
+    visible = weights[0] > 0
+    for i in range(6):
+        assert visible[i].nonzero().flatten().tolist() == list(range(max(0, i - 2), i + 1))
+
+
+@pytest.mark.parametrize("options", [{}, {"softcap": 5.0, "window": 3, "alibi": True}])
+def test_compiles_with_fullgraph(options):
+    module = MultiHeadAttention(16, 16, None, 0.0, 4, num_kv_heads=2, **options).eval()
+    x = torch.randn(2, 7, 16)
+    key_mask = torch.rand(2, 7) > 0.3
+    compiled = torch.compile(module, fullgraph=True)
+    torch.testing.assert_close(compiled(x, key_mask=key_mask), module(x, key_mask=key_mask))
+
+
+def test_options_are_checked():
+    with pytest.raises(ValueError, match="window must be >= 1, got 0"):
+        MultiHeadAttention(8, 8, None, 0.0, 2, window=0)
+    with pytest.raises(ValueError, match="softcap must be > 0, got -1"):
+        MultiHeadAttention(8, 8, None, 0.0, 2, softcap=-1)
+    with pytest.raises(ValueError, match=r"softcap has no counterpart in nn\.MultiheadAttention"):
+        MultiHeadAttention(8, 8, None, 0.0, 2, causal=False, softcap=3.0).to_torch()

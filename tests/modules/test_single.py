@@ -129,3 +129,20 @@ def test_device_and_dtype_keywords():
 def test_bad_input(call, error, message):
     with pytest.raises(error, match=message):
         call()
+
+
+def test_single_head_options_reach_the_kernel():
+    module = CausalAttention(4, 3, 12, window=2, alibi=True, softcap=3.0).eval()
+    x = torch.randn(2, 7, 4)
+    out, weights = module(x, need_weights=True)
+    assert module.window == (1, 0)
+    assert torch.equal(
+        weights[0] > 0, torch.ones(7, 7).tril().bool() & torch.ones(7, 7).triu(-1).bool()
+    )
+    W = [w.weight.double() for w in (module.W_query, module.W_key, module.W_value)]
+    q, k, v = (x.double() @ w.T for w in W)
+    expected, _, _ = naive_attention(
+        q[:, None], k[:, None], v[:, None], causal=True, window=(1, 0), softcap=3.0,
+        alibi_slopes=torch.tensor([2.0**-8], dtype=torch.float64), scale=module.scale,
+    )  # fmt: skip
+    torch.testing.assert_close(out, expected[:, 0].float())

@@ -21,8 +21,8 @@ named explicitly that cannot do what was asked raises, naming the option; nothin
 
 from __future__ import annotations
 
-from attnkit.backends.base import AttentionOutput, Backend, BackendFn, Request
 from attnkit.backends import reference, sdpa, tiled
+from attnkit.backends.base import AttentionOutput, Backend, BackendFn, Request
 
 _MASKS = frozenset({"causal", "window", "attn_mask", "key_mask", "alibi_slopes"})
 _EXTRAS = frozenset({"softcap", "return_lse", "return_weights"})

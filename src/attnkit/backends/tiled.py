@@ -121,6 +121,19 @@ class _Plan:
         return x[:, :, :, i0:i1].reshape(self.b, self.h_kv, -1, x.shape[-1])
 
 
+def _flat(x: Tensor) -> Tensor:
+    """``(b, h_kv, n, m) -> (b * h_kv, n, m)``, a view where the strides allow."""
+    return x.reshape(-1, *x.shape[-2:])
+
+
+def _add_matmul(acc: Tensor, a: Tensor, b: Tensor) -> None:
+    """``acc += a @ b`` for 3-D tensors, in place; no temporary when the dtypes agree."""
+    if a.dtype == acc.dtype:
+        acc.baddbmm_(a, b)
+    else:  # half-precision products into a float32 accumulator
+        acc.add_(torch.bmm(a, b))
+
+
 def _forward(q5: Tensor, k: Tensor, v: Tensor, plan: _Plan) -> tuple[Tensor, Tensor]:
     """``q5`` ``(b, h_kv, g, t, d)`` pre-scaled, in the matmul dtype; returns the output
     ``(b, h_kv, g, t, d_v)`` in ``stats_dtype`` and lse ``(b, h_kv, g, t)``."""
@@ -133,16 +146,20 @@ def _forward(q5: Tensor, k: Tensor, v: Tensor, plan: _Plan) -> tuple[Tensor, Ten
         row_max = q5.new_full((b, h_kv, g, bq, 1), _NEG_INF, dtype=plan.stats_dtype)  # m
         row_sum = q5.new_zeros((b, h_kv, g, bq, 1), dtype=plan.stats_dtype)  # l
         acc = q5.new_zeros((b, h_kv, g, bq, v.shape[-1]), dtype=plan.stats_dtype)  # sum_j p_j v_j
+        acc_3d = acc.view(b * h_kv, g * bq, -1)  # the same memory, for baddbmm
         for j0, j1, window in plan.key_blocks(i0, i1):
             scores, _ = plan.scores(q_blk, k[:, :, j0:j1], i0, i1, j0, j1, window)
             new_max = torch.maximum(row_max, scores.amax(dim=-1, keepdim=True))
-            shift = new_max.masked_fill(new_max == _NEG_INF, 0.0)  # rows with no key yet
+            shift = new_max.masked_fill_(new_max == _NEG_INF, 0.0)  # rows with no key yet: 0
             probs = scores.sub_(shift).exp_()  # (b, h_kv, g, bq, bk), unnormalised
-            rescale = torch.exp(row_max - shift)  # how much the old statistics shrink
-            row_sum = row_sum * rescale + probs.sum(dim=-1, keepdim=True)
-            pv = torch.matmul(probs.view(b, h_kv, g * bq, -1).to(plan.matmul_dtype), v[:, :, j0:j1])
-            acc = acc * rescale + pv.view(acc.shape)  # (b, h_kv, g*bq, bk) x (b, h_kv, bk, d_v)
-            row_max = new_max
+            rescale = row_max.sub_(
+                shift
+            ).exp_()  # exp(m_old - m_new): how much the old terms shrink
+            row_sum.mul_(rescale).add_(probs.sum(dim=-1, keepdim=True))
+            acc.mul_(rescale)
+            p_3d = probs.view(b * h_kv, g * bq, -1).to(plan.matmul_dtype)
+            _add_matmul(acc_3d, p_3d, _flat(v[:, :, j0:j1]))  # += P V
+            row_max = shift
         empty = row_sum == 0  # no allowed key: output 0, lse -inf
         out[:, :, :, i0:i1] = acc / row_sum.masked_fill(empty, 1.0)
         lse[:, :, :, i0:i1] = (row_max + row_sum.log()).masked_fill(empty, _NEG_INF).squeeze(-1)
@@ -153,12 +170,13 @@ def _backward(
     dout5: Tensor, q5: Tensor, k: Tensor, v: Tensor, out5: Tensor, lse: Tensor, plan: _Plan
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of q (w.r.t. the pre-scaled q), k and v, in ``stats_dtype``."""
-    b, h_kv, g, t, d = q5.shape
+    b, h_kv, g, _t, d = q5.shape
     delta = (dout5.to(plan.stats_dtype) * out5).sum(dim=-1)  # D_i = dO_i . O_i, (b, h_kv, g, t)
     lse = lse.masked_fill(lse == _NEG_INF, 0.0)  # empty rows: their scores are -inf, exp() = 0
-    dq5 = torch.zeros_like(q5, dtype=plan.stats_dtype)
-    dk = torch.zeros_like(k, dtype=plan.stats_dtype)
-    dv = torch.zeros_like(v, dtype=plan.stats_dtype)
+    # Contiguous accumulators: the per-block slices below must be views, not copies.
+    dq5 = q5.new_zeros(q5.shape, dtype=plan.stats_dtype)
+    dk = k.new_zeros(k.shape, dtype=plan.stats_dtype)
+    dv = v.new_zeros(v.shape, dtype=plan.stats_dtype)
     dout5 = dout5.to(plan.matmul_dtype)
     for i0, i1 in plan.query_blocks():
         bq = i1 - i0
@@ -166,20 +184,22 @@ def _backward(
         do_blk = plan.grouped_rows(dout5, i0, i1)  # (b, h_kv, g*bq, d_v)
         lse_blk = lse[:, :, :, i0:i1, None]  # (b, h_kv, g, bq, 1)
         delta_blk = delta[:, :, :, i0:i1, None]
-        dq_blk = q5.new_zeros((b, h_kv, g * bq, d), dtype=plan.stats_dtype)
+        dq_blk = q5.new_zeros((b * h_kv, g * bq, d), dtype=plan.stats_dtype)
+        q_3d, do_3d = _flat(q_blk), _flat(do_blk)
         for j0, j1, window in plan.key_blocks(i0, i1):
             k_blk, v_blk = k[:, :, j0:j1], v[:, :, j0:j1]
             scores, capped = plan.scores(q_blk, k_blk, i0, i1, j0, j1, window)
             probs = scores.sub_(lse_blk).exp_()  # P, (b, h_kv, g, bq, bk)
-            p_flat = probs.view(b, h_kv, g * bq, -1).to(plan.matmul_dtype)
-            dv[:, :, j0:j1] += torch.matmul(p_flat.transpose(-2, -1), do_blk)  # P^T dO
-            dprobs = torch.matmul(do_blk, v_blk.transpose(-2, -1)).to(plan.stats_dtype)  # dO V^T
-            dscores = probs * (dprobs.view(probs.shape) - delta_blk)  # dS = P (dP - D)
+            p_3d = probs.view(b * h_kv, g * bq, -1).to(plan.matmul_dtype)
+            _add_matmul(_flat(dv[:, :, j0:j1]), p_3d.transpose(-2, -1), do_3d)  # dV += P^T dO
+            dprobs = torch.bmm(do_3d, _flat(v_blk).transpose(-2, -1))  # dP = dO V^T
+            # dS = P (dP - D), in place over dP
+            dscores = dprobs.to(plan.stats_dtype).view(probs.shape).sub_(delta_blk).mul_(probs)
             if capped is not None:
-                dscores = dscores * (1.0 - capped * capped)  # d(c tanh(u / c)) / du
-            ds_flat = dscores.view(b, h_kv, g * bq, -1).to(plan.matmul_dtype)
-            dq_blk += torch.matmul(ds_flat, k_blk)  # dS K
-            dk[:, :, j0:j1] += torch.matmul(ds_flat.transpose(-2, -1), q_blk)  # dS^T Q
+                dscores.mul_(1.0 - capped * capped)  # d(c tanh(u / c)) / du
+            ds_3d = dscores.view(b * h_kv, g * bq, -1).to(plan.matmul_dtype)
+            _add_matmul(dq_blk, ds_3d, _flat(k_blk))  # dQ += dS K
+            _add_matmul(_flat(dk[:, :, j0:j1]), ds_3d.transpose(-2, -1), q_3d)  # dK += dS^T Q
         dq5[:, :, :, i0:i1] = dq_blk.view(b, h_kv, g, bq, d)
     return dq5, dk, dv
 
@@ -190,8 +210,8 @@ class _TiledAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, plan: _Plan) -> tuple[Tensor, Tensor]:
         q5 = _prescaled(q, plan)
-        out5, lse = _forward(q5, k.to(plan.matmul_dtype), v.to(plan.matmul_dtype), plan)
-        out = out5.view(q.shape[:-1] + (v.shape[-1],)).to(q.dtype)
+        out5, lse = _forward(q5, _operand(k, plan), _operand(v, plan), plan)
+        out = out5.view((*q.shape[:-1], v.shape[-1])).to(q.dtype)
         lse = lse.view(q.shape[:-1])
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plan = plan
@@ -207,14 +227,19 @@ class _TiledAttention(torch.autograd.Function):
         dq5, dk, dv = _backward(
             dout.reshape(*grouped, -1),
             _prescaled(q, plan),
-            k.to(plan.matmul_dtype),
-            v.to(plan.matmul_dtype),
+            _operand(k, plan),
+            _operand(v, plan),
             out.to(plan.stats_dtype).view(*grouped, -1),
             lse.view(grouped),
             plan,
         )
         dq = (dq5 * plan.request.scale).view(b, h, t, d)  # the scores used q * scale
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+
+
+def _operand(x: Tensor, plan: _Plan) -> Tensor:
+    """k or v in the matmul dtype, contiguous so that each key block is a view, not a copy."""
+    return x.to(plan.matmul_dtype).contiguous()
 
 
 def _prescaled(q: Tensor, plan: _Plan) -> Tensor:
@@ -227,7 +252,7 @@ def _weights(q: Tensor, k: Tensor, lse: Tensor, plan: _Plan) -> Tensor:
     """The softmax weights ``(b, h, t, s)`` from the lse, block by block (no gradient)."""
     b, h, t, _ = q.shape
     weights = q.new_zeros(b, plan.h_kv, plan.groups, t, plan.s)
-    q5, k = _prescaled(q, plan), k.to(plan.matmul_dtype)
+    q5, k = _prescaled(q, plan), _operand(k, plan)
     lse = lse.view(plan.b, plan.h_kv, plan.groups, t)
     lse = lse.masked_fill(lse == _NEG_INF, 0.0)
     for i0, i1 in plan.query_blocks():

@@ -34,3 +34,16 @@ def merge_heads(x: Tensor) -> Tensor:
     """``(b, h, t, d) -> (b, t, h * d)``, the heads side by side."""
     b, h, t, d = x.shape
     return x.transpose(1, 2).reshape(b, t, h * d)  # (b, h, t, d) -> (b, t, h, d) -> (b, t, e)
+
+
+def module_window(window: int | None, causal: bool) -> tuple[int, int] | None:
+    """A module's ``window=W``: the last ``W`` positions (itself included) when causal, else ``W``
+    positions centred on itself; as ``(left, right)`` for :func:`attnkit.functional.attention`."""
+    if window is None:
+        return None
+    _checks.check_positive_int(window, "window")
+    return (window - 1, 0) if causal else (window // 2, (window - 1) // 2)
+
+
+def module_softcap(softcap: float | None) -> float | None:
+    return None if softcap is None else _checks.check_positive_number(softcap, "softcap")

@@ -13,12 +13,21 @@ call inside is ``(b, h, t, d)``.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor, nn
 
 from attnkit import _checks
 from attnkit.functional import attention
-from attnkit.modules._common import as_batched, merge_heads, split_heads
+from attnkit.masks import alibi_slopes
+from attnkit.modules._common import (
+    as_batched,
+    merge_heads,
+    module_softcap,
+    module_window,
+    split_heads,
+)
 
 
 class ProjectedAttention(nn.Module):
@@ -73,8 +82,10 @@ class ProjectedAttention(nn.Module):
         attn_mask: Tensor | None,
         need_weights: bool,
         average_weights: bool,
+        **score_options: Any,
     ) -> Tensor | tuple[Tensor, Tensor]:
-        """``x`` ``(b, t, d_q)`` and ``memory`` ``(b, s, d_kv)``, already checked and batched."""
+        """``x`` ``(b, t, d_q)`` and ``memory`` ``(b, s, d_kv)``, already checked and batched;
+        ``score_options`` go to :func:`attnkit.functional.attention` (window, ALiBi, softcap)."""
         queries = split_heads(self.W_query(x), self.num_heads)  # (b, t, e) -> (b, h, t, d)
         keys = split_heads(self.W_key(memory), self.num_kv_heads)  # (b, s, e) -> (b, h_kv, s, d)
         values = split_heads(self.W_value(memory), self.num_kv_heads)  # -> (b, h_kv, s, d)
@@ -87,6 +98,7 @@ class ProjectedAttention(nn.Module):
             causal=causal,
             dropout_p=self.dropout if self.training else 0.0,
             return_weights=need_weights,
+            **score_options,
         )
         context, weights = result if need_weights else (result, None)
         out = self.out_proj(merge_heads(context))  # (b, h, t, d) -> (b, t, e) -> (b, t, e)
@@ -115,6 +127,11 @@ class MultiHeadAttention(ProjectedAttention):
         qkv_bias: add a bias to the query, key and value projections.
         causal: token ``i`` attends only to tokens ``0..i``.
         num_kv_heads: key/value heads (grouped-query attention); None means ``num_heads``.
+        window: each token sees at most ``window`` positions: the last ones, itself included, when
+            causal; centred on itself otherwise. None means no limit.
+        alibi: add ALiBi's linear distance penalty with the standard slopes
+            (:func:`attnkit.alibi_slopes`).
+        softcap: cap the scores smoothly to ``(-softcap, softcap)`` (Gemma 2 uses 50).
         out_bias: add a bias to the output projection.
         device, dtype: for the parameters.
 
@@ -139,6 +156,9 @@ class MultiHeadAttention(ProjectedAttention):
         qkv_bias: bool = False,
         causal: bool = True,
         num_kv_heads: int | None = None,
+        window: int | None = None,
+        alibi: bool = False,
+        softcap: float | None = None,
         out_bias: bool = True,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
@@ -159,6 +179,10 @@ class MultiHeadAttention(ProjectedAttention):
             _checks.check_positive_int(context_length, "context_length")
         self.context_length = context_length
         self.causal = causal
+        self.window = module_window(window, causal)
+        self.softcap = module_softcap(softcap)
+        slopes = alibi_slopes(num_heads).to(device) if alibi else None
+        self.register_buffer("alibi_slopes", slopes, persistent=False)
 
     def forward(
         self,
@@ -193,6 +217,9 @@ class MultiHeadAttention(ProjectedAttention):
             attn_mask=attn_mask,
             need_weights=need_weights,
             average_weights=average_weights,
+            window=self.window,
+            alibi_slopes=self.alibi_slopes,
+            softcap=self.softcap,
         )
         return _unbatch(result, unbatched)
 
@@ -256,6 +283,9 @@ class MultiHeadAttention(ProjectedAttention):
                 "causal=True cannot be stored in nn.MultiheadAttention; build with causal=False "
                 "and pass a causal attn_mask when calling it"
             )
+        for option in ("window", "alibi_slopes", "softcap"):
+            if getattr(self, option) is not None:
+                raise ValueError(f"{option} has no counterpart in nn.MultiheadAttention")
         if self.num_kv_heads != self.num_heads:
             raise ValueError(
                 f"num_kv_heads ({self.num_kv_heads}) != num_heads ({self.num_heads}): "
@@ -290,6 +320,7 @@ class MultiHeadAttention(ProjectedAttention):
     def extra_repr(self) -> str:
         return (
             f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
-            f"head_dim={self.head_dim}, causal={self.causal}, "
+            f"head_dim={self.head_dim}, causal={self.causal}, window={self.window}, "
+            f"alibi={self.alibi_slopes is not None}, softcap={self.softcap}, "
             f"context_length={self.context_length}, dropout={self.dropout}"
         )

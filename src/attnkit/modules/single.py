@@ -18,7 +18,8 @@ from torch import Tensor, nn
 
 from attnkit import _checks
 from attnkit.functional import attention
-from attnkit.modules._common import as_batched
+from attnkit.masks import alibi_slopes
+from attnkit.modules._common import as_batched, module_softcap, module_window
 from attnkit.textbook import AttentionResult
 
 
@@ -32,6 +33,10 @@ class SelfAttention(nn.Module):
         d_in: input width ``e``.
         d_out: width of the queries, keys, values and of the output.
         qkv_bias: add a bias to the three projections.
+        window: each token sees at most ``window`` positions: the last ones, itself included, when
+            causal; centred on itself otherwise. None means no limit.
+        alibi: add ALiBi's linear distance penalty (slope ``1/256`` for a single head).
+        softcap: cap the scores smoothly to ``(-softcap, softcap)``.
         device, dtype: for the parameters, as in torch's own modules.
 
     Example:
@@ -51,6 +56,9 @@ class SelfAttention(nn.Module):
         d_out: int,
         *,
         qkv_bias: bool = False,
+        window: int | None = None,
+        alibi: bool = False,
+        softcap: float | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -63,6 +71,10 @@ class SelfAttention(nn.Module):
         self.W_key = nn.Linear(d_in, d_out, bias=qkv_bias, **factory)
         self.W_value = nn.Linear(d_in, d_out, bias=qkv_bias, **factory)
         self.scale = d_out**-0.5
+        self.window = module_window(window, self.causal)
+        self.softcap = module_softcap(softcap)
+        slopes = alibi_slopes(1).to(device) if alibi else None
+        self.register_buffer("alibi_slopes", slopes, persistent=False)
 
     @classmethod
     def from_matrices(
@@ -106,6 +118,9 @@ class SelfAttention(nn.Module):
             keys,
             values,
             causal=self.causal,
+            window=self.window,
+            alibi_slopes=self.alibi_slopes,
+            softcap=self.softcap,
             scale=self.scale,
             dropout_p=self.dropout if self.training else 0.0,
             return_weights=need_weights,
@@ -156,6 +171,7 @@ class CausalAttention(SelfAttention):
         context_length: the longest input accepted.
         dropout: dropout probability on the attention weights, in training mode only.
         qkv_bias: add a bias to the three projections.
+        window, alibi, softcap: as in :class:`SelfAttention`.
         device, dtype: for the parameters.
     """
 
@@ -169,10 +185,22 @@ class CausalAttention(SelfAttention):
         dropout: float = 0.0,
         *,
         qkv_bias: bool = False,
+        window: int | None = None,
+        alibi: bool = False,
+        softcap: float | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        super().__init__(d_in, d_out, qkv_bias=qkv_bias, device=device, dtype=dtype)
+        super().__init__(
+            d_in,
+            d_out,
+            qkv_bias=qkv_bias,
+            window=window,
+            alibi=alibi,
+            softcap=softcap,
+            device=device,
+            dtype=dtype,
+        )
         _checks.check_positive_int(context_length, "context_length")
         self.context_length = context_length
         self.dropout = _checks.check_probability(dropout, "dropout")

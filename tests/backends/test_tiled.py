@@ -1,0 +1,168 @@
+"""Properties of the tiled kernel beyond its numbers (those are in tests/test_functional.py):
+what it stores, which blocks it visits, determinism, autocast, and its memory at a large N."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from attnkit import attention
+from attnkit.backends import tiled
+from oracle import naive_attention
+
+
+def qkv(b=1, h=2, h_kv=1, t=40, s=40, d=8, dtype=torch.float32):
+    tensors = (
+        torch.randn(b, h, t, d, dtype=dtype),
+        torch.randn(b, h_kv, s, d, dtype=dtype),
+        torch.randn(b, h_kv, s, d, dtype=dtype),
+    )
+    return [x.requires_grad_() for x in tensors]
+
+
+def test_backward_stores_no_score_sized_tensor():
+    t, s = 37, 53
+    q, k, v = qkv(t=t, s=s)
+    shapes = []
+
+    def pack(x):
+        shapes.append(tuple(x.shape))
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        out = attention(q, k, v, causal=True, softcap=5.0, backend="tiled")
+    assert shapes, "the hook saw nothing: the test would pass vacuously"
+    assert all(t not in shape[-2:] or s not in shape[-2:] for shape in shapes), shapes
+
+    # ctx attributes: the plan holds the request; no tensor in it is (t, s)-sized
+    ctx = out.grad_fn
+    tensors = [x for x in vars(ctx).values() if isinstance(x, torch.Tensor)]
+    plan = ctx.plan
+    tensors += [x for x in vars(plan.request).values() if isinstance(x, torch.Tensor)]
+    tensors += [x for x in vars(plan.request.masks).values() if isinstance(x, torch.Tensor)]
+    assert all(x.numel() < t * s for x in tensors)
+    assert {tuple(x.shape) for x in ctx.saved_tensors} == {(1, 2, t, 8), (1, 1, s, 8), (1, 2, t)}
+
+
+def count_blocks(monkeypatch, **options):
+    calls = []
+    original = tiled._Plan.scores
+
+    def counting(self, *args):
+        calls.append(args[2:6])  # i0, i1, j0, j1
+        return original(self, *args)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(tiled._Plan, "scores", counting)
+        q, k, v = qkv(t=60, s=60)
+        attention(q, k, v, backend="tiled", **options)
+    return calls
+
+
+def test_causal_and_window_skip_the_blocks_they_empty(monkeypatch):
+    full = count_blocks(monkeypatch)
+    causal = count_blocks(monkeypatch, causal=True)
+    window = count_blocks(monkeypatch, causal=True, window=(6, 0))
+    assert len(full) == 12 * 9  # ceil(60 / 5) query blocks x ceil(60 / 7) key blocks
+    assert len(causal) < 0.6 * len(full)
+    assert len(window) <= 12 * 3
+    for _i0, i1, j0, _j1 in causal:
+        assert j0 <= i1 - 1  # never a block wholly above the diagonal
+    for i0, i1, j0, j1 in window:
+        assert j1 - 1 >= i0 - 6 and j0 <= i1 - 1
+
+
+def test_fully_visible_blocks_skip_the_positional_mask(monkeypatch):
+    needs_mask = []
+    original = tiled._Plan.scores
+
+    def spy(self, q_blk, k_blk, i0, i1, j0, j1, window):
+        needs_mask.append(window)
+        return original(self, q_blk, k_blk, i0, i1, j0, j1, window)
+
+    monkeypatch.setattr(tiled._Plan, "scores", spy)
+    q, k, v = qkv(t=60, s=60)
+    attention(q, k, v, backend="tiled", causal=True)
+    assert any(needs_mask) and not all(needs_mask)
+
+
+def test_deterministic_forward_and_backward():
+    q, k, v = qkv(h=4, h_kv=2, t=33, s=45)
+    slopes = torch.rand(4)
+    runs = []
+    for _ in range(2):
+        out = attention(q, k, v, causal=True, alibi_slopes=slopes, backend="tiled")
+        runs.append((out, *torch.autograd.grad(out.sum(), (q, k, v))))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+def test_weights_leave_the_output_bit_identical():
+    q, k, v = qkv(t=23, s=31)
+    plain = attention(q, k, v, causal=True, backend="tiled")
+    out, weights = attention(q, k, v, causal=True, return_weights=True, backend="tiled")
+    assert torch.equal(out, plain)
+    torch.testing.assert_close(weights.sum(-1), torch.ones(1, 2, 23))
+
+
+def test_lse_is_returned_without_gradient():
+    q, k, v = qkv()
+    _, lse = attention(q, k, v, return_lse=True, backend="tiled")
+    assert lse.dtype == torch.float32 and not lse.requires_grad
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_production_block_sizes(monkeypatch, causal):
+    monkeypatch.setattr(tiled, "BLOCK_Q", 256)
+    monkeypatch.setattr(tiled, "BLOCK_K", 512)
+    q, k, v = qkv(h=2, h_kv=2, t=300, s=700, d=16)
+    out = attention(q, k, v, causal=causal, backend="tiled")
+    expected, _, _ = naive_attention(*(x.detach().double() for x in (q, k, v)), causal=causal)
+    torch.testing.assert_close(out, expected.float())
+
+
+def test_autocast_bf16_runs_the_kernel_in_bf16():
+    q, k, v = qkv(t=21, s=29, d=16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = attention(q, k, v, causal=True, softcap=4.0, backend="tiled")
+    assert out.dtype == torch.bfloat16
+    exact, _, _ = naive_attention(
+        *(x.detach().double() for x in (q, k, v)), causal=True, softcap=4.0
+    )
+    low = [x.detach().bfloat16() for x in (q, k, v)]
+    naive_low, _, _ = naive_attention(*low, causal=True, softcap=4.0)
+    error = (out.double() - exact).abs().max()
+    assert error <= 2 * (naive_low.double() - exact).abs().max() + 1e-6
+    out.float().sum().backward()
+    assert q.grad.dtype == torch.float32 and torch.isfinite(q.grad).all()
+
+
+PROBE = textwrap.dedent(
+    """
+    import json, resource, sys, torch
+    from attnkit import attention
+    n, backend = int(sys.argv[1]), sys.argv[2]
+    q, k, v = (torch.randn(1, 1, n, 64, requires_grad=True) for _ in range(3))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    out = attention(q, k, v, causal=True, softcap=30.0, backend=backend)
+    out.sum().backward()
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(json.dumps({"extra_mib": (after - before) / 1024}))
+    """
+)
+
+
+@pytest.mark.slow
+def test_memory_stays_linear_at_large_n():
+    """fwd+bwd at N = 16384: a single (N, N) fp32 score matrix would be 1 GiB; the tiled kernel
+    needs its inputs, outputs and gradients (a few MiB) plus cache-sized blocks."""
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE, "16384", "tiled"], capture_output=True, text=True, check=True
+    )
+    extra = json.loads(done.stdout)["extra_mib"]
+    assert extra < 256, f"peak memory grew by {extra:.0f} MiB"
