@@ -53,7 +53,73 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--normalize", choices=["softmax", "sum"], default="softmax")
     ex.add_argument("--causal", action="store_true", help="each token sees only earlier ones")
     ex.set_defaults(run=_run_explain)
+
+    from attnkit.bench.peers import KERNEL_IMPLS, VARIANTS
+
+    be = commands.add_parser(
+        "bench",
+        help="time attnkit against torch SDPA, nn.MultiheadAttention, FlexAttention and naive",
+        description=(
+            "Measure attnkit's backends and modules side by side with their peers in one run: "
+            "median times interleaved in one process, ratios to torch SDPA, GFLOP/s, the share of "
+            "this machine's matmul throughput, and peak memory per case (each in a subprocess)."
+        ),
+    )
+    be.add_argument("--smoke", action="store_true", help="tiny sizes, every path, in seconds")
+    be.add_argument("--n", type=int, nargs="+", metavar="N", help="sequence lengths")
+    be.add_argument("--b", type=int, help="batch size (kernel cases)")
+    be.add_argument("--h", type=int, help="heads")
+    be.add_argument("--d", type=int, help="head dim")
+    be.add_argument("--dtypes", nargs="+", choices=["fp32", "bf16", "fp16"])
+    be.add_argument("--modes", nargs="+", choices=["fwd", "fwd+bwd"])
+    be.add_argument("--causal", choices=["both", "yes", "no"], default=None)
+    be.add_argument("--impls", nargs="+", choices=list(KERNEL_IMPLS), help="kernel implementations")
+    be.add_argument("--variants", nargs="+", choices=list(VARIANTS), help="score modifiers")
+    be.add_argument("--module", action="store_true", help="add the module cases (projections)")
+    be.add_argument("--module-b", type=int)
+    be.add_argument("--module-n", type=int)
+    be.add_argument("--repeats", type=int, help="timed runs per case (median reported)")
+    be.add_argument("--warmups", type=int)
+    be.add_argument("--timeout", type=float, help="seconds a case may take before it is a timeout")
+    be.add_argument("--out", default="bench-results", help="folder for results.{json,md,png}")
+    be.set_defaults(run=_run_bench)
     return parser
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from attnkit.bench import BenchConfig, run, write
+
+    overrides = {
+        "ns": None if args.n is None else tuple(args.n),
+        "b": args.b,
+        "h": args.h,
+        "d": args.d,
+        "dtypes": None if args.dtypes is None else tuple(args.dtypes),
+        "modes": None if args.modes is None else tuple(args.modes),
+        "causal": {"both": (False, True), "yes": (True,), "no": (False,), None: None}[args.causal],
+        "impls": None if args.impls is None else tuple(args.impls),
+        "variants": None if args.variants is None else tuple(args.variants),
+        "module": args.module or None,
+        "module_b": args.module_b,
+        "module_n": args.module_n,
+        "repeats": args.repeats,
+        "warmups": args.warmups,
+        "timeout_s": args.timeout,
+    }
+    for name in ("n", "b", "h", "d", "module_b", "module_n", "repeats"):
+        values = getattr(args, name)
+        for value in values if isinstance(values, list) else [values]:
+            if value is not None and value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    config = BenchConfig.from_name("smoke", **overrides) if args.smoke else BenchConfig(**overrides)
+    results, info = run(config)
+    written = write(results, info, Path(args.out))
+    print(Path(written["markdown"]).read_text())
+    print("wrote " + ", ".join(str(p) for p in written.values()))
+    return 0
 
 
 def _run_explain(args: argparse.Namespace) -> int:

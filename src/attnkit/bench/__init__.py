@@ -1,0 +1,157 @@
+"""``attnkit bench``: attnkit side by side with its peers, in one run on this machine.
+
+Each case first runs once in a fresh subprocess, which measures its peak memory (and finds the
+cases that run out of memory or time: they are reported as such, not dropped). Then, per row of the
+report (same N, dtype, mask and mode), the implementations are timed interleaved in this process and
+compared as ratios. See ``shared/BENCHMARKING.md`` for why.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from itertools import product
+from typing import ClassVar, TextIO
+
+from attnkit.bench.measure import Result, matmul_gflops, probe_memory, time_interleaved
+from attnkit.bench.peers import KERNEL_IMPLS, MODULE_IMPLS, Case, prepare, supported
+from attnkit.bench.report import machine, write
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What to measure. ``ns`` are sequence lengths; the module cases use ``module_b`` x
+    ``module_n`` tokens of width ``h * d`` (768 by default, as in GPT-2 small)."""
+
+    ns: tuple[int, ...] = (1024, 4096, 16384)
+    dtypes: tuple[str, ...] = ("fp32", "bf16")
+    modes: tuple[str, ...] = ("fwd", "fwd+bwd")
+    causal: tuple[bool, ...] = (False, True)
+    impls: tuple[str, ...] = KERNEL_IMPLS
+    variants: tuple[str, ...] = ("plain",)
+    b: int = 1
+    h: int = 12
+    d: int = 64
+    module: bool = False  # add the module cases (projections included)
+    module_b: int = 8
+    module_n: int = 1024
+    repeats: int = 5  # timed runs per case, interleaved; the median is reported
+    warmups: int = 2
+    timeout_s: float = 600.0  # per case, for its memory probe; longer counts as "timeout"
+    slow_s: float = 60.0  # a case whose single run takes longer is timed once, not repeated
+    matmul_max: int = 4096  # the largest size^3 product that measures the matmul throughput
+
+    PRESETS: ClassVar[dict[str, dict]] = {
+        # tiny shapes that exercise every path in seconds (the test suite runs it)
+        "smoke": {
+            "ns": (48,),
+            "dtypes": ("fp32",),
+            "causal": (True,),
+            "impls": tuple(i for i in KERNEL_IMPLS if i != "flex-compiled"),  # compiles for ~10 s
+            "h": 2,
+            "d": 16,
+            "module": True,
+            "module_b": 2,
+            "module_n": 32,
+            "variants": ("plain", "alibi"),
+            "repeats": 1,
+            "warmups": 1,
+            "matmul_max": 512,
+        },
+    }
+
+    @classmethod
+    def from_name(cls, name: str, **overrides) -> BenchConfig:
+        return cls(**{**cls.PRESETS[name], **overrides})
+
+    def cases(self) -> list[Case]:
+        shape = {"b": self.b, "h": self.h, "d": self.d}
+        cases = []
+        for variant, n, dtype, causal, mode, impl in product(
+            self.variants, self.ns, self.dtypes, self.causal, self.modes, self.impls
+        ):
+            if variant != "plain" and impl in ("attnkit-auto", "torch-sdpa-math"):
+                continue  # the modifier rows compare naive, SDPA (dense mask), flex and tiled
+            cases.append(Case(impl, n, dtype, causal, mode, variant, **shape))
+        if self.module:
+            module_shape = {"b": self.module_b, "h": self.h, "d": self.d}
+            for dtype, causal, impl in product(self.dtypes, self.causal, MODULE_IMPLS):
+                cases.append(
+                    Case(impl, self.module_n, dtype, causal, "fwd", group="module", **module_shape)
+                )
+        return cases
+
+
+@dataclass
+class Progress:
+    """A one-line progress bar on stderr."""
+
+    total: int
+    stream: TextIO = field(default_factory=lambda: sys.stderr)
+    done: int = 0
+    started: float = field(default_factory=time.perf_counter)
+
+    def step(self, label: str = "") -> None:
+        before = 10 * self.done // max(self.total, 1)
+        self.done += 1
+        width = 28
+        filled = width * self.done // max(self.total, 1)
+        elapsed = time.perf_counter() - self.started
+        line = f"[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} {elapsed:6.0f} s"
+        if self.stream.isatty():
+            end = "\n" if self.done >= self.total else ""
+            self.stream.write(f"\r{line}  {label[:48]:<48}{end}")
+        elif 10 * self.done // max(self.total, 1) > before:  # a log: one line per tenth
+            self.stream.write(f"{line}  {label}\n")
+        self.stream.flush()
+
+
+def run(config: BenchConfig, progress_stream: TextIO | None = None) -> tuple[list[Result], dict]:
+    """Probe every case's memory, then time the cases of each report row interleaved."""
+    cases = config.cases()
+    stream = progress_stream or sys.stderr
+    progress = Progress(len(cases) * (1 + config.warmups + config.repeats), stream)
+
+    results: list[Result] = []
+    for case in cases:
+        reason = supported(case)
+        result = Result(case, status=reason) if reason else probe_memory(case, config.timeout_s)
+        results.append(result)
+        progress.step(f"memory {case.label} N={case.n} {case.dtype} {case.mode}")
+
+    rows: dict[tuple, list[Result]] = defaultdict(list)
+    for result in results:
+        rows[result.case.key()].append(result)
+    for row in rows.values():
+        runnable = []
+        for result in row:
+            rounds = config.warmups + config.repeats
+            if result.status != "ok":
+                progress.done += rounds
+            elif result.first_call_s is not None and result.first_call_s > config.slow_s:
+                result.times.append(result.first_call_s)  # too slow to repeat: its one run
+                result.status = "ok"
+                progress.done += rounds
+            else:
+                runnable.append((result, prepare(result.case)))
+        time_interleaved(runnable, config.repeats, config.warmups, progress.step)
+    progress.done = progress.total - 1
+    progress.step("done")
+
+    matmul = {
+        dtype: matmul_gflops(Case("", 0, dtype, False, "").torch_dtype, config.matmul_max)
+        for dtype in config.dtypes
+    }
+    info = {
+        "machine": machine(),
+        "matmul": matmul,
+        "repeats": config.repeats,
+        "warmups": config.warmups,
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    return results, info
+
+
+__all__ = ["BenchConfig", "Progress", "Result", "run", "write"]

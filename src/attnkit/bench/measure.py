@@ -1,0 +1,133 @@
+"""How ``attnkit bench`` measures: peak memory of each case in a fresh subprocess, then the times of
+all cases that ran, interleaved in this process (A B C A B C ...), median after warm-ups.
+
+Run as ``python -m attnkit.bench.measure '<case json>'`` it is the memory probe: it runs one case
+once and prints ``{"status", "peak_mib", "seconds"}`` as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from attnkit.bench.peers import Case, prepare
+
+# The probe caps its address space so that running out of memory raises instead of summoning the
+# kernel's OOM killer; 85% of the machine's memory.
+_MEMORY_CAP = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 0.85)
+
+
+@dataclass
+class Result:
+    """What is known of one case: its status ("ok", "oom", "timeout", "n/a: ...", "error: ..."),
+    its peak extra memory and its timed runs (seconds)."""
+
+    case: Case
+    status: str = "ok"
+    peak_mib: float | None = None
+    first_call_s: float | None = None
+    times: list[float] = field(default_factory=list)
+
+    @property
+    def median_s(self) -> float | None:
+        return statistics.median(self.times) if self.times else None
+
+
+def probe_memory(case: Case, timeout_s: float) -> Result:
+    """Run ``case`` once in a fresh interpreter; its peak RSS growth over the set-up is the peak
+    extra memory. The first call includes any compilation, so it is reported apart."""
+    command = [sys.executable, "-m", "attnkit.bench.measure", json.dumps(case.to_json())]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return Result(case, status=f"timeout (> {timeout_s:.0f} s)")
+    if done.returncode < 0:  # killed by a signal: the OOM killer, in practice
+        return Result(case, status="oom (killed)")
+    try:
+        report = json.loads(done.stdout.strip().splitlines()[-1])
+    except (json.JSONDecodeError, IndexError):
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        return Result(case, status=f"error: {last[:120]}")
+    return Result(
+        case, status=report["status"], peak_mib=report["peak_mib"], first_call_s=report["seconds"]
+    )
+
+
+def _probe_main(case_json: str) -> None:
+    resource.setrlimit(resource.RLIMIT_AS, (_MEMORY_CAP, _MEMORY_CAP))
+    torch.manual_seed(0)
+    case = Case(**json.loads(case_json))
+    try:
+        run = prepare(case)
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        start = time.perf_counter()
+        run()
+        seconds = time.perf_counter() - start
+        after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        report = {"status": "ok", "peak_mib": (after - before) / 1024, "seconds": seconds}
+    except (RuntimeError, MemoryError) as err:
+        out_of_memory = isinstance(err, MemoryError) or "memory" in str(err).lower()
+        status = "oom" if out_of_memory else f"error: {str(err).splitlines()[0][:120]}"
+        report = {"status": status, "peak_mib": None, "seconds": None}
+    print(json.dumps(report))
+
+
+def time_interleaved(
+    runs: Sequence[tuple[Result, Callable[[], object]]],
+    repeats: int,
+    warmups: int,
+    on_step: Callable[[], None] = lambda: None,
+) -> None:
+    """Warm every case up, then time them in turns, ``repeats`` rounds; appends to ``Result.times``.
+    A case that raises is marked with the error and leaves the rotation."""
+    active = list(runs)
+    for round_ in range(warmups + repeats):
+        for result, run in list(active):
+            start = time.perf_counter()
+            try:
+                run()
+            except (RuntimeError, MemoryError) as err:
+                result.status = f"error: {str(err).splitlines()[0][:120]}"
+                result.times.clear()
+                active.remove((result, run))
+                continue
+            if round_ >= warmups:
+                result.times.append(time.perf_counter() - start)
+            on_step()
+
+
+def matmul_gflops(
+    dtype: torch.dtype, max_size: int = 4096, budget_s: float = 2.0
+) -> tuple[int, float]:
+    """This machine's matmul throughput in ``dtype``: ``size^3`` products, ``size`` doubled up to
+    ``max_size`` while one product takes under ``budget_s`` (half-precision products without
+    hardware support can be ~400x slower than float32). Returns ``(size, GFLOP/s)``, median of 3."""
+    size, best = 256, (256, 0.0)
+    while size <= max_size:
+        a = torch.randn(size, size, dtype=dtype)
+        start = time.perf_counter()
+        a @ a
+        first = time.perf_counter() - start
+        timings = []
+        for _ in range(3):
+            start = time.perf_counter()
+            a @ a
+            timings.append(time.perf_counter() - start)
+        best = (size, 2 * size**3 / statistics.median(timings) / 1e9)
+        if first * 8 > budget_s:  # the next size takes 8x longer
+            break
+        size *= 2
+    return best
+
+
+if __name__ == "__main__":
+    _probe_main(sys.argv[1])

@@ -1,0 +1,96 @@
+"""`attnkit bench`: the whole pipeline at smoke sizes (no timing is asserted), and its parts."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import torch
+
+from attnkit.bench import BenchConfig, Progress, run
+from attnkit.bench.measure import Result, matmul_gflops, probe_memory, time_interleaved
+from attnkit.bench.peers import Case
+from attnkit.bench.report import markdown, rows
+from attnkit.cli import main
+
+
+def test_smoke_runs_end_to_end(tmp_path, capsys):
+    assert main(["bench", "--smoke", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "| kernel case | implementation | median ms | vs torch-sdpa |" in out
+    assert "| module case | implementation | median ms | vs torch-mha |" in out
+    data = json.loads((tmp_path / "results.json").read_text())
+    records = data["results"]
+    impls = {r["impl"] for r in records}
+    assert {"naive", "torch-sdpa", "attnkit-tiled", "torch-mha", "attnkit-mha"} <= impls
+    for r in records:
+        assert r["status"] == "ok" or r["status"].startswith("n/a"), r
+        if r["status"] == "ok":
+            assert r["median_ms"] > 0 and r["peak_mib"] is not None and r["gflops"] > 0
+    sdpa = [r for r in records if r["impl"] == "torch-sdpa" and r["status"] == "ok"]
+    assert all(r["vs_baseline"] == 1.0 for r in sdpa)
+    assert data["info"]["machine"]["torch"] == torch.__version__
+    assert (tmp_path / "results.md").read_text().startswith("Machine: ")
+    assert (tmp_path / "results.png").stat().st_size > 10_000
+
+
+def test_a_case_over_its_time_budget_is_reported_not_dropped():
+    case = Case("naive", 64, "fp32", False, "fwd", h=1, d=8)
+    result = probe_memory(case, timeout_s=0.01)
+    assert result.status.startswith("timeout")
+
+
+def test_a_case_that_raises_is_marked_and_leaves_the_rotation():
+    ok, bad = Result(Case("a", 1, "fp32", False, "fwd")), Result(Case("b", 1, "fp32", False, "fwd"))
+
+    def boom():
+        raise RuntimeError("DefaultCPUAllocator: not enough memory")
+
+    time_interleaved([(ok, lambda: None), (bad, boom)], repeats=3, warmups=1)
+    assert len(ok.times) == 3 and not bad.times
+    assert bad.status == "error: DefaultCPUAllocator: not enough memory"
+
+
+def test_out_of_memory_row_in_the_report():
+    case = Case("naive", 16384, "fp32", False, "fwd")
+    table = rows([Result(case, status="oom")], {"fp32": (4096, 200.0)})
+    text = markdown(table, {"machine": {"cpu": "x", "torch_threads": 2, "torch": "t", "cpu_capability": "c"},
+                            "matmul": {"fp32": (4096, 200.0)}, "repeats": 5, "warmups": 2})  # fmt: skip
+    assert "| full fp32 fwd N=16384 | naive | oom |" in text
+
+
+def test_matmul_throughput_is_positive():
+    size, gflops = matmul_gflops(torch.float32, max_size=256)
+    assert size == 256 and gflops > 0
+
+
+def test_progress_logs_tenths_when_not_a_terminal():
+    stream = io.StringIO()
+    progress = Progress(20, stream)
+    for _ in range(20):
+        progress.step("x")
+    assert stream.getvalue().count("\n") == 10
+
+
+def test_config_presets_and_cases():
+    smoke = BenchConfig.from_name("smoke")
+    assert smoke.ns == (48,) and smoke.module
+    cases = BenchConfig(ns=(1024,), dtypes=("fp32",), modes=("fwd",), causal=(True,)).cases()
+    assert [c.impl for c in cases][:2] == ["naive", "torch-sdpa"] and all(
+        c.n == 1024 for c in cases
+    )
+
+
+def test_bad_bench_arguments_exit_2(capsys):
+    assert main(["bench", "--n", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "attnkit: error: --n must be >= 1, got 0"
+
+
+def test_run_returns_results_for_every_case(tmp_path):
+    config = BenchConfig(
+        ns=(32,), dtypes=("fp32",), modes=("fwd",), causal=(False,),
+        impls=("torch-sdpa", "flex-compiled"), h=1, d=8, repeats=1, warmups=0, matmul_max=256,
+    )  # fmt: skip
+    results, info = run(config, io.StringIO())
+    assert [r.case.impl for r in results] == ["torch-sdpa", "flex-compiled"]
+    assert info["matmul"]["fp32"][0] == 256
