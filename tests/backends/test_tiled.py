@@ -166,3 +166,16 @@ def test_memory_stays_linear_at_large_n():
     )
     extra = json.loads(done.stdout)["extra_mib"]
     assert extra < 256, f"peak memory grew by {extra:.0f} MiB"
+
+
+def test_a_row_whose_first_key_blocks_are_masked_keeps_exact_statistics():
+    """The running max must stay -inf while a row has seen no key: were it reset to 0, scores of
+    -2000 in a later block would underflow to exp() = 0 and the row would come out empty."""
+    q = torch.full((1, 1, 3, 4), 10.0)
+    k = torch.full((1, 1, 20, 4), -50.0)  # every score is 10 * -50 * 4 / 2 = -1000
+    v = torch.randn(1, 1, 20, 4)
+    key_mask = torch.zeros(1, 20, dtype=torch.bool)
+    key_mask[0, 15:] = True  # the first two blocks of 7 keys are padding
+    out, lse = attention(q, k, v, key_mask=key_mask, return_lse=True, backend="tiled")
+    torch.testing.assert_close(out[0, 0], v[0, 0, 15:].mean(0).expand(3, 4))
+    torch.testing.assert_close(lse, torch.full((1, 1, 3), -1000.0 + torch.log(torch.tensor(5.0))))

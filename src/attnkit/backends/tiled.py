@@ -150,16 +150,14 @@ def _forward(q5: Tensor, k: Tensor, v: Tensor, plan: _Plan) -> tuple[Tensor, Ten
         for j0, j1, window in plan.key_blocks(i0, i1):
             scores, _ = plan.scores(q_blk, k[:, :, j0:j1], i0, i1, j0, j1, window)
             new_max = torch.maximum(row_max, scores.amax(dim=-1, keepdim=True))
-            shift = new_max.masked_fill_(new_max == _NEG_INF, 0.0)  # rows with no key yet: 0
+            shift = new_max.masked_fill(new_max == _NEG_INF, 0.0)  # a row with no key yet: 0
             probs = scores.sub_(shift).exp_()  # (b, h_kv, g, bq, bk), unnormalised
-            rescale = row_max.sub_(
-                shift
-            ).exp_()  # exp(m_old - m_new): how much the old terms shrink
+            rescale = torch.exp(row_max - shift)  # how much the old terms shrink
             row_sum.mul_(rescale).add_(probs.sum(dim=-1, keepdim=True))
             acc.mul_(rescale)
             p_3d = probs.view(b * h_kv, g * bq, -1).to(plan.matmul_dtype)
             _add_matmul(acc_3d, p_3d, _flat(v[:, :, j0:j1]))  # += P V
-            row_max = shift
+            row_max = new_max  # stays -inf until the row meets a key
         empty = row_sum == 0  # no allowed key: output 0, lse -inf
         out[:, :, :, i0:i1] = acc / row_sum.masked_fill(empty, 1.0)
         lse[:, :, :, i0:i1] = (row_max + row_sum.log()).masked_fill(empty, _NEG_INF).squeeze(-1)
