@@ -9,29 +9,34 @@ from attnkit import attention
 from attnkit.backends import AUTO_ORDER, BACKENDS, Request, resolve_backend
 from attnkit.masks import Masks
 
+SHAPES = ((1, 12, 1024, 64), (1, 12, 1024, 64))  # q and k
+
 
 def request(**options) -> Request:
     return Request(masks=Masks(), scale=1.0, **options)
 
 
 def test_auto_picks_sdpa_for_plain_attention():
-    assert resolve_backend("auto", request()).name == "sdpa"
+    assert resolve_backend("auto", request(), *SHAPES).name == "sdpa"
 
 
 @pytest.mark.parametrize("option", ["return_weights", "return_lse", "softcap"])
 def test_auto_picks_tiled_for_what_sdpa_cannot_do(option):
     value = 5.0 if option == "softcap" else True
-    assert resolve_backend("auto", request(**{option: value})).name == "tiled"
+    assert resolve_backend("auto", request(**{option: value}), *SHAPES).name == "tiled"
 
 
 def test_auto_picks_reference_for_dropout_with_weights():
-    assert resolve_backend("auto", request(dropout_p=0.1, return_weights=True)).name == "reference"
+    assert (
+        resolve_backend("auto", request(dropout_p=0.1, return_weights=True), *SHAPES).name
+        == "reference"
+    )
 
 
 def test_every_backend_supports_at_least_plain_attention():
     assert set(AUTO_ORDER) == set(BACKENDS)
     for backend in BACKENDS.values():
-        assert resolve_backend(backend.name, request()) is backend
+        assert resolve_backend(backend.name, request(), *SHAPES) is backend
 
 
 @pytest.mark.parametrize(
@@ -68,3 +73,22 @@ def test_tiled_refuses_dropout_and_mask_gradients():
     bias = torch.zeros(3, 3, requires_grad=True)
     with pytest.raises(ValueError, match="backend 'tiled' does not support attn_mask_grad"):
         attention(q, k, v, backend="tiled", attn_mask=bias)
+
+
+def test_auto_takes_tiled_for_a_narrow_window():
+    narrow = Request(masks=Masks(window=(255, 0)), scale=1.0)
+    assert resolve_backend("auto", narrow, *SHAPES).name == "tiled"  # sees 256 of 1024 keys
+    wide = Request(masks=Masks(window=(600, 0)), scale=1.0)
+    assert resolve_backend("auto", wide, *SHAPES).name == "sdpa"
+    assert (
+        resolve_backend("auto", Request(masks=Masks(window=(-1, 0)), scale=1.0), *SHAPES).name
+        == "sdpa"
+    )
+
+
+def test_auto_takes_tiled_rather_than_a_huge_dense_alibi_mask():
+    slopes = Request(masks=Masks(window=(-1, 0)), scale=1.0, alibi_slopes=torch.ones(12))
+    long = ((1, 12, 2048, 64), (1, 12, 2048, 64))
+    assert resolve_backend("auto", slopes, *long).name == "tiled"  # 12 x 2048^2 > 2^24
+    small = ((1, 2, 64, 16), (1, 2, 64, 16))
+    assert resolve_backend("auto", slopes, *small).name == "sdpa"

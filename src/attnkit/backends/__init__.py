@@ -15,8 +15,12 @@ return_weights          yes        no    yes    tiled: recomputed from the lse, 
 memory                  O(t s)     O(t s) with a mask    O((t + s) d)
 ======================  =========  ====  =====  =====
 
-``"auto"`` takes the first backend of :data:`AUTO_ORDER` that supports every option in use. A backend
-named explicitly that cannot do what was asked raises, naming the option; nothing falls back silently.
+``"auto"`` takes the first backend of :data:`AUTO_ORDER` that supports every option in use, with one
+exception measured with ``attnkit bench``: where SDPA would compute every score of a sliding window
+that shows each query at most a quarter of the keys, or would need a dense ALiBi/window mask of more
+than :data:`DENSE_MASK_LIMIT` elements, the tiled kernel is both faster and lighter, so it is taken.
+A backend named explicitly that cannot do what was asked raises, naming the option; nothing falls
+back silently.
 """
 
 from __future__ import annotations
@@ -39,17 +43,40 @@ BACKENDS: dict[str, Backend] = {
 AUTO_ORDER: tuple[str, ...] = ("sdpa", "tiled", "reference")
 
 
-def resolve_backend(name: str, request: Request) -> Backend:
-    """The backend that will run ``request``: ``name`` itself, or the first capable one for "auto".
+# The largest mask SDPA is given to materialise (elements; 64 MiB of float32) before "auto" prefers
+# the tiled kernel, which needs none.
+DENSE_MASK_LIMIT = 2**24
+
+
+def _tiled_beats_sdpa(request: Request, t: int, s: int, h: int) -> bool:
+    """Whether SDPA would waste work or memory on a mask the tiled kernel handles block by block."""
+    window = request.masks.window
+    limited = window is not None and window != (-1, 0)  # a window, not just causal
+    if limited:
+        left, right = window
+        visible = (left if left >= 0 else s) + (right if right >= 0 else s) + 1
+        if 4 * visible <= s:  # SDPA computes every score, the tiled kernel about visible / s
+            return True
+    dense = limited or request.alibi_slopes is not None or (window == (-1, 0) and t != s)
+    mask_elements = t * s * (h if request.alibi_slopes is not None else 1)
+    return dense and mask_elements > DENSE_MASK_LIMIT
+
+
+def resolve_backend(
+    name: str, request: Request, q_shape: tuple[int, ...], k_shape: tuple[int, ...]
+) -> Backend:
+    """The backend that will run ``request`` on ``q`` and ``k`` of these shapes: ``name`` itself,
+    or for "auto" the fastest capable one.
 
     Raises:
         ValueError: ``name`` is unknown, or the named backend cannot do an option in use.
     """
     if name == "auto":
-        for candidate in AUTO_ORDER:
-            if request.options <= BACKENDS[candidate].supports:
-                return BACKENDS[candidate]
-        raise ValueError(f"no backend supports {sorted(request.options)}")  # pragma: no cover
+        capable = [n for n in AUTO_ORDER if request.options <= BACKENDS[n].supports]
+        _, h, t, _ = q_shape
+        if capable[:2] == ["sdpa", "tiled"] and _tiled_beats_sdpa(request, t, k_shape[-2], h):
+            return BACKENDS["tiled"]
+        return BACKENDS[capable[0]]
     if name not in BACKENDS:
         choices = ", ".join(repr(n) for n in ("auto", *BACKENDS))
         raise ValueError(f"unknown backend {name!r}; choose one of {choices}")
@@ -67,6 +94,7 @@ def resolve_backend(name: str, request: Request) -> Backend:
 __all__ = [
     "AUTO_ORDER",
     "BACKENDS",
+    "DENSE_MASK_LIMIT",
     "AttentionOutput",
     "Backend",
     "BackendFn",
