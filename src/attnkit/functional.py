@@ -100,6 +100,6 @@ def attention(
         return_lse=return_lse,
         return_weights=return_weights,
     )
-    out, lse, weights = resolve_backend(backend, request, q.shape, k.shape).fn(q, k, v, request)
+    out, lse, weights = resolve_backend(backend, request, q, k, v).fn(q, k, v, request)
     extras = [x for x, asked in ((lse, return_lse), (weights, return_weights)) if asked]
     return (out, *extras) if extras else out

@@ -6,10 +6,15 @@ import pytest
 import torch
 
 from attnkit import attention
-from attnkit.backends import AUTO_ORDER, BACKENDS, Request, resolve_backend
+from attnkit.backends import AUTO_ORDER, BACKENDS, Request, resolve_backend, tiled
 from attnkit.masks import Masks
 
-SHAPES = ((1, 12, 1024, 64), (1, 12, 1024, 64))  # q and k
+
+def qkv(n=1024, h=12, dtype=torch.float32, requires_grad=False):
+    return [torch.empty(1, h, n, 64, dtype=dtype, requires_grad=requires_grad) for _ in range(3)]
+
+
+SHAPES = qkv()
 
 
 def request(**options) -> Request:
@@ -88,7 +93,23 @@ def test_auto_takes_tiled_for_a_narrow_window():
 
 def test_auto_takes_tiled_rather_than_a_huge_dense_alibi_mask():
     slopes = Request(masks=Masks(window=(-1, 0)), scale=1.0, alibi_slopes=torch.ones(12))
-    long = ((1, 12, 2048, 64), (1, 12, 2048, 64))
+    long = qkv(n=2048)
     assert resolve_backend("auto", slopes, *long).name == "tiled"  # 12 x 2048^2 > 2^24
-    small = ((1, 2, 64, 16), (1, 2, 64, 16))
+    small = qkv(n=64, h=2)
     assert resolve_backend("auto", slopes, *small).name == "sdpa"
+
+
+def test_auto_takes_tiled_for_half_precision_training_without_fast_half_products(monkeypatch):
+    plain = Request(masks=Masks(), scale=1.0)
+    monkeypatch.setattr(tiled, "_fast_half_matmul", lambda dtype, device: False)
+    assert (
+        resolve_backend("auto", plain, *qkv(dtype=torch.bfloat16, requires_grad=True)).name
+        == "tiled"
+    )
+    assert resolve_backend("auto", plain, *qkv(dtype=torch.bfloat16)).name == "sdpa"  # inference
+    assert resolve_backend("auto", plain, *qkv(requires_grad=True)).name == "sdpa"  # fp32
+    monkeypatch.setattr(tiled, "_fast_half_matmul", lambda dtype, device: True)
+    assert (
+        resolve_backend("auto", plain, *qkv(dtype=torch.bfloat16, requires_grad=True)).name
+        == "sdpa"
+    )

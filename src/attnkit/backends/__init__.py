@@ -16,14 +16,19 @@ memory                  O(t s)     O(t s) with a mask    O((t + s) d)
 ======================  =========  ====  =====  =====
 
 ``"auto"`` takes the first backend of :data:`AUTO_ORDER` that supports every option in use, with one
-exception measured with ``attnkit bench``: where SDPA would compute every score of a sliding window
-that shows each query at most a quarter of the keys, or would need a dense ALiBi/window mask of more
-than :data:`DENSE_MASK_LIMIT` elements, the tiled kernel is both faster and lighter, so it is taken.
+exception measured with ``attnkit bench``: the tiled kernel is taken where SDPA would compute every
+score of a sliding window that shows each query at most a quarter of the keys, where it would need a
+dense ALiBi/window mask of more than :data:`DENSE_MASK_LIMIT` elements, and for half-precision
+inputs that need gradients on a CPU without fast half-precision products (SDPA's backward there ran
+4x slower than the tiled kernel's at N=4096).
 A backend named explicitly that cannot do what was asked raises, naming the option; nothing falls
 back silently.
 """
 
 from __future__ import annotations
+
+import torch
+from torch import Tensor
 
 from attnkit.backends import reference, sdpa, tiled
 from attnkit.backends.base import AttentionOutput, Backend, BackendFn, Request
@@ -48,8 +53,14 @@ AUTO_ORDER: tuple[str, ...] = ("sdpa", "tiled", "reference")
 DENSE_MASK_LIMIT = 2**24
 
 
-def _tiled_beats_sdpa(request: Request, t: int, s: int, h: int) -> bool:
-    """Whether SDPA would waste work or memory on a mask the tiled kernel handles block by block."""
+def _tiled_beats_sdpa(request: Request, q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether SDPA would waste work or memory where the tiled kernel would not."""
+    _, h, t, _ = q.shape
+    s = k.shape[-2]
+    half = q.dtype in (torch.bfloat16, torch.float16)
+    wants_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
+    if half and wants_grad and not tiled._fast_half_matmul(q.dtype, q.device):
+        return True
     window = request.masks.window
     limited = window is not None and window != (-1, 0)  # a window, not just causal
     if limited:
@@ -62,19 +73,16 @@ def _tiled_beats_sdpa(request: Request, t: int, s: int, h: int) -> bool:
     return dense and mask_elements > DENSE_MASK_LIMIT
 
 
-def resolve_backend(
-    name: str, request: Request, q_shape: tuple[int, ...], k_shape: tuple[int, ...]
-) -> Backend:
-    """The backend that will run ``request`` on ``q`` and ``k`` of these shapes: ``name`` itself,
-    or for "auto" the fastest capable one.
+def resolve_backend(name: str, request: Request, q: Tensor, k: Tensor, v: Tensor) -> Backend:
+    """The backend that will run ``request`` on ``q``, ``k``, ``v``: ``name`` itself, or for
+    "auto" the fastest capable one.
 
     Raises:
         ValueError: ``name`` is unknown, or the named backend cannot do an option in use.
     """
     if name == "auto":
         capable = [n for n in AUTO_ORDER if request.options <= BACKENDS[n].supports]
-        _, h, t, _ = q_shape
-        if capable[:2] == ["sdpa", "tiled"] and _tiled_beats_sdpa(request, t, k_shape[-2], h):
+        if capable[:2] == ["sdpa", "tiled"] and _tiled_beats_sdpa(request, q, k, v):
             return BACKENDS["tiled"]
         return BACKENDS[capable[0]]
     if name not in BACKENDS:
