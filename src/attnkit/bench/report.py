@@ -121,20 +121,27 @@ def plot(records: list[dict], path: Path) -> bool:
     panels = sorted({(r["dtype"], r["mode"], r["causal"]) for r in kernel})
     if not panels:
         return False
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 4), squeeze=False)
-    for ax, (dtype, mode, causal) in zip(axes[0], panels):
+    cols = min(4, len(panels))
+    grid_rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(grid_rows, cols, figsize=(4.5 * cols, 4 * grid_rows), squeeze=False)
+    for ax in axes.flat[len(panels) :]:
+        ax.set_visible(False)
+    impls = sorted({r["impl"] for r in kernel})
+    colors = {impl: f"C{i}" for i, impl in enumerate(impls)}  # one colour per peer in every panel
+    for ax, (dtype, mode, causal) in zip(axes.flat, panels):
         lines = defaultdict(list)
         for r in kernel:
             if (r["dtype"], r["mode"], r["causal"]) == (dtype, mode, causal) and r["median_ms"]:
                 lines[r["impl"]].append((r["n"], r["median_ms"]))
         for impl, points in sorted(lines.items()):
             ns, ms = zip(*sorted(points))
-            ax.plot(ns, ms, marker="o", label=impl)
+            ax.plot(ns, ms, marker="o", label=impl, color=colors[impl])
         ax.set(xscale="log", yscale="log", xlabel="N", ylabel="median ms")
         ax.set_title(f"{dtype} {mode} {'causal' if causal else 'full'}")
         ax.grid(True, which="both", alpha=0.3)
-    axes[0][0].legend(fontsize="small")
-    fig.tight_layout()
+    handles = [plt.Line2D([], [], color=colors[i], marker="o", label=i) for i in impls]
+    fig.legend(handles=handles, loc="lower center", ncols=len(impls), fontsize="small")
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
