@@ -30,7 +30,6 @@ import torch
 from torch import Tensor
 
 from attnkit.backends.base import AttentionOutput, Request
-from attnkit.masks import query_positions
 
 BLOCK_Q = 256  # query rows per block
 BLOCK_K = 512  # keys per block: a (12 heads, 256, 512) fp32 score block is 6 MB, cache-resident
@@ -100,10 +99,11 @@ class _Plan:
             capped = torch.tanh(scores / req.softcap)
             scores = capped * req.softcap
         if req.alibi_slopes is not None:
-            slopes = req.alibi_slopes.to(self.stats_dtype).view(h_kv, g, 1, 1)
-            q_pos = query_positions(self.t, self.s, q_blk.device)[i0:i1]
-            distance = q_pos[:, None] - torch.arange(j0, j1, device=q_blk.device)  # (bq, bk)
-            scores = scores - slopes * distance.abs().to(self.stats_dtype)
+            neg_slopes = -req.alibi_slopes.to(self.stats_dtype).view(h_kv, g, 1, 1)
+            factory = {"device": q_blk.device, "dtype": self.stats_dtype}
+            q_pos = torch.arange(i0, i1, **factory) + (self.s - self.t)  # p(i)
+            distance = (q_pos[:, None] - torch.arange(j0, j1, **factory)).abs_()  # (bq, bk)
+            scores = scores.addcmul_(neg_slopes, distance)  # one pass: score -= slope |p(i) - j|
         bias = req.masks.bias()
         if bias is not None:
             block = bias[..., i0:i1, :] if bias.dim() >= 2 and bias.shape[-2] != 1 else bias
