@@ -57,8 +57,9 @@ def test_masks_combine_and_slice_into_blocks():
     assert torch.equal(full.expand(1, 1, 3, 5), expected)
     block = masks.allowed(3, 5, torch.device("cpu"), rows=slice(1, 3), cols=slice(0, 2))
     assert torch.equal(block.expand(1, 1, 2, 2), expected[..., 1:3, 0:2])
-    assert masks.bias() is attn_mask
-    assert Masks().allowed(3, 5, torch.device("cpu")) is None and Masks().is_empty
+    assert torch.equal(masks.bias(), attn_mask)
+    assert torch.equal(masks.bias(slice(1, 3), slice(0, 2)), attn_mask[..., 1:3, 0:2])
+    assert Masks().allowed(3, 5, torch.device("cpu")) is None and Masks().bias() is None
 
 
 def test_alibi_slopes_are_the_standard_geometric_ones():

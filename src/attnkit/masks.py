@@ -126,17 +126,13 @@ class Masks:
     attn_mask: Tensor | None = None
 
     @property
-    def is_empty(self) -> bool:
-        return self.window is None and self.key_mask is None and self.attn_mask is None
-
-    @property
     def is_causal_only(self) -> bool:
         return self.window == (-1, 0) and self.key_mask is None and self.attn_mask is None
 
-    def bias(self) -> Tensor | None:
-        """The float ``attn_mask`` to add to the scores, or None."""
+    def bias(self, rows: slice = slice(None), cols: slice = slice(None)) -> Tensor | None:
+        """The float ``attn_mask`` to add to the scores (or its block ``rows x cols``), or None."""
         m = self.attn_mask
-        return m if m is not None and m.dtype != torch.bool else None
+        return _block(m, rows, cols) if m is not None and m.dtype != torch.bool else None
 
     def allowed(
         self,

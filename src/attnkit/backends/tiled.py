@@ -104,11 +104,9 @@ class _Plan:
             q_pos = torch.arange(i0, i1, **factory) + (self.s - self.t)  # p(i)
             distance = (q_pos[:, None] - torch.arange(j0, j1, **factory)).abs_()  # (bq, bk)
             scores = scores.addcmul_(neg_slopes, distance)  # one pass: score -= slope |p(i) - j|
-        bias = req.masks.bias()
+        bias = req.masks.bias(slice(i0, i1), slice(j0, j1))
         if bias is not None:
-            block = bias[..., i0:i1, :] if bias.dim() >= 2 and bias.shape[-2] != 1 else bias
-            block = block[..., j0:j1] if block.shape[-1] != 1 else block
-            scores = scores + _by_group(block.to(self.stats_dtype), h_kv, g)
+            scores = scores + _by_group(bias.to(self.stats_dtype), h_kv, g)
         allowed = req.masks.allowed(
             self.t, self.s, q_blk.device, slice(i0, i1), slice(j0, j1), with_window=window
         )
