@@ -141,3 +141,9 @@ def test_alibi_slopes_one_per_head():
         ValueError, match=r"alibi_slopes must have shape \(heads,\) = \(2,\), got \(3,\)"
     ):
         attention(q, k, v, alibi_slopes=torch.ones(3))
+
+
+def test_alibi_slopes_on_another_device():
+    q, k, v = qkv(h=2)
+    with pytest.raises(ValueError, match="alibi_slopes is on meta but q is on cpu"):
+        attention(q, k, v, alibi_slopes=torch.ones(2, device="meta"))

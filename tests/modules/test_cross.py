@@ -101,3 +101,19 @@ def test_additive_attention_matches_float64_reference(steps, separate_values, ma
 def test_bad_input(call, error, message):
     with pytest.raises(error, match=message):
         call()
+
+
+def test_inputs_must_match_the_parameters():
+    module = CrossAttention(4, 6, 8, 2)
+    with pytest.raises(
+        ValueError, match="memory is on meta but the module's parameters are on cpu"
+    ):
+        module(torch.randn(2, 3, 4), torch.randn(2, 5, 6, device="meta"))
+    with pytest.raises(
+        TypeError, match=r"x has dtype torch.float64 but the module's parameters are torch.float32"
+    ):
+        module(torch.randn(2, 3, 4, dtype=torch.float64), torch.randn(2, 5, 6))
+    with pytest.raises(
+        ValueError, match=r"values must be \(batch, keys, d_v\), got shape \(7, 5\)"
+    ):
+        AdditiveAttention(4, 5, 6)(torch.randn(2, 4), torch.randn(2, 7, 5), torch.randn(7, 5))

@@ -47,3 +47,12 @@ def module_window(window: int | None, causal: bool) -> tuple[int, int] | None:
 
 def module_softcap(softcap: float | None) -> float | None:
     return None if softcap is None else _checks.check_positive_number(softcap, "softcap")
+
+
+def unbatch(result: Tensor | tuple[Tensor, ...], unbatched: bool) -> Tensor | tuple[Tensor, ...]:
+    """Squeeze the batch dim back off a module's output (and weights) for an unbatched input."""
+    if not unbatched:
+        return result
+    if isinstance(result, Tensor):
+        return result.squeeze(0)
+    return tuple(r.squeeze(0) for r in result)

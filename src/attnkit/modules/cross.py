@@ -15,8 +15,8 @@ import torch
 from torch import Tensor, nn
 
 from attnkit import _checks
-from attnkit.modules._common import as_batched
-from attnkit.modules.multihead import ProjectedAttention, _unbatch
+from attnkit.modules._common import as_batched, unbatch
+from attnkit.modules.multihead import ProjectedAttention
 from attnkit.textbook import attend
 
 
@@ -107,7 +107,7 @@ class CrossAttention(ProjectedAttention):
             need_weights=need_weights,
             average_weights=average_weights,
         )
-        return _unbatch(result, unbatched)
+        return unbatch(result, unbatched)
 
 
 class AdditiveAttention(nn.Module):

@@ -27,6 +27,7 @@ from attnkit.modules._common import (
     module_softcap,
     module_window,
     split_heads,
+    unbatch,
 )
 
 
@@ -105,14 +106,6 @@ class ProjectedAttention(nn.Module):
         if not need_weights:
             return out
         return out, weights.mean(dim=1) if average_weights else weights  # (b, t, s) | (b, h, t, s)
-
-
-def _unbatch(result: Tensor | tuple[Tensor, Tensor], unbatched: bool):
-    if not unbatched:
-        return result
-    if isinstance(result, Tensor):
-        return result.squeeze(0)
-    return tuple(r.squeeze(0) for r in result)
 
 
 class MultiHeadAttention(ProjectedAttention):
@@ -221,7 +214,7 @@ class MultiHeadAttention(ProjectedAttention):
             alibi_slopes=self.alibi_slopes,
             softcap=self.softcap,
         )
-        return _unbatch(result, unbatched)
+        return unbatch(result, unbatched)
 
     @classmethod
     def from_torch(cls, m: nn.MultiheadAttention) -> MultiHeadAttention:
