@@ -3,10 +3,12 @@
 The layers, bottom up: input checks (``_checks``) and one mask convention (:mod:`attnkit.masks`,
 True = may attend, causal aligned bottom-right); backends in a small registry
 (:mod:`attnkit.backends`); the one entry point :func:`attnkit.functional.attention`; thin modules
-(:mod:`attnkit.modules`); and the chapter's first steps (:mod:`attnkit.textbook`).
+(:mod:`attnkit.modules`); the chapter's first steps (:mod:`attnkit.textbook`); and for decoding, a
+preallocated :class:`KVCache` and :class:`RotaryEmbedding` positions.
 """
 
 from attnkit import functional
+from attnkit.cache import KVCache
 from attnkit.functional import attention
 from attnkit.masks import alibi_slopes, causal_mask, window_mask
 from attnkit.modules import (
@@ -17,6 +19,7 @@ from attnkit.modules import (
     MultiHeadAttentionWrapper,
     SelfAttention,
 )
+from attnkit.positions import RotaryEmbedding
 from attnkit.textbook import AttentionResult, attend, simple_self_attention
 
 __version__ = "0.1.0"
@@ -26,8 +29,10 @@ __all__ = [
     "AttentionResult",
     "CausalAttention",
     "CrossAttention",
+    "KVCache",
     "MultiHeadAttention",
     "MultiHeadAttentionWrapper",
+    "RotaryEmbedding",
     "SelfAttention",
     "__version__",
     "alibi_slopes",

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from attnkit import _checks
+from attnkit.cache import KVCache
 from attnkit.modules._common import as_batched, unbatch
 from attnkit.modules.multihead import ProjectedAttention
 from attnkit.textbook import attend
@@ -78,8 +79,9 @@ class CrossAttention(ProjectedAttention):
     def forward(
         self,
         x: Tensor,
-        memory: Tensor,
+        memory: Tensor | None = None,
         *,
+        cache: KVCache | None = None,
         key_mask: Tensor | None = None,
         need_weights: bool = False,
         average_weights: bool = True,
@@ -87,6 +89,9 @@ class CrossAttention(ProjectedAttention):
         """Args:
             x: ``(b, t, d_q)`` decoder states (or unbatched ``(t, d_q)``).
             memory: ``(b, s, d_kv)`` encoder states (or unbatched ``(s, d_kv)``).
+            cache: a :class:`~attnkit.KVCache` (``num_heads`` key/value heads, ``max_len >= s``)
+                for decoding: the first call projects ``memory`` into it, later calls reuse those
+                keys and values and ignore ``memory`` and ``key_mask`` (which may then be None).
             key_mask: ``(b, s)`` bool, True for a real encoder token.
             need_weights: also return the weights: ``(b, t, s)`` averaged over heads when
                 ``average_weights``, else ``(b, h, t, s)``.
@@ -95,12 +100,34 @@ class CrossAttention(ProjectedAttention):
             ``(b, t, d_out)``, or ``(output, weights)``.
         """
         x, unbatched = as_batched(x, "x", self.d_q, "d_q", self.W_query.weight)
-        memory = _check_memory(memory, self.d_kv, self.W_key.weight, x, unbatched)
-        if unbatched and key_mask is not None and key_mask.dim() == 1:
-            key_mask = key_mask.unsqueeze(0)
-        result = self._forward(
-            x,
-            memory,
+        if cache is not None:
+            self._check_cache(cache, x.shape[0])
+            if cache.window is not None:
+                raise ValueError(
+                    "cross-attention reads the whole memory: use a cache without window"
+                )
+        if cache is not None and cache.size:
+            queries = self._project_queries(x)
+            keys, values = cache.get()
+            key_mask = cache.key_mask
+        else:
+            if memory is None:
+                first = (
+                    " (the first call with an empty cache needs it)" if cache is not None else ""
+                )
+                raise ValueError(f"memory is required{first}")
+            memory = _check_memory(memory, self.d_kv, self.W_key.weight, x, unbatched)
+            if unbatched and key_mask is not None and key_mask.dim() == 1:
+                key_mask = key_mask.unsqueeze(0)
+            queries, keys, values = self._project(x, memory)
+            if cache is not None:
+                if key_mask is not None:
+                    _checks.check_key_mask(key_mask, *memory.shape[:2])
+                keys, values = cache.update(keys, values, key_mask=key_mask)
+        result = self._attend(
+            queries,
+            keys,
+            values,
             causal=False,
             key_mask=key_mask,
             attn_mask=None,

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from attnkit import _checks
+from attnkit.cache import KVCache, token_positions
 from attnkit.functional import attention
 from attnkit.masks import alibi_slopes
 from attnkit.modules._common import (
@@ -29,6 +30,7 @@ from attnkit.modules._common import (
     split_heads,
     unbatch,
 )
+from attnkit.positions import RotaryEmbedding
 
 
 class ProjectedAttention(nn.Module):
@@ -73,10 +75,22 @@ class ProjectedAttention(nn.Module):
         self.W_value = nn.Linear(d_kv, kv_width, bias=qkv_bias, **factory)
         self.out_proj = nn.Linear(d_out, d_out, bias=out_bias, **factory)
 
-    def _forward(
+    def _project_queries(self, x: Tensor) -> Tensor:
+        return split_heads(self.W_query(x), self.num_heads)  # (b, t, e) -> (b, h, t, d)
+
+    def _project(self, x: Tensor, memory: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Queries ``(b, h, t, d)`` from ``x`` ``(b, t, d_q)``; keys and values ``(b, h_kv, s, d)``
+        from ``memory`` ``(b, s, d_kv)``."""
+        queries = self._project_queries(x)
+        keys = split_heads(self.W_key(memory), self.num_kv_heads)  # (b, s, e) -> (b, h_kv, s, d)
+        values = split_heads(self.W_value(memory), self.num_kv_heads)  # -> (b, h_kv, s, d)
+        return queries, keys, values
+
+    def _attend(
         self,
-        x: Tensor,
-        memory: Tensor,
+        queries: Tensor,
+        keys: Tensor,
+        values: Tensor,
         *,
         causal: bool,
         key_mask: Tensor | None,
@@ -85,11 +99,8 @@ class ProjectedAttention(nn.Module):
         average_weights: bool,
         **score_options: Any,
     ) -> Tensor | tuple[Tensor, Tensor]:
-        """``x`` ``(b, t, d_q)`` and ``memory`` ``(b, s, d_kv)``, already checked and batched;
-        ``score_options`` go to :func:`attnkit.functional.attention` (window, ALiBi, softcap)."""
-        queries = split_heads(self.W_query(x), self.num_heads)  # (b, t, e) -> (b, h, t, d)
-        keys = split_heads(self.W_key(memory), self.num_kv_heads)  # (b, s, e) -> (b, h_kv, s, d)
-        values = split_heads(self.W_value(memory), self.num_kv_heads)  # -> (b, h_kv, s, d)
+        """The attention call and the output projection; ``score_options`` go to
+        :func:`attnkit.functional.attention` (window, ALiBi, softcap)."""
         result = attention(
             queries,
             keys,
@@ -106,6 +117,16 @@ class ProjectedAttention(nn.Module):
         if not need_weights:
             return out
         return out, weights.mean(dim=1) if average_weights else weights  # (b, t, s) | (b, h, t, s)
+
+    def _check_cache(self, cache: KVCache, batch_size: int) -> None:
+        if not isinstance(cache, KVCache):
+            raise TypeError(f"cache must be an attnkit.KVCache, got {type(cache).__name__}")
+        got = (cache.batch_size, cache.num_kv_heads, cache.head_dim)
+        want = (batch_size, self.num_kv_heads, self.head_dim)
+        if got != want:
+            raise ValueError(
+                f"cache has (batch_size, num_kv_heads, head_dim) = {got}, but this call needs {want}"
+            )
 
 
 class MultiHeadAttention(ProjectedAttention):
@@ -124,18 +145,30 @@ class MultiHeadAttention(ProjectedAttention):
             causal; centred on itself otherwise. None means no limit.
         alibi: add ALiBi's linear distance penalty with the standard slopes
             (:func:`attnkit.alibi_slopes`).
+        rope: rotary position embeddings on queries and keys: True for a
+            :class:`~attnkit.RotaryEmbedding` with base 10000 and ``max_len = context_length``
+            (4096 when that is None), or a ``RotaryEmbedding`` of your own.
         softcap: cap the scores smoothly to ``(-softcap, softcap)`` (Gemma 2 uses 50).
         out_bias: add a bias to the output projection.
         device, dtype: for the parameters.
 
     Raises:
         ValueError: ``d_out`` not divisible by ``num_heads``, ``num_heads`` not divisible by
-            ``num_kv_heads``, or ``dropout`` outside ``[0, 1)``.
+            ``num_kv_heads``, ``dropout`` outside ``[0, 1)``, or a ``rope`` of another head dim.
 
     Example:
         >>> mha = MultiHeadAttention(768, 768, 1024, 0.0, 12, num_kv_heads=4)  # GQA
         >>> mha(torch.randn(2, 10, 768)).shape
         torch.Size([2, 10, 768])
+
+        Decoding with a cache: a prompt, then one token at a time.
+
+        >>> mha = MultiHeadAttention(64, 64, 256, 0.0, 4, rope=True).eval()
+        >>> cache = KVCache(1, mha.num_kv_heads, 256, mha.head_dim)
+        >>> out = mha(torch.randn(1, 10, 64), cache=cache)  # prefill
+        >>> out = mha(torch.randn(1, 1, 64), cache=cache)  # the 11th token
+        >>> cache.position
+        11
     """
 
     def __init__(
@@ -151,6 +184,7 @@ class MultiHeadAttention(ProjectedAttention):
         num_kv_heads: int | None = None,
         window: int | None = None,
         alibi: bool = False,
+        rope: bool | RotaryEmbedding = False,
         softcap: float | None = None,
         out_bias: bool = True,
         device: torch.device | str | None = None,
@@ -176,11 +210,23 @@ class MultiHeadAttention(ProjectedAttention):
         self.softcap = module_softcap(softcap)
         slopes = alibi_slopes(num_heads).to(device) if alibi else None
         self.register_buffer("alibi_slopes", slopes, persistent=False)
+        if rope is True:
+            rope = RotaryEmbedding(self.head_dim, max_len=context_length or 4096, device=device)
+        elif isinstance(rope, RotaryEmbedding):
+            if rope.head_dim != self.head_dim:
+                raise ValueError(
+                    f"rope has head_dim {rope.head_dim} but this module's heads are "
+                    f"{self.head_dim} wide (d_out // num_heads)"
+                )
+        elif rope is not False:
+            raise TypeError(f"rope must be a bool or a RotaryEmbedding, got {type(rope).__name__}")
+        self.rope = rope or None
 
     def forward(
         self,
         x: Tensor,
         *,
+        cache: KVCache | None = None,
         key_mask: Tensor | None = None,
         attn_mask: Tensor | None = None,
         need_weights: bool = False,
@@ -188,23 +234,48 @@ class MultiHeadAttention(ProjectedAttention):
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Args:
             x: ``(b, t, d_in)`` or unbatched ``(t, d_in)``.
+            cache: a :class:`~attnkit.KVCache` of this layer (``num_kv_heads``, ``head_dim``) for
+                decoding: the chunk ``x`` comes after the ``cache.position`` tokens it holds, and
+                its keys and values are appended. Prefill in chunks of any size, then one token at
+                a time. Causal modules only.
             key_mask: ``(b, t)`` bool, True for a real token (padding False). From torch's
-                ``key_padding_mask`` (True = padding): ``key_mask = ~key_padding_mask``.
+                ``key_padding_mask`` (True = padding): ``key_mask = ~key_padding_mask``. With a
+                cache, the mask of this chunk (left padding of ragged prompts); the cache keeps it.
             attn_mask: bool (True = may attend) or float (added to scores), broadcastable to
-                ``(b, h, t, t)``; combined with the causal mask when ``causal``.
+                ``(b, h, t, s)``, ``s`` the keys attended (``t``, or the cache's); combined with the
+                causal mask when ``causal``.
             need_weights: also return the softmax weights (before dropout).
-            average_weights: average the weights over heads: ``(b, t, t)``, else ``(b, h, t, t)``.
+            average_weights: average the weights over heads: ``(b, t, s)``, else ``(b, h, t, s)``.
 
         Returns:
             ``(b, t, d_out)``, or ``(output, weights)``.
         """
         x, unbatched = as_batched(x, "x", self.d_q, "d_in", self.W_query.weight)
-        _checks.check_context_length(x.shape[1], self.context_length)
+        b, t, _ = x.shape
         if unbatched and key_mask is not None and key_mask.dim() == 1:
             key_mask = key_mask.unsqueeze(0)
-        result = self._forward(
-            x,
-            x,
+        if key_mask is not None:
+            _checks.check_key_mask(key_mask, b, t)
+        if cache is None:
+            _checks.check_context_length(t, self.context_length)
+        else:
+            self._check_cache(cache, b)
+            _checks.check_context_length(cache.position + t, self.context_length, "cache + x")
+        queries, keys, values = self._project(x, x)
+        if self.rope is not None:
+            positions = (
+                token_positions(t, key_mask, device=x.device)
+                if cache is None
+                else cache.next_positions(t, key_mask)
+            )
+            queries, keys = self.rope(queries, positions), self.rope(keys, positions)
+        if cache is not None:
+            keys, values = cache.update(keys, values, key_mask=key_mask)
+            key_mask = None if cache.key_mask is None else cache.key_mask[:, -keys.shape[2] :]
+        result = self._attend(
+            queries,
+            keys,
+            values,
             causal=self.causal,
             key_mask=key_mask,
             attn_mask=attn_mask,
@@ -215,6 +286,20 @@ class MultiHeadAttention(ProjectedAttention):
             softcap=self.softcap,
         )
         return unbatch(result, unbatched)
+
+    def _check_cache(self, cache: KVCache, batch_size: int) -> None:
+        super()._check_cache(cache, batch_size)
+        if not self.causal:
+            raise ValueError(
+                "a KV cache needs a causal module: with causal=False earlier tokens would have "
+                "attended to later ones"
+            )
+        if cache.window is not None and (self.window is None or self.window[0] > cache.window - 1):
+            needed = "every position" if self.window is None else f"window={self.window[0] + 1}"
+            raise ValueError(
+                f"the cache keeps a window of {cache.window} positions but this module needs "
+                f"{needed}; build the cache with window=None or a larger window"
+            )
 
     @classmethod
     def from_torch(cls, m: nn.MultiheadAttention) -> MultiHeadAttention:
@@ -276,7 +361,7 @@ class MultiHeadAttention(ProjectedAttention):
                 "causal=True cannot be stored in nn.MultiheadAttention; build with causal=False "
                 "and pass a causal attn_mask when calling it"
             )
-        for option in ("window", "alibi_slopes", "softcap"):
+        for option in ("window", "alibi_slopes", "rope", "softcap"):
             if getattr(self, option) is not None:
                 raise ValueError(f"{option} has no counterpart in nn.MultiheadAttention")
         if self.num_kv_heads != self.num_heads:
@@ -314,6 +399,7 @@ class MultiHeadAttention(ProjectedAttention):
         return (
             f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
             f"head_dim={self.head_dim}, causal={self.causal}, window={self.window}, "
-            f"alibi={self.alibi_slopes is not None}, softcap={self.softcap}, "
+            f"alibi={self.alibi_slopes is not None}, rope={self.rope is not None}, "
+            f"softcap={self.softcap}, "
             f"context_length={self.context_length}, dropout={self.dropout}"
         )

@@ -1,0 +1,218 @@
+"""A preallocated key/value cache for decoding one token (or one chunk) at a time.
+
+The cache holds the keys and values of the tokens seen so far, in position order, in buffers
+allocated once: an update writes the new chunk in place and returns views, never a ``torch.cat``.
+With ``window=W`` it keeps only what a module with ``window=W`` can still see (the last ``W - 1``
+positions plus the new chunk), shifting the kept keys to the front when the buffer fills.
+
+Ragged batches (prompts of different lengths, left-padded) keep a key mask: padding positions stay in
+the buffers but are masked out, and each row counts its own real tokens for rotary positions.
+
+Shapes: ``b`` batch, ``h_kv`` key/value heads, ``n`` tokens in a chunk, ``d`` head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from attnkit import _checks
+
+
+class KVCache(nn.Module):
+    """Keys and values of past tokens for one attention layer, preallocated.
+
+    Args:
+        batch_size: rows decoded together.
+        num_kv_heads: key/value heads of the layer (fewer than its query heads under GQA).
+        max_len: the most tokens the cache will see (prompt and generated).
+        head_dim: width of one head.
+        dtype, device: of the buffers; keys and values given to :meth:`update` must match.
+        window: keep only what a layer with ``window=W`` needs: ``W - 1 + max_chunk`` slots instead
+            of ``max_len``.
+        max_chunk: the longest chunk one :meth:`update` takes; defaults to ``window`` for a windowed
+            cache and to ``max_len`` otherwise.
+
+    The buffers are not persistent: they move with ``.to()`` but stay out of ``state_dict()``. Keys
+    and values are stored detached: the cache is for inference.
+
+    Example:
+        >>> cache = KVCache(1, 4, max_len=128, head_dim=64)
+        >>> k, v = cache.update(torch.randn(1, 4, 10, 64), torch.randn(1, 4, 10, 64))  # prefill
+        >>> k, v = cache.update(torch.randn(1, 4, 1, 64), torch.randn(1, 4, 1, 64))  # one token
+        >>> k.shape, cache.position
+        (torch.Size([1, 4, 11, 64]), 11)
+    """
+
+    def __init__(
+        self,
+        batch_size: int,
+        num_kv_heads: int,
+        max_len: int,
+        head_dim: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+        window: int | None = None,
+        max_chunk: int | None = None,
+    ) -> None:
+        super().__init__()
+        for value, name in (
+            (batch_size, "batch_size"),
+            (num_kv_heads, "num_kv_heads"),
+            (max_len, "max_len"),
+            (head_dim, "head_dim"),
+        ):
+            _checks.check_positive_int(value, name)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
+        if window is not None:
+            _checks.check_positive_int(window, "window")
+        if max_chunk is None:
+            max_chunk = max_len if window is None else window
+        _checks.check_positive_int(max_chunk, "max_chunk")
+        capacity = max_len if window is None else min(max_len, window - 1 + max_chunk)
+        self.batch_size, self.num_kv_heads, self.head_dim = batch_size, num_kv_heads, head_dim
+        self.max_len, self.window, self.max_chunk = max_len, window, min(max_chunk, max_len)
+        shape = (batch_size, num_kv_heads, capacity, head_dim)
+        self.register_buffer("keys", torch.zeros(shape, dtype=dtype, device=device), False)
+        self.register_buffer("values", torch.zeros(shape, dtype=dtype, device=device), False)
+        self.register_buffer("real", torch.ones(batch_size, capacity, dtype=torch.bool), False)
+        self.register_buffer("row_positions", torch.zeros(batch_size, dtype=torch.long), False)
+        self.real = self.real.to(device)
+        self.row_positions = self.row_positions.to(device)
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every token (the buffers are kept, not zeroed)."""
+        self.size = 0  # keys held, in slots [0, size) of the buffers
+        self.position = 0  # tokens seen: the position of the next token
+        self.padded = False  # some held key is padding
+        self.row_positions.zero_()
+
+    @property
+    def capacity(self) -> int:
+        """Slots in the buffers."""
+        return self.keys.shape[2]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.keys.dtype
+
+    @property
+    def key_mask(self) -> Tensor | None:
+        """``(b, size)`` True for a real token, or None when no held key is padding."""
+        return self.real[:, : self.size] if self.padded else None
+
+    def get(self) -> tuple[Tensor, Tensor]:
+        """Every held key and value, ``(b, h_kv, size, d)`` views in position order."""
+        return self.keys[:, :, : self.size], self.values[:, :, : self.size]
+
+    def next_positions(self, n: int, key_mask: Tensor | None = None) -> Tensor:
+        """Positions of the next ``n`` tokens, for rotary embeddings: ``(n,)`` when every row is
+        unpadded, else ``(b, n)`` counting each row's real tokens only (padding gets position 0)."""
+        if not self.padded and key_mask is None:
+            return torch.arange(self.position, self.position + n, device=self.keys.device)
+        return token_positions(n, key_mask, self.row_positions, self.keys.device)
+
+    def update(
+        self, k: Tensor, v: Tensor, *, key_mask: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """Append a chunk and return the keys and values a query of that chunk may need.
+
+        Args:
+            k, v: ``(b, h_kv, n, d)`` keys and values of the next ``n >= 1`` tokens.
+            key_mask: ``(b, n)`` bool, False for padding (left padding of a ragged prompt).
+
+        Returns:
+            ``(k_all, v_all)``, ``(b, h_kv, s, d)`` in position order, the last ``n`` being the new
+            chunk: every held key, or for a windowed cache the last ``window - 1 + n``. They are
+            views of the buffers, valid until the next update.
+
+        Raises:
+            TypeError: ``k``/``v`` not tensors, or not of the cache's dtype.
+            ValueError: a shape that does not match the cache, a chunk longer than ``max_chunk``,
+                or more tokens than ``max_len``.
+        """
+        n = self._check_chunk(k, v, key_mask)
+        if self.size + n > self.capacity:  # only a windowed cache: move the kept keys to the front
+            kept = min(self.window - 1, self.size)
+            for buffer in (self.keys, self.values):
+                buffer[:, :, :kept] = buffer[:, :, self.size - kept : self.size].clone()
+            self.real[:, :kept] = self.real[:, self.size - kept : self.size].clone()
+            self.size = kept
+        end = self.size + n
+        self.keys[:, :, self.size : end] = k.detach()
+        self.values[:, :, self.size : end] = v.detach()
+        if key_mask is None:
+            self.real[:, self.size : end] = True
+            self.row_positions += n
+        else:
+            self.real[:, self.size : end] = key_mask
+            self.row_positions += key_mask.sum(dim=1)
+            self.padded = self.padded or not bool(key_mask.all())
+        self.size, self.position = end, self.position + n
+        start = 0 if self.window is None else max(0, end - (self.window - 1 + n))
+        return self.keys[:, :, start:end], self.values[:, :, start:end]
+
+    def _check_chunk(self, k: Tensor, v: Tensor, key_mask: Tensor | None) -> int:
+        for x, name in ((k, "k"), (v, "v")):
+            _checks.check_tensor(x, name)
+            if x.dim() != 4 or (x.shape[0], x.shape[1], x.shape[3]) != (
+                self.batch_size,
+                self.num_kv_heads,
+                self.head_dim,
+            ):
+                raise ValueError(
+                    f"{name} must be (batch_size={self.batch_size}, num_kv_heads="
+                    f"{self.num_kv_heads}, n, head_dim={self.head_dim}), got shape {tuple(x.shape)}"
+                )
+            if x.dtype != self.dtype:
+                raise TypeError(
+                    f"{name} has dtype {x.dtype} but the cache holds {self.dtype}; build the cache "
+                    f"with dtype={x.dtype}"
+                )
+            if x.device != self.keys.device:
+                raise ValueError(f"{name} is on {x.device} but the cache is on {self.keys.device}")
+        if k.shape != v.shape:
+            raise ValueError(
+                f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}"
+            )
+        n = k.shape[2]
+        if n < 1:
+            raise ValueError("k and v must hold at least one token, got 0")
+        if n > self.max_chunk:
+            raise ValueError(
+                f"a chunk of {n} tokens is longer than max_chunk ({self.max_chunk}); split it or "
+                "build the cache with a larger max_chunk"
+            )
+        if self.position + n > self.max_len:
+            raise ValueError(
+                f"the cache is full: {self.position} tokens seen + {n} new > max_len "
+                f"({self.max_len}); call reset() or build a larger cache"
+            )
+        if key_mask is not None:
+            _checks.check_key_mask(key_mask, self.batch_size, n)
+        return n
+
+    def extra_repr(self) -> str:
+        return (
+            f"batch_size={self.batch_size}, num_kv_heads={self.num_kv_heads}, "
+            f"max_len={self.max_len}, head_dim={self.head_dim}, dtype={self.dtype}, "
+            f"window={self.window}, capacity={self.capacity}, position={self.position}"
+        )
+
+
+def token_positions(
+    n: int, key_mask: Tensor | None, start: Tensor | int = 0, device: torch.device | None = None
+) -> Tensor:
+    """Positions of ``n`` tokens that follow ``start`` tokens seen: ``(n,)`` without a mask; with a
+    ``(b, n)`` mask, ``(b, n)`` counting real tokens only (a left-padded row starts at its first real
+    token; padding gets position 0)."""
+    if key_mask is None:
+        if isinstance(start, Tensor):  # per-row starts, no padding in this chunk
+            return start[:, None] + torch.arange(n, device=start.device)
+        return torch.arange(start, start + n, device=device)
+    counted = key_mask.long().cumsum(dim=1) - 1  # (b, n): real tokens before each one
+    start = start[:, None] if isinstance(start, Tensor) else start
+    return (counted + start).masked_fill(~key_mask, 0)
