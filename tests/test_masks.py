@@ -33,11 +33,20 @@ def test_window_mask_matches_definition(window, t, s):
 
 
 def test_merge_window_folds_causal_in():
-    assert merge_window(False, None) is None
-    assert merge_window(True, None) == (-1, 0)
-    assert merge_window(True, (3, 5)) == (3, 0)
-    assert merge_window(True, (3, -1)) == (3, 0)
-    assert merge_window(False, (-1, -1)) is None
+    assert merge_window(False, None, 4, 6) is None
+    assert merge_window(True, None, 4, 6) == (-1, 0)
+    assert merge_window(True, (3, 5), 4, 6) == (3, 0)
+    assert merge_window(True, (3, -1), 4, 6) == (3, 0)
+    assert merge_window(False, (-1, -1), 4, 6) is None
+
+
+def test_merge_window_drops_what_masks_nothing_for_this_shape():
+    assert merge_window(True, None, 1, 6) is None  # one query (decoding) sees every key
+    assert merge_window(True, (5, 0), 1, 6) is None
+    assert merge_window(True, (4, 0), 1, 6) == (4, -1)
+    assert merge_window(False, (5, 3), 4, 6) is None
+    assert merge_window(False, (5, 2), 4, 6) == (-1, 2)
+    assert merge_window(True, None, 7, 6) == (-1, 0)  # t > s: the first query sees nothing
 
 
 def test_alibi_bias_penalises_distance():

@@ -90,7 +90,7 @@ def attention(
     if alibi_slopes is not None:
         _checks.check_alibi_slopes(alibi_slopes, h, q.device)
     request = Request(
-        masks=Masks(merge_window(causal, _checks.check_window(window)), key_mask, attn_mask),
+        masks=Masks(merge_window(causal, _checks.check_window(window), t, s), key_mask, attn_mask),
         scale=q.shape[-1] ** -0.5
         if scale is None
         else _checks.check_positive_number(scale, "scale"),

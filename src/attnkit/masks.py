@@ -96,13 +96,19 @@ def alibi_slopes(num_heads: int) -> Tensor:
     return torch.tensor(slopes)
 
 
-def merge_window(causal: bool, window: tuple[int, int] | None) -> tuple[int, int] | None:
-    """Fold ``causal`` into a window: causal is ``right = 0``; None when nothing limits positions."""
+def merge_window(
+    causal: bool, window: tuple[int, int] | None, t: int, s: int
+) -> tuple[int, int] | None:
+    """Fold ``causal`` into a window: causal is ``right = 0``. None when nothing limits positions for
+    ``t`` queries over ``s`` keys (a single query under a causal mask sees every key: decoding)."""
     if window is None:
-        return (-1, 0) if causal else None
+        window = (-1, 0) if causal else (-1, -1)
     left, right = window
     if causal:
         right = 0 if right < 0 else min(right, 0)
+    # Every query sees every key when p(t - 1) - left <= 0 and p(0) + right >= s - 1.
+    left = -1 if left >= s - 1 else left
+    right = -1 if right >= t - 1 else right
     return None if (left, right) == (-1, -1) else (left, right)
 
 

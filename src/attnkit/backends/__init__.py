@@ -1,26 +1,32 @@
 """The backend registry: a name -> :class:`Backend` (a function and the options it supports).
 
-======================  =========  ====  =====  =====
-option                  reference  sdpa  tiled  notes
-======================  =========  ====  =====  =====
-causal, window          yes        yes   yes    sdpa: a bool mask unless causal with t == s;
-                                                tiled: skips the blocks they empty
-attn_mask, key_mask     yes        yes   yes
-attn_mask_grad          yes        yes   no     a float attn_mask that requires grad
-alibi_slopes            yes        yes   yes    sdpa: a float mask of shape (h, t, s)
-softcap                 yes        no    yes
-dropout_p               yes        yes   no
-return_lse              yes        no    yes    tiled: no gradient through it
-return_weights          yes        no    yes    tiled: recomputed from the lse, no gradient
+======================  =========  ====  =====  ======  =====
+option                  reference  sdpa  tiled  decode  notes
+======================  =========  ====  =====  ======  =====
+causal, window          yes        yes   yes    no      sdpa: a bool mask unless causal with
+                                                        t == s; tiled: skips the blocks they empty
+attn_mask, key_mask     yes        yes   yes    key_mask
+attn_mask_grad          yes        yes   no     no      a float attn_mask that requires grad
+alibi_slopes            yes        yes   yes    no      sdpa: a float mask of shape (h, t, s)
+softcap                 yes        no    yes    no
+dropout_p               yes        yes   no     no
+return_lse              yes        no    yes    no      tiled: no gradient through it
+return_weights          yes        no    yes    no      tiled: recomputed from the lse, no gradient
 memory                  O(t s)     O(t s) with a mask    O((t + s) d)
-======================  =========  ====  =====  =====
+======================  =========  ====  =====  ======  =====
 
-``"auto"`` takes the first backend of :data:`AUTO_ORDER` that supports every option in use, with one
-exception measured with ``attnkit bench``: the tiled kernel is taken where SDPA would compute every
-score of a sliding window that shows each query at most a quarter of the keys, where it would need a
-dense ALiBi/window mask of more than :data:`DENSE_MASK_LIMIT` elements, and for half-precision
-inputs that need gradients on a CPU without fast half-precision products (SDPA's backward there ran
-4x slower than the tiled kernel's at N=4096).
+The decode backend (:mod:`attnkit.backends.decode`) is for decoding: CPU tensors without gradients,
+at most 16 query rows per key/value head. A causal mask is no option there: with one query it
+masks nothing (:func:`attnkit.masks.merge_window` drops it).
+
+``"auto"`` takes the first backend of :data:`AUTO_ORDER` that supports every option in use and does
+not refuse the tensors, with these exceptions measured with ``attnkit bench``: the decode kernel
+only over at least :data:`DECODE_MIN_KEYS` keys (below, SDPA's lower call overhead wins); the tiled
+kernel where SDPA would compute every score of a sliding window that shows each query at most a
+quarter of the keys, where it would need a dense ALiBi/window mask of more than
+:data:`DENSE_MASK_LIMIT` elements, and for half-precision inputs that need gradients on a CPU
+without fast half-precision products (SDPA's backward there ran 4x slower than the tiled kernel's at
+N=4096).
 A backend named explicitly that cannot do what was asked raises, naming the option; nothing falls
 back silently.
 """
@@ -30,7 +36,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from attnkit.backends import reference, sdpa, tiled
+from attnkit.backends import decode, reference, sdpa, tiled
 from attnkit.backends.base import AttentionOutput, Backend, BackendFn, Request
 
 _MASKS = frozenset({"causal", "window", "attn_mask", "key_mask", "alibi_slopes"})
@@ -42,10 +48,15 @@ BACKENDS: dict[str, Backend] = {
     ),
     "sdpa": Backend("sdpa", sdpa.sdpa, _MASKS | {"dropout_p", "attn_mask_grad"}),
     "tiled": Backend("tiled", tiled.tiled, _MASKS | _EXTRAS),
+    "decode": Backend("decode", decode.decode, frozenset({"key_mask"}), decode.refuses),
 }
 
-# Fastest first: SDPA's fused kernel when it can do the request, then the O(N)-memory tiled kernel.
-AUTO_ORDER: tuple[str, ...] = ("sdpa", "tiled", "reference")
+# Fastest first: the one-pass decode kernel for a few queries over a cache, SDPA's fused kernel when
+# it can do the request, then the O(N)-memory tiled kernel.
+AUTO_ORDER: tuple[str, ...] = ("decode", "sdpa", "tiled", "reference")
+
+# The fewest keys for which "auto" runs the decode kernel.
+DECODE_MIN_KEYS = 512
 
 
 # The largest mask SDPA is given to materialise (elements; 64 MiB of float32) before "auto" prefers
@@ -73,6 +84,16 @@ def _tiled_beats_sdpa(request: Request, q: Tensor, k: Tensor, v: Tensor) -> bool
     return dense and mask_elements > DENSE_MASK_LIMIT
 
 
+def _can_run(backend: Backend, request: Request, q: Tensor, k: Tensor, v: Tensor) -> bool:
+    if not request.options <= backend.supports:
+        return False
+    if backend.refuses is not None and backend.refuses(request, q, k, v) is not None:
+        return False
+    if backend.name == "decode":  # checked last: the first call builds the kernel
+        return k.shape[-2] >= DECODE_MIN_KEYS and decode.available()[0]
+    return True
+
+
 def resolve_backend(name: str, request: Request, q: Tensor, k: Tensor, v: Tensor) -> Backend:
     """The backend that will run ``request`` on ``q``, ``k``, ``v``: ``name`` itself, or for
     "auto" the fastest capable one.
@@ -81,7 +102,7 @@ def resolve_backend(name: str, request: Request, q: Tensor, k: Tensor, v: Tensor
         ValueError: ``name`` is unknown, or the named backend cannot do an option in use.
     """
     if name == "auto":
-        capable = [n for n in AUTO_ORDER if request.options <= BACKENDS[n].supports]
+        capable = [n for n in AUTO_ORDER if _can_run(BACKENDS[n], request, q, k, v)]
         if capable[:2] == ["sdpa", "tiled"] and _tiled_beats_sdpa(request, q, k, v):
             return BACKENDS["tiled"]
         return BACKENDS[capable[0]]
@@ -96,12 +117,20 @@ def resolve_backend(name: str, request: Request, q: Tensor, k: Tensor, v: Tensor
             f"backend {name!r} does not support {', '.join(sorted(missing))}; "
             f"use backend='auto' or one of {able}"
         )
+    reason = backend.refuses(request, q, k, v) if backend.refuses is not None else None
+    if reason is not None:
+        raise ValueError(f"backend {name!r} cannot run {reason}; use backend='auto'")
+    if name == "decode":
+        usable, reason = decode.available()
+        if not usable:
+            raise ValueError(f"backend 'decode' is unavailable: {reason}; use backend='auto'")
     return backend
 
 
 __all__ = [
     "AUTO_ORDER",
     "BACKENDS",
+    "DECODE_MIN_KEYS",
     "DENSE_MASK_LIMIT",
     "AttentionOutput",
     "Backend",

@@ -61,6 +61,8 @@ class AttentionOutput(NamedTuple):
 
 
 BackendFn = Callable[[Tensor, Tensor, Tensor, Request], AttentionOutput]
+# Why a backend cannot run these tensors (device, dtype, sizes), or None if it can.
+RefusesFn = Callable[[Request, Tensor, Tensor, Tensor], str | None]
 
 
 @dataclass(frozen=True)
@@ -70,3 +72,4 @@ class Backend:
     name: str
     fn: BackendFn
     supports: frozenset[str]
+    refuses: RefusesFn | None = None

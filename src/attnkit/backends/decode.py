@@ -1,0 +1,130 @@
+"""The decode backend: a handful of queries over a long key/value cache, in one pass over the cache.
+
+Each decoding step reads the whole cache, so its speed is the memory bus's. torch's SDPA and the naive
+path compute ``q . K`` and ``weights . V`` as two matrix-vector products, reading the cache twice per
+query head group, and in bf16 on CPUs without bf16 matrix units they run several times slower than
+the bus. This backend runs a small C++ kernel (``decode.cpp``, built once with
+:mod:`torch.utils.cpp_extension` and cached) that streams each key/value head once for all the query
+rows that share it (GQA groups included), with FlashAttention's online softmax; the splits of the keys
+that the threads share are merged here.
+
+It computes plain scaled dot-product attention with an optional ``key_mask`` (ragged batches), for
+CPU tensors in float32, bfloat16 or float16 that need no gradient, with at most
+:data:`MAX_ROWS` query rows per key/value head. Where the kernel cannot be built (no C++ compiler;
+or ``ATTNKIT_NATIVE=0``), :func:`available` says why and ``auto`` uses SDPA instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import warnings
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from torch import Tensor
+
+from attnkit.backends.base import AttentionOutput, Request
+
+MAX_ROWS = 16  # query rows per key/value head (GQA group size x queries)
+MAX_HEAD_DIM = 256
+MIN_KEYS_PER_SPLIT = 1024
+_SOURCE = Path(__file__).with_name("decode.cpp")
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+_kernel: ModuleType | None = None
+_failure: str | None = None
+
+
+def _compile_flags() -> tuple[str, list[str]]:
+    """Instruction-set flags for the CPU torch runs on (not -march=native: a cached build must not
+    reach a CPU that lacks its instructions), and a name that keeps builds for each set apart."""
+    capability = torch.backends.cpu.get_cpu_capability()  # "AVX512", "AVX2", "DEFAULT", ...
+    flags = {
+        "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
+        "AVX2": ["-mavx2", "-mfma", "-mf16c"],
+    }.get(capability, [])
+    digest = hashlib.sha1(_SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()[:10]
+    return f"attnkit_decode_{capability.lower().replace(' ', '_')}_{digest}", flags
+
+
+def load() -> ModuleType | None:
+    """The compiled kernel, built on first use (about a minute, then cached by torch in
+    ``TORCH_EXTENSIONS_DIR``); None when it cannot be built, with the reason in :func:`available`."""
+    global _kernel, _failure
+    if _kernel is not None or _failure is not None:
+        return _kernel
+    if os.environ.get("ATTNKIT_NATIVE", "1") == "0":
+        _failure = "disabled by ATTNKIT_NATIVE=0"
+        return None
+    try:
+        from torch.utils import cpp_extension
+
+        name, flags = _compile_flags()
+        logging.getLogger("attnkit").info("building the C++ decode kernel %s (once)", name)
+        _kernel = cpp_extension.load(
+            name, [str(_SOURCE)], extra_cflags=["-O3", "-ffast-math", *flags], verbose=False
+        )
+    except Exception as error:  # a missing compiler or ninja shows up as many exception types
+        _failure = f"the C++ decode kernel could not be built: {type(error).__name__}: {error}"
+        warnings.warn(f"{_failure}; attnkit decodes with SDPA instead", stacklevel=2)
+    return _kernel
+
+
+def available() -> tuple[bool, str | None]:
+    """Whether the kernel is usable, building it if need be, and why not."""
+    return load() is not None, _failure
+
+
+def refuses(request: Request, q: Tensor, k: Tensor, v: Tensor) -> str | None:
+    """Why these tensors cannot run here (None if they can); the request's options are checked by
+    the registry."""
+    _, h, t, d = q.shape
+    rows = t * (h // k.shape[1])
+    if q.device.type != "cpu":
+        return f"tensors on {q.device.type} (the decode kernel is CPU-only)"
+    if q.dtype not in _DTYPES:
+        return f"dtype {q.dtype} (the decode kernel takes float32, bfloat16 or float16)"
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
+        return "inputs that require grad (the decode kernel has no backward)"
+    if rows > MAX_ROWS:
+        return f"{rows} query rows per key/value head (the decode kernel takes at most {MAX_ROWS})"
+    if d > MAX_HEAD_DIM or v.shape[-1] != d:
+        return f"head dims {d}/{v.shape[-1]} (the decode kernel takes equal dims up to 256)"
+    if k.stride() != v.stride() or k.stride(-1) != 1:
+        return "k and v with different strides or a non-contiguous last dim"
+    return None
+
+
+def decode(q: Tensor, k: Tensor, v: Tensor, request: Request) -> AttentionOutput:
+    """Shapes ``q (b, h, t, d)``, ``k`` and ``v`` ``(b, h_kv, s, d)``, few query rows (see
+    :func:`refuses`)."""
+    kernel = load()
+    if kernel is None:
+        raise RuntimeError(f"backend 'decode' is unavailable: {_failure}")
+    b, h, t, d = q.shape
+    h_kv, s = k.shape[1], k.shape[2]
+    group = h // h_kv
+    # Query head i uses key/value head i // group: its rows (group x t) sit together.
+    rows = (q.float() * request.scale).reshape(b, h_kv, group * t, d).contiguous()
+    key_mask = request.masks.key_mask
+    mask = torch.empty(0, dtype=torch.bool) if key_mask is None else key_mask.contiguous()
+    splits = _splits(b * h_kv, s)
+    out, maxes, sums = kernel.decode_partial(rows, k, v, mask, splits)
+    # Merge the splits: rescale each to the overall max, then divide by the total sum.
+    overall = maxes.amax(dim=2, keepdim=True)  # (b, h_kv, 1, rows)
+    factor = torch.exp(maxes - overall)  # (b, h_kv, splits, rows)
+    total = (sums * factor).sum(dim=2)  # (b, h_kv, rows)
+    merged = (out * factor.unsqueeze(-1)).sum(dim=2)  # (b, h_kv, rows, d)
+    # A row with no real key has total 0: its output is 0.
+    merged = merged / torch.where(total > 0, total, 1.0).unsqueeze(-1)
+    return AttentionOutput(merged.view(b, h, t, d).to(q.dtype))
+
+
+def _splits(items: int, s: int) -> int:
+    """Splits of the keys so that every thread has work, each split long enough to stream."""
+    threads = torch.get_num_threads()
+    wanted = -(-2 * threads // items)  # ceil: two items per thread evens out the load
+    return max(1, min(wanted, s // MIN_KEYS_PER_SPLIT))

@@ -1,0 +1,149 @@
+"""The decode backend (a C++ kernel, one pass over a key/value cache) against the float64 oracle, and
+when "auto" takes it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnkit import KVCache, MultiHeadAttention, attention
+from attnkit.backends import BACKENDS, DECODE_MIN_KEYS, Request, decode, resolve_backend
+from attnkit.masks import Masks
+from oracle import naive_attention
+
+pytestmark = pytest.mark.skipif(
+    not decode.available()[0], reason=f"decode kernel unavailable: {decode.available()[1]}"
+)
+
+# (b, h, h_kv, t, s, d): head dims the kernel specialises (64, 128) and others (40, 59), lengths
+# that do not divide its blocks of 64 keys, GQA/MQA groups, a few queries.
+SHAPES = {
+    "mha d=64": (2, 4, 4, 1, 200, 64),
+    "gqa d=128": (1, 6, 2, 1, 129, 128),
+    "mqa d=59, t=2": (2, 8, 1, 2, 77, 59),
+    "t=3 d=40": (1, 2, 2, 3, 65, 40),
+    "one key": (1, 2, 1, 1, 1, 8),
+}
+
+
+def inputs(shape, dtype=torch.float32, masked=False):
+    b, h, h_kv, t, s, d = shape
+    q, k, v = (torch.randn(b, n, m, d, dtype=dtype) for n, m in ((h, t), (h_kv, s), (h_kv, s)))
+    key_mask = None
+    if masked:
+        key_mask = torch.rand(b, s) > 0.4
+        key_mask[0, -1] = True
+        if b > 1:
+            key_mask[-1] = False  # a batch row of padding only: zeros out
+    return q, k, v, key_mask
+
+
+@pytest.fixture(params=[1024, 16], ids=["splits as in use", "many splits"])
+def split_size(request, monkeypatch):
+    monkeypatch.setattr(decode, "MIN_KEYS_PER_SPLIT", request.param)
+    return request.param
+
+
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
+@pytest.mark.parametrize("masked", [False, True])
+def test_float32_matches_the_float64_oracle(shape, masked, split_size):
+    q, k, v, key_mask = inputs(shape, masked=masked)
+    out = attention(q, k, v, key_mask=key_mask, backend="decode")
+    expected, _, _ = naive_attention(q.double(), k.double(), v.double(), key_mask=key_mask)
+    torch.testing.assert_close(out, expected.float())
+    if masked and shape[0] > 1:
+        assert torch.equal(out[-1], torch.zeros_like(out[-1]))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("masked", [False, True])
+def test_half_caches_within_twice_the_naive_error(dtype, masked, split_size):
+    q, k, v, key_mask = inputs((2, 6, 2, 1, 300, 64), dtype, masked)
+    out = attention(q, k, v, key_mask=key_mask, backend="decode")
+    expected, _, _ = naive_attention(q.double(), k.double(), v.double(), key_mask=key_mask)
+    naive, _, _ = naive_attention(q, k, v, key_mask=key_mask)
+    assert out.dtype == dtype
+
+    def err(x):
+        return (x.double() - expected).abs().max().item()
+
+    assert err(out) <= 2 * err(naive) + 1e-6
+
+
+def test_scale_and_strided_views_of_a_cache():
+    cache = KVCache(2, 2, 300, 16)
+    keys, values = cache.update(torch.randn(2, 2, 150, 16), torch.randn(2, 2, 150, 16))
+    wide_k = torch.randn(2, 150, 2, 16).transpose(1, 2)  # (b, s, h, d) -> (b, h, s, d), as modules
+    q = torch.randn(2, 4, 1, 16)
+    for k, v in ((keys, values), (wide_k, wide_k)):
+        out = attention(q, k, v, scale=0.3, backend="decode")
+        expected, _, _ = naive_attention(q.double(), k.double(), v.double(), scale=0.3)
+        torch.testing.assert_close(out, expected.float())
+
+
+def test_auto_takes_the_decode_kernel_for_a_few_queries_over_a_long_cache():
+    def picked(t=1, s=DECODE_MIN_KEYS, h_kv=4, dtype=torch.float32, grad=False, **options):
+        q = torch.empty(1, 12, t, 64, dtype=dtype, requires_grad=grad)
+        k = v = torch.empty(1, h_kv, s, 64, dtype=dtype)
+        masks = Masks(key_mask=options.pop("key_mask", None), window=options.pop("window", None))
+        return resolve_backend("auto", Request(masks=masks, scale=1.0, **options), q, k, v).name
+
+    assert picked() == "decode"
+    assert picked(dtype=torch.bfloat16, key_mask=torch.ones(1, DECODE_MIN_KEYS, dtype=torch.bool))
+    assert picked(t=5, h_kv=4) == "decode"  # 3 query heads per kv head x 5 queries: 15 rows
+    assert picked(t=6, h_kv=4) == "sdpa"  # 18 rows
+    assert picked(s=DECODE_MIN_KEYS - 1) == "sdpa"
+    assert picked(grad=True) == "sdpa"
+    assert picked(dtype=torch.float64) == "sdpa"
+    assert picked(t=2, window=(-1, 0)) == "sdpa"  # causal with two queries masks a key
+    assert picked(alibi_slopes=torch.ones(12)) == "sdpa"
+    assert picked(return_lse=True) == "tiled"
+
+
+def test_a_module_decoding_over_a_long_cache_runs_the_kernel_and_equals_the_full_forward(
+    monkeypatch,
+):
+    calls = []
+    real = BACKENDS["decode"]
+    monkeypatch.setitem(
+        BACKENDS,
+        "decode",
+        real.__class__(
+            "decode", lambda *a: calls.append(1) or real.fn(*a), real.supports, real.refuses
+        ),
+    )
+    module = MultiHeadAttention(32, 32, None, 0.0, 4, num_kv_heads=2, rope=True).eval()
+    x = torch.randn(1, DECODE_MIN_KEYS + 4, 32)
+    with torch.no_grad():
+        full = module(x)
+        cache = KVCache(1, 2, x.shape[1], module.head_dim)
+        module(x[:, :DECODE_MIN_KEYS], cache=cache)
+        steps = [module(x[:, i : i + 1], cache=cache) for i in range(DECODE_MIN_KEYS, x.shape[1])]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full[:, DECODE_MIN_KEYS:])
+    assert len(calls) == 4  # one per decoded token; the prefill went elsewhere
+
+
+def test_named_decode_refuses_what_it_cannot_run():
+    q = torch.randn(1, 2, 2, 8)
+    k = v = torch.randn(1, 2, 5, 8)
+    with pytest.raises(ValueError, match="backend 'decode' does not support causal"):
+        attention(q, k, v, causal=True, backend="decode")
+    with pytest.raises(ValueError, match="backend 'decode' cannot run inputs that require grad"):
+        attention(q.requires_grad_(), k, v, backend="decode")
+    with pytest.raises(ValueError, match=r"cannot run dtype torch\.float64"):
+        attention(q.double().detach(), k.double(), v.double(), backend="decode")
+    with pytest.raises(ValueError, match="cannot run 32 query rows per key/value head"):
+        attention(torch.randn(1, 2, 32, 8), k, v, backend="decode")
+
+
+def test_without_the_kernel_auto_uses_sdpa_and_a_named_call_says_why(monkeypatch):
+    monkeypatch.setattr(decode, "_kernel", None)
+    monkeypatch.setattr(decode, "_failure", "disabled by ATTNKIT_NATIVE=0")
+    q = torch.randn(1, 2, 1, 8)
+    k = v = torch.randn(1, 2, DECODE_MIN_KEYS, 8)
+    request = Request(masks=Masks(), scale=1.0)
+    assert resolve_backend("auto", request, q, k, v).name == "sdpa"
+    with pytest.raises(
+        ValueError, match=r"backend 'decode' is unavailable: disabled by ATTNKIT_NATIVE=0"
+    ):
+        attention(q, k, v, backend="decode")
