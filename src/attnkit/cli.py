@@ -62,10 +62,18 @@ def build_parser() -> argparse.ArgumentParser:
         description=(
             "Measure attnkit's backends and modules side by side with their peers in one run: "
             "median times interleaved in one process, ratios to torch SDPA, GFLOP/s, the share of "
-            "this machine's matmul throughput, and peak memory per case (each in a subprocess)."
+            "this machine's matmul throughput, and peak memory per case (each in a subprocess). "
+            "With --decode: one decoding step over a KV cache against the memory bus's limit, "
+            "cache sizes, and generation cached vs recomputed."
         ),
     )
     be.add_argument("--smoke", action="store_true", help="tiny sizes, every path, in seconds")
+    be.add_argument(
+        "--decode", action="store_true", help="decoding over a KV cache (--n: cache lengths)"
+    )
+    be.add_argument("--kv-heads", type=int, nargs="+", help="--decode: key/value heads (GQA)")
+    be.add_argument("--prompts", type=int, nargs="+", help="--decode: prompt lengths (generation)")
+    be.add_argument("--new-tokens", type=int, help="--decode: tokens generated after each prompt")
     be.add_argument("--n", type=int, nargs="+", metavar="N", help="sequence lengths")
     be.add_argument("--b", type=int, help="batch size (kernel cases)")
     be.add_argument("--h", type=int, help="heads")
@@ -86,10 +94,51 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _check_counts(args: argparse.Namespace, names: tuple[str, ...]) -> None:
+    for name in names:
+        values = getattr(args, name)
+        for value in values if isinstance(values, list) else [values]:
+            if value is not None and value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+
+
+def _run_decode_bench(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from attnkit.bench.decode import DecodeConfig, run_decode, write_decode
+
+    _check_counts(args, ("n", "b", "h", "d", "kv_heads", "prompts", "new_tokens", "repeats"))
+    for h_kv in args.kv_heads or []:
+        if args.h is not None and args.h % h_kv:
+            raise ValueError(f"--h ({args.h}) must be a multiple of every --kv-heads, got {h_kv}")
+    overrides = {
+        "lengths": None if args.n is None else tuple(args.n),
+        "dtypes": None if args.dtypes is None else tuple(args.dtypes),
+        "kv_heads": None if args.kv_heads is None else tuple(args.kv_heads),
+        "prompts": None if args.prompts is None else tuple(args.prompts),
+        "new_tokens": args.new_tokens,
+        "b": args.b,
+        "h": args.h,
+        "d": args.d,
+        "repeats": args.repeats,
+        "warmups": args.warmups,
+    }
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    smoke = args.smoke
+    config = DecodeConfig.from_name("smoke", **overrides) if smoke else DecodeConfig(**overrides)
+    written = write_decode(run_decode(config), Path(args.out))
+    print(Path(written["markdown"]).read_text())
+    print("wrote " + ", ".join(str(p) for p in written.values()))
+    return 0
+
+
 def _run_bench(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from attnkit.bench import BenchConfig, run, write
+
+    if args.decode:
+        return _run_decode_bench(args)
 
     overrides = {
         "ns": None if args.n is None else tuple(args.n),
@@ -108,11 +157,7 @@ def _run_bench(args: argparse.Namespace) -> int:
         "warmups": args.warmups,
         "timeout_s": args.timeout,
     }
-    for name in ("n", "b", "h", "d", "module_b", "module_n", "repeats"):
-        values = getattr(args, name)
-        for value in values if isinstance(values, list) else [values]:
-            if value is not None and value < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    _check_counts(args, ("n", "b", "h", "d", "module_b", "module_n", "repeats"))
     overrides = {k: v for k, v in overrides.items() if v is not None}
     config = BenchConfig.from_name("smoke", **overrides) if args.smoke else BenchConfig(**overrides)
     results, info = run(config)

@@ -34,6 +34,9 @@ MIN_KEYS_PER_SPLIT = 1024
 _SOURCE = Path(__file__).with_name("decode.cpp")
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
+_NO_MASK = torch.empty(0, dtype=torch.bool)
+_BUILD = b"-O3 -ffast-math -fopenmp"  # part of the build's name: a change of flags rebuilds
+
 _kernel: ModuleType | None = None
 _failure: str | None = None
 
@@ -46,7 +49,7 @@ def _compile_flags() -> tuple[str, list[str]]:
         "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
         "AVX2": ["-mavx2", "-mfma", "-mf16c"],
     }.get(capability, [])
-    digest = hashlib.sha1(_SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()[:10]
+    digest = hashlib.sha1(_SOURCE.read_bytes() + " ".join(flags).encode() + _BUILD).hexdigest()[:10]
     return f"attnkit_decode_{capability.lower().replace(' ', '_')}_{digest}", flags
 
 
@@ -64,8 +67,14 @@ def load() -> ModuleType | None:
 
         name, flags = _compile_flags()
         logging.getLogger("attnkit").info("building the C++ decode kernel %s (once)", name)
+        # -fopenmp: at::parallel_for runs on OpenMP; without it the kernel runs on one thread. The
+        # extension then shares the libgomp.so.1 that torch has loaded.
         _kernel = cpp_extension.load(
-            name, [str(_SOURCE)], extra_cflags=["-O3", "-ffast-math", *flags], verbose=False
+            name,
+            [str(_SOURCE)],
+            extra_cflags=["-O3", "-ffast-math", "-fopenmp", *flags],
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
         )
     except Exception as error:  # a missing compiler or ninja shows up as many exception types
         _failure = f"the C++ decode kernel could not be built: {type(error).__name__}: {error}"
@@ -93,8 +102,10 @@ def refuses(request: Request, q: Tensor, k: Tensor, v: Tensor) -> str | None:
         return f"{rows} query rows per key/value head (the decode kernel takes at most {MAX_ROWS})"
     if d > MAX_HEAD_DIM or v.shape[-1] != d:
         return f"head dims {d}/{v.shape[-1]} (the decode kernel takes equal dims up to 256)"
-    if k.stride() != v.stride() or k.stride(-1) != 1:
-        return "k and v with different strides or a non-contiguous last dim"
+    if k.stride() != v.stride() or k.stride(-1) != 1 or q.stride(-1) != 1:
+        return "q, k or v with a non-contiguous last dim, or k and v with different strides"
+    if not k.dtype == v.dtype == q.dtype:
+        return f"dtypes {q.dtype}/{k.dtype}/{v.dtype} (q, k and v must share one)"
     return None
 
 
@@ -106,21 +117,12 @@ def decode(q: Tensor, k: Tensor, v: Tensor, request: Request) -> AttentionOutput
         raise RuntimeError(f"backend 'decode' is unavailable: {_failure}")
     b, h, t, d = q.shape
     h_kv, s = k.shape[1], k.shape[2]
-    group = h // h_kv
     # Query head i uses key/value head i // group: its rows (group x t) sit together.
-    rows = (q.float() * request.scale).reshape(b, h_kv, group * t, d).contiguous()
+    rows = q.reshape(b, h_kv, (h // h_kv) * t, d)
     key_mask = request.masks.key_mask
-    mask = torch.empty(0, dtype=torch.bool) if key_mask is None else key_mask.contiguous()
-    splits = _splits(b * h_kv, s)
-    out, maxes, sums = kernel.decode_partial(rows, k, v, mask, splits)
-    # Merge the splits: rescale each to the overall max, then divide by the total sum.
-    overall = maxes.amax(dim=2, keepdim=True)  # (b, h_kv, 1, rows)
-    factor = torch.exp(maxes - overall)  # (b, h_kv, splits, rows)
-    total = (sums * factor).sum(dim=2)  # (b, h_kv, rows)
-    merged = (out * factor.unsqueeze(-1)).sum(dim=2)  # (b, h_kv, rows, d)
-    # A row with no real key has total 0: its output is 0.
-    merged = merged / torch.where(total > 0, total, 1.0).unsqueeze(-1)
-    return AttentionOutput(merged.view(b, h, t, d).to(q.dtype))
+    mask = _NO_MASK if key_mask is None else key_mask.contiguous()
+    out = kernel.decode(rows, k, v, mask, request.scale, _splits(b * h_kv, s))
+    return AttentionOutput(out.view(b, h, t, d))
 
 
 def _splits(items: int, s: int) -> int:

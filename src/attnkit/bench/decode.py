@@ -1,0 +1,289 @@
+"""``attnkit bench --decode``: decoding, where speed is the memory bus's.
+
+Three measurements, in one run:
+
+- **step**: one query over a key/value cache of ``length`` positions, ``b x h`` query heads over
+  ``h_kv`` key/value heads (MHA and GQA), attnkit next to torch SDPA and the naive formula on the same
+  :class:`~attnkit.KVCache` views, timed interleaved. The **limit** is the bytes of K and V one step
+  must read divided by the read bandwidth of ``x.sum()`` over a 1 GiB float32 tensor, measured in the
+  same run.
+- **cache memory**: bytes of each cache layout (GQA, sliding window, bf16) against the full fp32 MHA
+  cache.
+- **generation**: tokens per second for ``new_tokens`` tokens after prompts of each length, through a
+  :class:`~attnkit.MultiHeadAttention` layer of width ``h * d``, cached (one step per token) and
+  recomputed (the full causal forward over the prompt and every token so far, per token; timed on
+  ``recompute_samples`` evenly spaced steps, which stand for the rest).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from itertools import product
+from pathlib import Path
+from typing import ClassVar, TextIO
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from attnkit import KVCache, MultiHeadAttention, attention
+from attnkit.bench import Progress
+from attnkit.bench.measure import Result, time_interleaved
+from attnkit.bench.peers import Case
+from attnkit.bench.report import machine
+
+STEP_IMPLS = ("attnkit", "torch-sdpa", "naive")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    lengths: tuple[int, ...] = (1024, 8192, 32768)
+    dtypes: tuple[str, ...] = ("fp32", "bf16")
+    kv_heads: tuple[int, ...] = (12, 4)  # MHA, then GQA
+    b: int = 1
+    h: int = 12
+    d: int = 64
+    window: int = 1024  # the sliding-window cache of the memory table
+    prompts: tuple[int, ...] = (1024, 8192)
+    new_tokens: int = 256
+    recompute_samples: int = 32
+    bandwidth_bytes: int = 2**30
+    repeats: int = 20
+    warmups: int = 3
+
+    PRESETS: ClassVar[dict[str, dict]] = {
+        "smoke": {
+            "lengths": (600,),  # past the decode kernel's threshold, so that it runs
+            "dtypes": ("fp32", "bf16"),
+            "kv_heads": (2, 1),
+            "h": 2,
+            "d": 16,
+            "window": 64,
+            "prompts": (40,),
+            "new_tokens": 6,
+            "recompute_samples": 3,
+            "bandwidth_bytes": 2**24,
+            "repeats": 2,
+            "warmups": 1,
+        },
+    }
+
+    @classmethod
+    def from_name(cls, name: str, **overrides) -> DecodeConfig:
+        return cls(**{**cls.PRESETS[name], **overrides})
+
+
+def read_bandwidth(nbytes: int, repeats: int = 5) -> float:
+    """Bytes per second that ``x.sum()`` reads from a float32 tensor of ``nbytes``."""
+    x = torch.randn(nbytes // 4)
+    x.sum()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - start)
+    return nbytes / statistics.median(times)
+
+
+def _naive_step(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """The textbook formula: GQA by repeating the key/value heads, the weights materialised."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    weights = torch.softmax(q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5, dim=-1)
+    return weights @ v
+
+
+def _step_calls(config: DecodeConfig, length: int, dtype: str, h_kv: int) -> dict:
+    """The three implementations of one decoding step over the same full cache."""
+    cache = KVCache(config.b, h_kv, length, config.d, dtype=DTYPES[dtype])
+    shape = (config.b, h_kv, length, config.d)
+    k, v = cache.update(torch.randn(shape).to(cache.dtype), torch.randn(shape).to(cache.dtype))
+    q = torch.randn(config.b, config.h, 1, config.d).to(cache.dtype)
+    gqa = h_kv != config.h
+    calls = {
+        "attnkit": lambda: attention(q, k, v, causal=True),
+        "torch-sdpa": lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa),
+        "naive": lambda: _naive_step(q, k, v),
+    }
+    return {"calls": calls, "bytes": k.nbytes + v.nbytes}
+
+
+def _memory_rows(config: DecodeConfig) -> list[dict]:
+    n = max(config.lengths)
+    layouts = {
+        "MHA fp32": {"num_kv_heads": config.h},
+        f"GQA {min(config.kv_heads)} kv heads fp32": {"num_kv_heads": min(config.kv_heads)},
+        f"MHA fp32, window {config.window}, max_chunk 1": {
+            "num_kv_heads": config.h,
+            "window": config.window,
+            "max_chunk": 1,
+        },
+        "MHA bf16": {"num_kv_heads": config.h, "dtype": torch.bfloat16},
+    }
+    rows = []
+    for name, kwargs in layouts.items():
+        cache = KVCache(config.b, max_len=n, head_dim=config.d, **kwargs)
+        rows.append({"layout": name, "max_len": n, "bytes": cache.keys.nbytes * 2})
+        del cache
+    full = rows[0]["bytes"]
+    for row in rows:
+        row["fraction"] = row["bytes"] / full
+    return rows
+
+
+def _generation(config: DecodeConfig, prompt: int, progress: Progress) -> dict:
+    """Tokens per second after ``prompt`` tokens: cached steps vs full recomputation."""
+    e = config.h * config.d
+    module = MultiHeadAttention(e, e, None, 0.0, config.h, causal=True).eval()
+    total = prompt + config.new_tokens
+    x = torch.randn(config.b, total, e)
+    with torch.no_grad():
+        cache = KVCache(config.b, config.h, total, config.d)
+        module(x[:, :prompt], cache=cache)
+        start = time.perf_counter()
+        for i in range(prompt, total):
+            module(x[:, i : i + 1], cache=cache)
+        cached_s = time.perf_counter() - start
+        progress.step(f"generation after {prompt}: cached")
+        samples = min(config.recompute_samples, config.new_tokens)
+        steps = torch.linspace(0, config.new_tokens - 1, samples).round().long().tolist()
+        times = []
+        for i in steps:
+            start = time.perf_counter()
+            module(x[:, : prompt + i + 1])[:, -1]
+            times.append(time.perf_counter() - start)
+        recomputed_s = statistics.mean(times) * config.new_tokens
+        progress.step(f"generation after {prompt}: recomputed")
+    return {
+        "prompt": prompt,
+        "new_tokens": config.new_tokens,
+        "cached_tokens_per_s": config.new_tokens / cached_s,
+        "recomputed_tokens_per_s": config.new_tokens / recomputed_s,
+        "recompute_samples": samples,
+        "speedup": recomputed_s / cached_s,
+    }
+
+
+def run_decode(config: DecodeConfig, progress_stream: TextIO | None = None) -> dict:
+    """Every measurement of the module docstring; returns the JSON-ready record."""
+    rows = list(product(config.lengths, config.dtypes, config.kv_heads))
+    rounds = config.warmups + config.repeats
+    progress = Progress(
+        1 + len(rows) * len(STEP_IMPLS) * rounds + 2 * len(config.prompts),
+        progress_stream or sys.stderr,
+    )
+    bandwidth = read_bandwidth(config.bandwidth_bytes)
+    progress.step("read bandwidth")
+
+    steps = []
+    for length, dtype, h_kv in rows:
+        setup = _step_calls(config, length, dtype, h_kv)
+        runs = []
+        for impl, call in setup["calls"].items():
+            case = Case(impl, length, dtype, True, "decode", f"h_kv={h_kv}", "decode", config.b)
+            runs.append((Result(case), call))
+        time_interleaved(runs, config.repeats, config.warmups, progress.step)
+        limit_s = setup["bytes"] / bandwidth
+        by_impl = {result.case.impl: result for result, _ in runs}
+        sdpa = by_impl["torch-sdpa"].median_s
+        for impl, result in by_impl.items():
+            t = result.median_s
+            steps.append(
+                {
+                    "length": length,
+                    "dtype": dtype,
+                    "h": config.h,
+                    "h_kv": h_kv,
+                    "impl": impl,
+                    "status": result.status,
+                    "median_ms": t * 1e3 if t else None,
+                    "limit_ms": limit_s * 1e3,
+                    "vs_limit": t / limit_s if t else None,
+                    "vs_sdpa": t / sdpa if t and sdpa else None,
+                }
+            )
+        del setup, runs
+
+    fp32 = {(s["length"], s["h_kv"]): s["median_ms"] for s in steps if s["impl"] == "attnkit"
+            and s["dtype"] == "fp32"}  # fmt: skip
+    for s in steps:
+        base = fp32.get((s["length"], s["h_kv"]))
+        s["vs_fp32"] = s["median_ms"] / base if base and s["median_ms"] else None
+
+    generation = [_generation(config, prompt, progress) for prompt in config.prompts]
+    return {
+        "info": {
+            "machine": machine(),
+            "read_bandwidth_gb_s": bandwidth / 1e9,
+            "bandwidth_bytes": config.bandwidth_bytes,
+            "repeats": config.repeats,
+            "warmups": config.warmups,
+            "date": time.strftime("%Y-%m-%d"),
+            "config": {k: v for k, v in asdict(config).items() if k != "PRESETS"},
+        },
+        "steps": steps,
+        "memory": _memory_rows(config),
+        "generation": generation,
+    }
+
+
+def _fmt(value: float | None, pattern: str) -> str:
+    return "-" if value is None else format(value, pattern)
+
+
+def markdown(record: dict) -> str:
+    info = record["info"]
+    m = info["machine"]
+    lines = [
+        f"Machine: {m['cpu']}, {m['torch_threads']} torch threads, torch {m['torch']} "
+        f"({m['cpu_capability']}); read bandwidth (x.sum() over "
+        f"{info['bandwidth_bytes'] / 2**30:g} GiB fp32): {info['read_bandwidth_gb_s']:.1f} GB/s; "
+        f"median of {info['repeats']} interleaved runs after {info['warmups']} warm-ups.",
+        "",
+        "| decode step | implementation | median ms | limit ms | vs limit | vs torch-sdpa "
+        "| vs attnkit fp32 |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for s in record["steps"]:
+        kind = "MHA" if s["h_kv"] == s["h"] else f"GQA {s['h']}/{s['h_kv']}"
+        time_ms = _fmt(s["median_ms"], ".2f") if s["status"] == "ok" else s["status"]
+        lines.append(
+            f"| {s['length']} keys {s['dtype']} {kind} | {s['impl']} | {time_ms} "
+            f"| {s['limit_ms']:.2f} | {_fmt(s['vs_limit'], '.2f')} | {_fmt(s['vs_sdpa'], '.2f')} "
+            f"| {_fmt(s['vs_fp32'], '.2f')} |"
+        )
+    lines += [
+        "",
+        "| cache layout | max_len | MiB | of the full MHA cache |",
+        "|---|---:|---:|---:|",
+    ]
+    for row in record["memory"]:
+        lines.append(
+            f"| {row['layout']} | {row['max_len']} | {row['bytes'] / 2**20:.1f} "
+            f"| {row['fraction']:.4f} |"
+        )
+    lines += [
+        "",
+        "| generation | cached tokens/s | recomputed tokens/s | speed-up |",
+        "|---|---:|---:|---:|",
+    ]
+    for g in record["generation"]:
+        lines.append(
+            f"| {g['new_tokens']} tokens after {g['prompt']} (recomputed: {g['recompute_samples']} "
+            f"steps timed) | {g['cached_tokens_per_s']:.0f} | {g['recomputed_tokens_per_s']:.1f} "
+            f"| {g['speedup']:.0f}x |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def write_decode(record: dict, out_dir: Path) -> dict[str, Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = {"json": out_dir / "decode.json", "markdown": out_dir / "decode.md"}
+    written["json"].write_text(json.dumps(record, indent=1))
+    written["markdown"].write_text(markdown(record))
+    return written
