@@ -17,15 +17,15 @@ demo: $(STAMP)
 	$(BIN)/attnkit explain
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests
-	$(BIN)/ruff format --check src tests
+	$(BIN)/ruff check src tests examples
+	$(BIN)/ruff format --check src tests examples
 
 test: lint
 	$(BIN)/python -m pytest
 
 format: $(STAMP)
-	$(BIN)/ruff format src tests
-	$(BIN)/ruff check --fix src tests
+	$(BIN)/ruff format src tests examples
+	$(BIN)/ruff check --fix src tests examples
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis build dist src/*.egg-info

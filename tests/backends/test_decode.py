@@ -82,17 +82,20 @@ def test_scale_and_strided_views_of_a_cache():
 
 
 def test_auto_takes_the_decode_kernel_for_a_few_queries_over_a_long_cache():
-    def picked(t=1, s=DECODE_MIN_KEYS, h_kv=4, dtype=torch.float32, grad=False, **options):
+    def picked(t=1, s=None, h_kv=4, dtype=torch.float32, grad=False, **options):
+        s = DECODE_MIN_KEYS[torch.float32] if s is None else s
         q = torch.empty(1, 12, t, 64, dtype=dtype, requires_grad=grad)
         k = v = torch.empty(1, h_kv, s, 64, dtype=dtype)
         masks = Masks(key_mask=options.pop("key_mask", None), window=options.pop("window", None))
         return resolve_backend("auto", Request(masks=masks, scale=1.0, **options), q, k, v).name
 
     assert picked() == "decode"
-    assert picked(dtype=torch.bfloat16, key_mask=torch.ones(1, DECODE_MIN_KEYS, dtype=torch.bool))
+    mask = torch.ones(1, DECODE_MIN_KEYS[torch.float32], dtype=torch.bool)
+    assert picked(dtype=torch.bfloat16, key_mask=mask) == "decode"
+    assert picked(dtype=torch.bfloat16, s=DECODE_MIN_KEYS[torch.bfloat16]) == "decode"
     assert picked(t=5, h_kv=4) == "decode"  # 3 query heads per kv head x 5 queries: 15 rows
     assert picked(t=6, h_kv=4) == "sdpa"  # 18 rows
-    assert picked(s=DECODE_MIN_KEYS - 1) == "sdpa"
+    assert picked(s=DECODE_MIN_KEYS[torch.float32] - 1) == "sdpa"
     assert picked(grad=True) == "sdpa"
     assert picked(dtype=torch.float64) == "sdpa"
     assert picked(t=2, window=(-1, 0)) == "sdpa"  # causal with two queries masks a key
@@ -112,14 +115,15 @@ def test_a_module_decoding_over_a_long_cache_runs_the_kernel_and_equals_the_full
             "decode", lambda *a: calls.append(1) or real.fn(*a), real.supports, real.refuses
         ),
     )
-    module = MultiHeadAttention(32, 32, None, 0.0, 4, num_kv_heads=2, rope=True).eval()
-    x = torch.randn(1, DECODE_MIN_KEYS + 4, 32)
+    prompt = DECODE_MIN_KEYS[torch.float32]
+    module = MultiHeadAttention(32, 32, prompt + 4, 0.0, 4, num_kv_heads=2, rope=True).eval()
+    x = torch.randn(1, prompt + 4, 32)
     with torch.no_grad():
         full = module(x)
         cache = KVCache(1, 2, x.shape[1], module.head_dim)
-        module(x[:, :DECODE_MIN_KEYS], cache=cache)
-        steps = [module(x[:, i : i + 1], cache=cache) for i in range(DECODE_MIN_KEYS, x.shape[1])]
-    torch.testing.assert_close(torch.cat(steps, dim=1), full[:, DECODE_MIN_KEYS:])
+        module(x[:, :prompt], cache=cache)
+        steps = [module(x[:, i : i + 1], cache=cache) for i in range(prompt, x.shape[1])]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full[:, prompt:])
     assert len(calls) == 4  # one per decoded token; the prefill went elsewhere
 
 
@@ -140,7 +144,7 @@ def test_without_the_kernel_auto_uses_sdpa_and_a_named_call_says_why(monkeypatch
     monkeypatch.setattr(decode, "_kernel", None)
     monkeypatch.setattr(decode, "_failure", "disabled by ATTNKIT_NATIVE=0")
     q = torch.randn(1, 2, 1, 8)
-    k = v = torch.randn(1, 2, DECODE_MIN_KEYS, 8)
+    k = v = torch.randn(1, 2, DECODE_MIN_KEYS[torch.float32], 8)
     request = Request(masks=Masks(), scale=1.0)
     assert resolve_backend("auto", request, q, k, v).name == "sdpa"
     with pytest.raises(

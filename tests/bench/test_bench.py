@@ -94,3 +94,24 @@ def test_run_returns_results_for_every_case(tmp_path):
     results, info = run(config, io.StringIO())
     assert [r.case.impl for r in results] == ["torch-sdpa", "flex-compiled"]
     assert info["matmul"]["fp32"][0] == 256
+
+
+def test_decode_smoke_runs_end_to_end(tmp_path, capsys):
+    assert main(["bench", "--decode", "--smoke", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "| decode step | implementation | median ms | limit ms | vs limit |" in out
+    record = json.loads((tmp_path / "decode.json").read_text())
+    steps = record["steps"]
+    assert {s["impl"] for s in steps} == {"attnkit", "torch-sdpa", "naive"}
+    assert all(s["status"] == "ok" and s["median_ms"] > 0 and s["limit_ms"] > 0 for s in steps)
+    assert record["info"]["read_bandwidth_gb_s"] > 0
+    memory = {row["layout"]: row["fraction"] for row in record["memory"]}
+    assert memory["MHA fp32"] == 1.0 and memory["MHA bf16"] == 0.5
+    assert memory["GQA 1 kv heads fp32"] == 0.5  # smoke: 2 query heads
+    gen = record["generation"][0]
+    assert gen["cached_tokens_per_s"] > 0 and gen["recomputed_tokens_per_s"] > 0
+
+
+def test_decode_bench_rejects_kv_heads_that_do_not_divide_h(capsys):
+    assert main(["bench", "--decode", "--smoke", "--h", "6", "--kv-heads", "4"]) == 2
+    assert "--h (6) must be a multiple of every --kv-heads, got 4" in capsys.readouterr().err

@@ -21,7 +21,7 @@ masks nothing (:func:`attnkit.masks.merge_window` drops it).
 
 ``"auto"`` takes the first backend of :data:`AUTO_ORDER` that supports every option in use and does
 not refuse the tensors, with these exceptions measured with ``attnkit bench``: the decode kernel
-only over at least :data:`DECODE_MIN_KEYS` keys (below, SDPA's lower call overhead wins); the tiled
+only over at least :data:`DECODE_MIN_KEYS` keys (below, SDPA is as fast or faster); the tiled
 kernel where SDPA would compute every score of a sliding window that shows each query at most a
 quarter of the keys, where it would need a dense ALiBi/window mask of more than
 :data:`DENSE_MASK_LIMIT` elements, and for half-precision inputs that need gradients on a CPU
@@ -55,8 +55,11 @@ BACKENDS: dict[str, Backend] = {
 # it can do the request, then the O(N)-memory tiled kernel.
 AUTO_ORDER: tuple[str, ...] = ("decode", "sdpa", "tiled", "reference")
 
-# The fewest keys for which "auto" runs the decode kernel.
-DECODE_MIN_KEYS = 512
+# The fewest keys for which "auto" runs the decode kernel, by dtype. Measured with
+# `attnkit bench --decode` (docs/bench/decode.md): in float32, SDPA's two matrix-vector products are
+# as fast while the cache fits in the CPU's caches (1024 keys, 12 heads: 0.29 ms vs 0.38 ms); in
+# bf16/fp16 SDPA is 3-8x slower at every length on CPUs without half-precision matrix units.
+DECODE_MIN_KEYS = {torch.float32: 4096, torch.bfloat16: 512, torch.float16: 512}
 
 
 # The largest mask SDPA is given to materialise (elements; 64 MiB of float32) before "auto" prefers
@@ -90,7 +93,7 @@ def _can_run(backend: Backend, request: Request, q: Tensor, k: Tensor, v: Tensor
     if backend.refuses is not None and backend.refuses(request, q, k, v) is not None:
         return False
     if backend.name == "decode":  # checked last: the first call builds the kernel
-        return k.shape[-2] >= DECODE_MIN_KEYS and decode.available()[0]
+        return k.shape[-2] >= DECODE_MIN_KEYS.get(q.dtype, 512) and decode.available()[0]
     return True
 
 
