@@ -90,11 +90,11 @@ def _tiled_beats_sdpa(request: Request, q: Tensor, k: Tensor, v: Tensor) -> bool
 def _can_run(backend: Backend, request: Request, q: Tensor, k: Tensor, v: Tensor) -> bool:
     if not request.options <= backend.supports:
         return False
+    if backend.name == "decode" and k.shape[-2] < DECODE_MIN_KEYS.get(q.dtype, 512):
+        return False
     if backend.refuses is not None and backend.refuses(request, q, k, v) is not None:
         return False
-    if backend.name == "decode":  # checked last: the first call builds the kernel
-        return k.shape[-2] >= DECODE_MIN_KEYS.get(q.dtype, 512) and decode.available()[0]
-    return True
+    return backend.name != "decode" or decode.available()[0]  # the first call builds the kernel
 
 
 def resolve_backend(name: str, request: Request, q: Tensor, k: Tensor, v: Tensor) -> Backend:
@@ -105,10 +105,15 @@ def resolve_backend(name: str, request: Request, q: Tensor, k: Tensor, v: Tensor
         ValueError: ``name`` is unknown, or the named backend cannot do an option in use.
     """
     if name == "auto":
-        capable = [n for n in AUTO_ORDER if _can_run(BACKENDS[n], request, q, k, v)]
-        if capable[:2] == ["sdpa", "tiled"] and _tiled_beats_sdpa(request, q, k, v):
-            return BACKENDS["tiled"]
-        return BACKENDS[capable[0]]
+        for candidate in AUTO_ORDER:
+            backend = BACKENDS[candidate]
+            if not _can_run(backend, request, q, k, v):
+                continue
+            tiled_too = request.options <= BACKENDS["tiled"].supports
+            if candidate == "sdpa" and tiled_too and _tiled_beats_sdpa(request, q, k, v):
+                return BACKENDS["tiled"]
+            return backend
+        raise AssertionError("the reference backend runs every request")  # pragma: no cover
     if name not in BACKENDS:
         choices = ", ".join(repr(n) for n in ("auto", *BACKENDS))
         raise ValueError(f"unknown backend {name!r}; choose one of {choices}")

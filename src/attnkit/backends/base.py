@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from typing import NamedTuple
 
 from torch import Tensor
@@ -33,7 +34,7 @@ class Request:
     return_lse: bool = False
     return_weights: bool = False
 
-    @property
+    @cached_property
     def options(self) -> frozenset[str]:
         """The options in use, named as the arguments of :func:`attnkit.functional.attention`."""
         used = {

@@ -5,8 +5,8 @@ Three measurements, in one run:
 - **step**: one query over a key/value cache of ``length`` positions, ``b x h`` query heads over
   ``h_kv`` key/value heads (MHA and GQA), attnkit next to torch SDPA and the naive formula on the same
   :class:`~attnkit.KVCache` views, timed interleaved. The **limit** is the bytes of K and V one step
-  must read divided by the read bandwidth of ``x.sum()`` over a 1 GiB float32 tensor, measured in the
-  same run.
+  must read divided by the read bandwidth of ``x.sum()`` over a 1 GiB float32 tensor, timed in the
+  same interleaved rounds (on a shared machine the bandwidth drifts by a third between runs).
 - **cache memory**: bytes of each cache layout (GQA, sliding window, bf16) against the full fp32 MHA
   cache.
 - **generation**: tokens per second for ``new_tokens`` tokens after prompts of each length, through a
@@ -53,7 +53,7 @@ class DecodeConfig:
     new_tokens: int = 256
     recompute_samples: int = 32
     bandwidth_bytes: int = 2**30
-    repeats: int = 20
+    repeats: int = 40
     warmups: int = 3
 
     PRESETS: ClassVar[dict[str, dict]] = {
@@ -76,18 +76,6 @@ class DecodeConfig:
     @classmethod
     def from_name(cls, name: str, **overrides) -> DecodeConfig:
         return cls(**{**cls.PRESETS[name], **overrides})
-
-
-def read_bandwidth(nbytes: int, repeats: int = 5) -> float:
-    """Bytes per second that ``x.sum()`` reads from a float32 tensor of ``nbytes``."""
-    x = torch.randn(nbytes // 4)
-    x.sum()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        x.sum()
-        times.append(time.perf_counter() - start)
-    return nbytes / statistics.median(times)
 
 
 def _naive_step(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -174,22 +162,23 @@ def run_decode(config: DecodeConfig, progress_stream: TextIO | None = None) -> d
     rows = list(product(config.lengths, config.dtypes, config.kv_heads))
     rounds = config.warmups + config.repeats
     progress = Progress(
-        1 + len(rows) * len(STEP_IMPLS) * rounds + 2 * len(config.prompts),
+        len(rows) * (len(STEP_IMPLS) + 1) * rounds + 2 * len(config.prompts),
         progress_stream or sys.stderr,
     )
-    bandwidth = read_bandwidth(config.bandwidth_bytes)
-    progress.step("read bandwidth")
+    big = torch.randn(config.bandwidth_bytes // 4)  # float32: x.sum() reads it once
 
-    steps = []
+    steps, bandwidths = [], []
     for length, dtype, h_kv in rows:
         setup = _step_calls(config, length, dtype, h_kv)
         runs = []
-        for impl, call in setup["calls"].items():
+        for impl, call in [*setup["calls"].items(), ("read-bandwidth", big.sum)]:
             case = Case(impl, length, dtype, True, "decode", f"h_kv={h_kv}", "decode", config.b)
             runs.append((Result(case), call))
         time_interleaved(runs, config.repeats, config.warmups, progress.step)
-        limit_s = setup["bytes"] / bandwidth
         by_impl = {result.case.impl: result for result, _ in runs}
+        bandwidth = big.nbytes / by_impl.pop("read-bandwidth").median_s
+        bandwidths.append(bandwidth)
+        limit_s = setup["bytes"] / bandwidth
         sdpa = by_impl["torch-sdpa"].median_s
         for impl, result in by_impl.items():
             t = result.median_s
@@ -201,6 +190,7 @@ def run_decode(config: DecodeConfig, progress_stream: TextIO | None = None) -> d
                     "h_kv": h_kv,
                     "impl": impl,
                     "status": result.status,
+                    "read_gb_s": bandwidth / 1e9,
                     "median_ms": t * 1e3 if t else None,
                     "limit_ms": limit_s * 1e3,
                     "vs_limit": t / limit_s if t else None,
@@ -208,6 +198,7 @@ def run_decode(config: DecodeConfig, progress_stream: TextIO | None = None) -> d
                 }
             )
         del setup, runs
+    del big
 
     fp32 = {(s["length"], s["h_kv"]): s["median_ms"] for s in steps if s["impl"] == "attnkit"
             and s["dtype"] == "fp32"}  # fmt: skip
@@ -219,7 +210,7 @@ def run_decode(config: DecodeConfig, progress_stream: TextIO | None = None) -> d
     return {
         "info": {
             "machine": machine(),
-            "read_bandwidth_gb_s": bandwidth / 1e9,
+            "read_bandwidth_gb_s": statistics.median(bandwidths) / 1e9,
             "bandwidth_bytes": config.bandwidth_bytes,
             "repeats": config.repeats,
             "warmups": config.warmups,
@@ -241,9 +232,10 @@ def markdown(record: dict) -> str:
     m = info["machine"]
     lines = [
         f"Machine: {m['cpu']}, {m['torch_threads']} torch threads, torch {m['torch']} "
-        f"({m['cpu_capability']}); read bandwidth (x.sum() over "
-        f"{info['bandwidth_bytes'] / 2**30:g} GiB fp32): {info['read_bandwidth_gb_s']:.1f} GB/s; "
-        f"median of {info['repeats']} interleaved runs after {info['warmups']} warm-ups.",
+        f"({m['cpu_capability']}); median of {info['repeats']} interleaved runs after "
+        f"{info['warmups']} warm-ups. The limit: bytes of K and V / the read bandwidth of x.sum() "
+        f"over {info['bandwidth_bytes'] / 2**30:g} GiB fp32, timed in the same rounds as each row "
+        f"(median {info['read_bandwidth_gb_s']:.1f} GB/s).",
         "",
         "| decode step | implementation | median ms | limit ms | vs limit | vs torch-sdpa "
         "| vs attnkit fp32 |",
