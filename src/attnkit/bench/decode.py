@@ -4,7 +4,9 @@ Three measurements, in one run:
 
 - **step**: one query over a key/value cache of ``length`` positions, ``b x h`` query heads over
   ``h_kv`` key/value heads (MHA and GQA), attnkit next to torch SDPA and the naive formula on the same
-  :class:`~attnkit.KVCache` views, timed interleaved. The **limit** is the bytes of K and V one step
+  :class:`~attnkit.KVCache` views, timed interleaved, each call after reading a 256 MiB buffer that
+  empties the CPU caches (as the other layers of a model do between two steps of one layer; without
+  it, whichever implementation runs second finds a small cache still in L3). The **limit** is the bytes of K and V one step
   must read divided by the read bandwidth of ``x.sum()`` over a 1 GiB float32 tensor, timed in the
   same interleaved rounds (on a shared machine the bandwidth drifts by a third between runs).
 - **cache memory**: bytes of each cache layout (GQA, sliding window, bf16) against the full fp32 MHA
@@ -166,6 +168,10 @@ def run_decode(config: DecodeConfig, progress_stream: TextIO | None = None) -> d
         progress_stream or sys.stderr,
     )
     big = torch.randn(config.bandwidth_bytes // 4)  # float32: x.sum() reads it once
+    scratch = torch.ones(min(config.bandwidth_bytes, 2**28) // 4)  # read between calls
+
+    def flush() -> None:
+        scratch.sum()
 
     steps, bandwidths = [], []
     for length, dtype, h_kv in rows:
@@ -174,7 +180,7 @@ def run_decode(config: DecodeConfig, progress_stream: TextIO | None = None) -> d
         for impl, call in [*setup["calls"].items(), ("read-bandwidth", big.sum)]:
             case = Case(impl, length, dtype, True, "decode", f"h_kv={h_kv}", "decode", config.b)
             runs.append((Result(case), call))
-        time_interleaved(runs, config.repeats, config.warmups, progress.step)
+        time_interleaved(runs, config.repeats, config.warmups, progress.step, before=flush)
         by_impl = {result.case.impl: result for result, _ in runs}
         bandwidth = big.nbytes / by_impl.pop("read-bandwidth").median_s
         bandwidths.append(bandwidth)
@@ -198,7 +204,6 @@ def run_decode(config: DecodeConfig, progress_stream: TextIO | None = None) -> d
                 }
             )
         del setup, runs
-    del big
 
     fp32 = {(s["length"], s["h_kv"]): s["median_ms"] for s in steps if s["impl"] == "attnkit"
             and s["dtype"] == "fp32"}  # fmt: skip

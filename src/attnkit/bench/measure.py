@@ -86,12 +86,16 @@ def time_interleaved(
     repeats: int,
     warmups: int,
     on_step: Callable[[], None] = lambda: None,
+    before: Callable[[], object] | None = None,
 ) -> None:
     """Warm every case up, then time them in turns, ``repeats`` rounds; appends to ``Result.times``.
-    A case that raises is marked with the error and leaves the rotation."""
+    ``before``, if given, runs untimed before each call (to empty the CPU caches, say). A case that
+    raises is marked with the error and leaves the rotation."""
     active = list(runs)
     for round_ in range(warmups + repeats):
         for result, run in list(active):
+            if before is not None:
+                before()
             start = time.perf_counter()
             try:
                 run()
