@@ -55,11 +55,12 @@ BACKENDS: dict[str, Backend] = {
 # it can do the request, then the O(N)-memory tiled kernel.
 AUTO_ORDER: tuple[str, ...] = ("decode", "sdpa", "tiled", "reference")
 
-# The fewest keys for which "auto" runs the decode kernel, by dtype. Measured with
-# `attnkit bench --decode` (docs/bench/decode.md): in float32, SDPA's two matrix-vector products are
-# as fast while the cache fits in the CPU's caches (1024 keys, 12 heads: 0.29 ms vs 0.38 ms); in
-# bf16/fp16 SDPA is 3-8x slower at every length on CPUs without half-precision matrix units.
-DECODE_MIN_KEYS = {torch.float32: 4096, torch.bfloat16: 512, torch.float16: 512}
+# The fewest keys for which "auto" runs the decode kernel, by dtype. Measured with the CPU caches
+# emptied before each call, as in a model's decoding loop (`attnkit bench --decode`,
+# docs/bench/decode.md): in float32 the kernel overtakes SDPA from about 1024 keys (12 heads: 0.73
+# vs 0.86 ms; with warm caches SDPA stays ahead up to ~2048); in bf16/fp16 SDPA is 3-8x slower at
+# every length on CPUs without half-precision matrix units.
+DECODE_MIN_KEYS = {torch.float32: 1024, torch.bfloat16: 512, torch.float16: 512}
 
 
 # The largest mask SDPA is given to materialise (elements; 64 MiB of float32) before "auto" prefers
