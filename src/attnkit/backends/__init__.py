@@ -88,8 +88,10 @@ def _tiled_beats_sdpa(request: Request, q: Tensor, k: Tensor, v: Tensor) -> bool
     return dense and mask_elements > DENSE_MASK_LIMIT
 
 
-def _can_run(backend: Backend, request: Request, q: Tensor, k: Tensor, v: Tensor) -> bool:
-    if not request.options <= backend.supports:
+def _can_run(
+    backend: Backend, options: frozenset[str], request: Request, q: Tensor, k: Tensor, v: Tensor
+) -> bool:
+    if not options <= backend.supports:
         return False
     if backend.name == "decode" and k.shape[-2] < DECODE_MIN_KEYS.get(q.dtype, 512):
         return False
@@ -106,11 +108,12 @@ def resolve_backend(name: str, request: Request, q: Tensor, k: Tensor, v: Tensor
         ValueError: ``name`` is unknown, or the named backend cannot do an option in use.
     """
     if name == "auto":
+        options = request.options  # a property: computed once here
         for candidate in AUTO_ORDER:
             backend = BACKENDS[candidate]
-            if not _can_run(backend, request, q, k, v):
+            if not _can_run(backend, options, request, q, k, v):
                 continue
-            tiled_too = request.options <= BACKENDS["tiled"].supports
+            tiled_too = options <= BACKENDS["tiled"].supports
             if candidate == "sdpa" and tiled_too and _tiled_beats_sdpa(request, q, k, v):
                 return BACKENDS["tiled"]
             return backend

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cached_property
 from typing import NamedTuple
 
 from torch import Tensor
@@ -34,7 +33,7 @@ class Request:
     return_lse: bool = False
     return_weights: bool = False
 
-    @cached_property
+    @property
     def options(self) -> frozenset[str]:
         """The options in use, named as the arguments of :func:`attnkit.functional.attention`."""
         used = {
