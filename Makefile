@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: demo test lint format clean
+.PHONY: demo test lint format clean browser
 
 # The venv is rebuilt whenever the package's requirements or the pins change.
 $(STAMP): pyproject.toml constraints.txt
@@ -20,7 +20,15 @@ lint: $(STAMP)
 	$(BIN)/ruff check src tests examples
 	$(BIN)/ruff format --check src tests examples
 
-test: lint
+# Debian's Chromium for the browser test (tests/test_browser.py), where this user can install it
+# (root with apt-get); elsewhere that test skips and says why (CI makes the skip a failure).
+browser:
+	@command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
+	  && { DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null 2>&1 \
+	  || { apt-get update -qq >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null 2>&1; }; }; } \
+	  || echo "note: Chromium could not be installed here; the browser test will skip"
+
+test: lint browser
 	$(BIN)/python -m pytest
 
 format: $(STAMP)

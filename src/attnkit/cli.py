@@ -7,12 +7,14 @@ prints one line, ``attnkit: error: ...``, and exits with status 2.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from pathlib import Path
 from typing import NoReturn
 
 from attnkit import __version__
 from attnkit.explain import Example, explain
-from attnkit.textbook import JOURNEY_TOKENS
+from attnkit.textbook import JOURNEY_TOKENS, simple_self_attention
 
 
 class _Parser(argparse.ArgumentParser):
@@ -60,7 +62,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ex.add_argument("--layer", type=int, help="--model: the layer, from 0 (default: the last)")
     ex.add_argument("--head", type=int, default=0, help="--model: the head, from 0 (default 0)")
+    ex.add_argument(
+        "--html", metavar="FILE.html", help="also write an interactive head view (self-contained)"
+    )
     ex.set_defaults(run=_run_explain)
+
+    pl = commands.add_parser(
+        "plot",
+        help="draw attention weights as a heatmap (PNG)",
+        description=(
+            "Draw the chapter's example (simplified self-attention) or one head of a real model "
+            "as a heatmap with token labels, or every head of a layer as a grid."
+        ),
+    )
+    pl.add_argument("-o", "--output", required=True, metavar="FILE.png", help="where to write")
+    pl.add_argument("--text", help="your own text (with --model; the chapter's sentence otherwise)")
+    pl.add_argument("--model", choices=["minilm"], help="all-MiniLM-L6-v2 (the 'models' extra)")
+    pl.add_argument("--layer", type=int, help="--model: the layer, from 0 (default: the last)")
+    pl.add_argument("--head", type=int, default=0, help="--model: the head, from 0 (default 0)")
+    pl.add_argument("--all-heads", action="store_true", help="--model: every head of the layer")
+    pl.add_argument("--causal", action="store_true", help="the chapter's example, causal")
+    pl.set_defaults(run=_run_plot)
 
     from attnkit.bench.peers import KERNEL_IMPLS, VARIANTS
 
@@ -175,18 +197,79 @@ def _run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_output(path: str, suffix: str) -> Path:
+    """Fail before any work when ``path`` cannot be written."""
+    target = Path(path)
+    if target.suffix.lower() != suffix:
+        raise ValueError(f"{path}: the output must be a {suffix} file")
+    folder = target.parent.resolve()
+    if not folder.is_dir():
+        raise ValueError(f"cannot write {path}: {folder} is not a directory")
+    if not os.access(folder, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        raise ValueError(f"cannot write {path}: permission denied")
+    return target
+
+
+def _model_encoding(args: argparse.Namespace):
+    from attnkit.models import load_minilm
+
+    text = " ".join(JOURNEY_TOKENS) if args.text is None else args.text
+    return load_minilm().encode(text)
+
+
+def _layer_index(layer: int | None, count: int) -> int:
+    layer = count - 1 if layer is None else layer
+    if not 0 <= layer < count:
+        raise ValueError(f"--layer must be in 0..{count - 1}, got {layer}")
+    return layer
+
+
+def _run_plot(args: argparse.Namespace) -> int:
+    from attnkit.views import plot_head, plot_layer
+
+    output = _check_output(args.output, ".png")
+    if args.model is None:
+        if args.layer is not None or args.all_heads or args.head != 0:
+            raise ValueError("--layer, --head and --all-heads need --model")
+        if args.text is not None:
+            raise ValueError("--text needs --model (the chapter's example has its own sentence)")
+        example = Example.journey()
+        weights = simple_self_attention(example.embeddings, causal=args.causal).weights
+        title = "simplified self-attention" + (", causal" if args.causal else "")
+        plot_head(weights, example.tokens, output, title)
+    else:
+        if args.causal:
+            raise ValueError("--causal does not apply to --model")
+        encoding = _model_encoding(args)
+        num_layers, num_heads = encoding.attentions.shape[:2]
+        layer = _layer_index(args.layer, num_layers)
+        if args.all_heads:
+            plot_layer(encoding.attentions[layer], encoding.tokens, output, f"layer {layer}")
+        else:
+            if not 0 <= args.head < num_heads:
+                raise ValueError(f"--head must be in 0..{num_heads - 1}, got {args.head}")
+            weights = encoding.attentions[layer, args.head]
+            plot_head(weights, encoding.tokens, output, f"layer {layer}, head {args.head}")
+    print(f"wrote {output}")
+    return 0
+
+
 def _run_explain_model(args: argparse.Namespace) -> int:
     from attnkit.explain import explain_model
-    from attnkit.models import load_minilm
+    from attnkit.views import head_view_html, write_html
 
     for option in ("embeddings", "dim", "query_index"):
         if getattr(args, option) is not None:
             raise ValueError(f"--{option.replace('_', '-')} does not apply to --model")
     if args.causal or args.normalize != "softmax":
         raise ValueError("--causal and --normalize do not apply to --model")
-    text = " ".join(JOURNEY_TOKENS) if args.text is None else args.text
-    encoding = load_minilm().encode(text)
+    output = None if args.html is None else _check_output(args.html, ".html")
+    encoding = _model_encoding(args)
     print(explain_model(encoding, layer=args.layer, head=args.head, query=args.query), end="")
+    if output is not None:
+        title = f"all-MiniLM-L6-v2: {encoding.text}"
+        write_html(head_view_html(encoding.tokens, encoding.attentions, title), output)
+        print(f"wrote {output}")
     return 0
 
 
@@ -211,10 +294,23 @@ def _run_explain(args: argparse.Namespace) -> int:
         query_index = args.query_index
     else:
         query_index = min(1, len(example.tokens) - 1)  # the chapter's query is the second token
+    output = None if args.html is None else _check_output(args.html, ".html")
     print(
         explain(example, query_index=query_index, normalize=args.normalize, causal=args.causal),
         end="",
     )
+    if output is not None:
+        from attnkit.views import head_view_html, write_html
+
+        result = simple_self_attention(
+            example.embeddings, normalize=args.normalize, causal=args.causal
+        )
+        name = "simplified self-attention" + (", causal" if args.causal else "")
+        page = head_view_html(
+            example.tokens, result.weights[None, None], " ".join(example.tokens), [name]
+        )
+        write_html(page, output)
+        print(f"wrote {output}")
     return 0
 
 

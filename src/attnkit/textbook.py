@@ -51,6 +51,20 @@ class AttentionResult:
     keys: Tensor | None = None
     values: Tensor | None = None
 
+    def _repr_html_(self) -> str:
+        """Jupyter shows the weights as a shaded table (the first matrix of a batch)."""
+        from attnkit.views import heatmap_table
+
+        weights = self.weights.detach()
+        weights = (
+            weights.reshape(-1, *weights.shape[-2:])[0] if weights.dim() > 1 else weights[None]
+        )
+        t, s = weights.shape
+        caption = f"attention weights {tuple(self.weights.shape)}: query rows, key columns"
+        return heatmap_table(
+            weights, [str(i) for i in range(t)], [str(j) for j in range(s)], caption
+        )
+
 
 def attend(
     scores: Tensor,

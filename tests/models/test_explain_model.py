@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from attnkit.cli import main
 from attnkit.explain import head_summary
 from attnkit.models import load_minilm
+from test_views import page_data
 
 TEXT = "The animal didn't cross the street because it was too tired"
 
@@ -79,3 +81,29 @@ def test_bad_input_is_one_line_and_exit_2(args, message, capsys):
 def test_layer_without_model(capsys):
     assert main(["explain", "--layer", "1"]) == 2
     assert "--layer needs --model" in capsys.readouterr().err
+
+
+def test_model_plots_one_head_or_a_layer_grid_and_writes_the_html_view(tmp_path, encoding):
+    import matplotlib.image
+
+    for args, name in ((["--head", "3"], "head.png"), (["--all-heads"], "grid.png")):
+        out = tmp_path / name
+        assert main(["plot", "--model", "minilm", "--text", TEXT, *args, "-o", str(out)]) == 0
+        assert matplotlib.image.imread(out).std() > 0.05
+    out = tmp_path / "view.html"
+    assert main(["explain", "--model", "minilm", "--text", TEXT, "--html", str(out)]) == 0
+    data = page_data(out.read_text())
+    assert data["tokens"] == encoding.tokens and data["title"] == f"all-MiniLM-L6-v2: {TEXT}"
+    torch.testing.assert_close(
+        torch.tensor(data["weights"]), encoding.attentions, atol=1e-4, rtol=0
+    )
+
+
+def test_encoding_renders_in_jupyter(encoding):
+    table = encoding._repr_html_()
+    assert table.count("<td") == 15 * 15 and "[CLS]" in table and "mean of 12 heads" in table
+
+
+def test_plot_model_errors(capsys):
+    assert main(["plot", "--model", "minilm", "--head", "12", "-o", "x.png"]) == 2
+    assert "--head must be in 0..11, got 12" in capsys.readouterr().err

@@ -153,6 +153,14 @@ class Encoding:
     attentions: Tensor
     embedding: Tensor
 
+    def _repr_html_(self) -> str:
+        """Jupyter shows the last layer's weights, averaged over its heads, as a shaded table."""
+        from attnkit.views import heatmap_table
+
+        layers, heads = self.attentions.shape[:2]
+        caption = f"layer {layers - 1}, mean of {heads} heads: query rows, key columns"
+        return heatmap_table(self.attentions[-1].mean(dim=0), self.tokens, self.tokens, caption)
+
 
 class MiniLM:
     """The tokenizer and the encoder; :meth:`encode` runs a text through both."""
