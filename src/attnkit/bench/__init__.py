@@ -11,10 +11,11 @@ from __future__ import annotations
 import sys
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import product
 from typing import ClassVar, TextIO
 
+from attnkit._progress import Progress
 from attnkit.bench.measure import Result, matmul_gflops, probe_memory, time_interleaved
 from attnkit.bench.peers import KERNEL_IMPLS, MODULE_IMPLS, Case, prepare, supported
 from attnkit.bench.report import machine, write
@@ -82,30 +83,6 @@ class BenchConfig:
                     Case(impl, self.module_n, dtype, causal, "fwd", group="module", **module_shape)
                 )
         return cases
-
-
-@dataclass
-class Progress:
-    """A one-line progress bar on stderr."""
-
-    total: int
-    stream: TextIO = field(default_factory=lambda: sys.stderr)
-    done: int = 0
-    started: float = field(default_factory=time.perf_counter)
-
-    def step(self, label: str = "") -> None:
-        before = 10 * self.done // max(self.total, 1)
-        self.done += 1
-        width = 28
-        filled = width * self.done // max(self.total, 1)
-        elapsed = time.perf_counter() - self.started
-        line = f"[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} {elapsed:6.0f} s"
-        if self.stream.isatty():
-            end = "\n" if self.done >= self.total else ""
-            self.stream.write(f"\r{line}  {label[:48]:<48}{end}")
-        elif 10 * self.done // max(self.total, 1) > before:  # a log: one line per tenth
-            self.stream.write(f"{line}  {label}\n")
-        self.stream.flush()
 
 
 def run(config: BenchConfig, progress_stream: TextIO | None = None) -> tuple[list[Result], dict]:

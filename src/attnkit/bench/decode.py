@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnkit import KVCache, MultiHeadAttention, attention
-from attnkit.bench import Progress
+from attnkit._progress import Progress
 from attnkit.bench.measure import Result, time_interleaved
 from attnkit.bench.peers import Case
 from attnkit.bench.report import machine

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from attnkit._progress import Progress
 from attnkit.modules import MultiHeadAttention
 
 
@@ -240,8 +241,11 @@ def load_minilm(path: str | Path | None = None) -> MiniLM:
     for name in ("config.json", "model.safetensors", "tokenizer.json"):
         if not (folder / name).is_file():
             raise FileNotFoundError(f"{folder / name} does not exist")
+    progress = Progress(3, quiet_unless_tty=True)  # a bar on a terminal, silence in a log
     encoder = BertEncoder(BertConfig.from_json(folder / "config.json"))
+    progress.step("MiniLM: encoder built")
     encoder.load_bert_weights(load_file(str(folder / "model.safetensors")))
+    progress.step("MiniLM: weights loaded")
     settings = folder / "sentence_bert_config.json"
     max_seq_length = (
         json.loads(settings.read_text())["max_seq_length"] if settings.is_file() else 256
@@ -249,4 +253,5 @@ def load_minilm(path: str | Path | None = None) -> MiniLM:
     tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
     tokenizer.no_padding()  # the file pads every text to 128 tokens
     tokenizer.enable_truncation(max_length=max_seq_length)  # 256, not the tokenizer's 128
+    progress.step("MiniLM: tokenizer ready")
     return MiniLM(encoder, tokenizer, max_seq_length)

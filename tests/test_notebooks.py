@@ -1,0 +1,29 @@
+"""The notebooks in examples/notebooks run from top to bottom; their own cells assert the chapter's
+numbers where they print them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+NOTEBOOKS = sorted((Path(__file__).parents[1] / "examples" / "notebooks").glob("*.ipynb"))
+
+
+def test_there_is_a_notebook_per_step_of_the_chapter():
+    names = [p.stem for p in NOTEBOOKS]
+    for topic in ("simplified", "trainable", "causal", "multi_head", "real_model"):
+        assert any(topic in name for name in names), topic
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_runs(path, tmp_path):
+    book = nbformat.read(path, as_version=4)
+    NotebookClient(
+        book, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+    ).execute()
+    outputs = [o for cell in book.cells if cell.cell_type == "code" for o in cell.outputs]
+    assert not [o for o in outputs if o.output_type == "error"]
+    assert any("text/html" in o.get("data", {}) for o in outputs)  # a result shown as a table
