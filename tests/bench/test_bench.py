@@ -7,7 +7,7 @@ import json
 
 import torch
 
-from attnkit.bench import BenchConfig, Progress, run
+from attnkit.bench import BenchConfig, run
 from attnkit.bench.measure import Result, matmul_gflops, probe_memory, time_interleaved
 from attnkit.bench.peers import Case
 from attnkit.bench.report import markdown, rows
@@ -62,14 +62,6 @@ def test_out_of_memory_row_in_the_report():
 def test_matmul_throughput_is_positive():
     size, gflops = matmul_gflops(torch.float32, max_size=256)
     assert size == 256 and gflops > 0
-
-
-def test_progress_logs_tenths_when_not_a_terminal():
-    stream = io.StringIO()
-    progress = Progress(20, stream)
-    for _ in range(20):
-        progress.step("x")
-    assert stream.getvalue().count("\n") == 10
 
 
 def test_config_presets_and_cases():

@@ -72,6 +72,18 @@ inline const float* as_float(const T* row, float* buffer, int64_t dim) {
   }
 }
 
+// Rows j .. j + 3 of K or V as float32 (converted into `buffer` for a half-precision cache), each
+// prefetched ahead.
+template <typename T, int64_t D>
+inline void four_rows(const T* base, int64_t j, int64_t stride_s, int64_t d,
+                      float (*buffer)[kMaxDim], const float* rows[4]) {
+  for (int u = 0; u < 4; ++u) {
+    const T* row = base + (j + u) * stride_s;
+    prefetch_ahead(row, stride_s, d);
+    rows[u] = as_float<T, D>(row, buffer[u], d);
+  }
+}
+
 // One work item: keys [begin, end) of one (batch row, key/value head) for `rows` query rows. D is the
 // head dim when known at compile time (the common widths), 0 for any other width `dim`.
 template <typename T, int64_t D>
@@ -96,11 +108,7 @@ void attend_split(const float* q, int64_t rows, int64_t dim, const T* k, const T
     int64_t j = 0;
     for (; j + 4 <= n; j += 4) {  // four keys at a time: four independent chains of FMAs
       const float* key[4];
-      for (int u = 0; u < 4; ++u) {
-        const T* kj = k + (j0 + j + u) * stride_s;
-        prefetch_ahead(kj, stride_s, d);
-        key[u] = as_float<T, D>(kj, buffer[u], d);
-      }
+      four_rows<T, D>(k, j0 + j, stride_s, d, buffer, key);
       for (int64_t r = 0; r < rows; ++r) {
         const float* qr = q + r * d;
         float dot0 = 0.f, dot1 = 0.f, dot2 = 0.f, dot3 = 0.f;
@@ -152,11 +160,7 @@ void attend_split(const float* q, int64_t rows, int64_t dim, const T* k, const T
     j = 0;
     for (; j + 4 <= n; j += 4) {  // four values at a time: one load and store of acc per four
       const float* value[4];
-      for (int u = 0; u < 4; ++u) {
-        const T* vj = v + (j0 + j + u) * stride_s;
-        prefetch_ahead(vj, stride_s, d);
-        value[u] = as_float<T, D>(vj, buffer[u], d);
-      }
+      four_rows<T, D>(v, j0 + j, stride_s, d, buffer, value);
       for (int64_t r = 0; r < rows; ++r) {
         const float p0 = scores[r][j], p1 = scores[r][j + 1];
         const float p2 = scores[r][j + 2], p3 = scores[r][j + 3];
