@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from attnkit import __version__
-from attnkit.explain import Example, explain
+from attnkit.explain import Example, explain, layer_and_head
 from attnkit.textbook import JOURNEY_TOKENS, simple_self_attention
 
 
@@ -217,13 +217,6 @@ def _model_encoding(args: argparse.Namespace):
     return load_minilm().encode(text)
 
 
-def _layer_index(layer: int | None, count: int) -> int:
-    layer = count - 1 if layer is None else layer
-    if not 0 <= layer < count:
-        raise ValueError(f"--layer must be in 0..{count - 1}, got {layer}")
-    return layer
-
-
 def _run_plot(args: argparse.Namespace) -> int:
     from attnkit.views import plot_head, plot_layer
 
@@ -241,13 +234,10 @@ def _run_plot(args: argparse.Namespace) -> int:
         if args.causal:
             raise ValueError("--causal does not apply to --model")
         encoding = _model_encoding(args)
-        num_layers, num_heads = encoding.attentions.shape[:2]
-        layer = _layer_index(args.layer, num_layers)
+        layer = layer_and_head(encoding, args.layer, args.head)
         if args.all_heads:
             plot_layer(encoding.attentions[layer], encoding.tokens, output, f"layer {layer}")
         else:
-            if not 0 <= args.head < num_heads:
-                raise ValueError(f"--head must be in 0..{num_heads - 1}, got {args.head}")
             weights = encoding.attentions[layer, args.head]
             plot_head(weights, encoding.tokens, output, f"layer {layer}, head {args.head}")
     print(f"wrote {output}")

@@ -229,6 +229,20 @@ def head_summary(attentions: Tensor, tokens: Sequence[str]) -> list[dict[str, fl
     ]
 
 
+def layer_and_head(encoding: Encoding, layer: int | None, head: int) -> int:
+    """Check ``layer`` (None: the last) and ``head`` against the model; returns the layer.
+
+    Raises:
+        ValueError: either is out of range, naming the option as the CLI spells it.
+    """
+    num_layers, num_heads = encoding.attentions.shape[:2]
+    layer = num_layers - 1 if layer is None else layer
+    for value, label, count in ((layer, "layer", num_layers), (head, "head", num_heads)):
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < count:
+            raise ValueError(f"--{label} must be in 0..{count - 1}, got {value}")
+    return layer
+
+
 def explain_model(
     encoding: Encoding,
     *,
@@ -248,10 +262,7 @@ def explain_model(
         ValueError: ``layer`` or ``head`` out of range, or ``query`` not among the tokens.
     """
     num_layers, num_heads, t, _ = encoding.attentions.shape
-    layer = num_layers - 1 if layer is None else layer
-    for value, label, count in ((layer, "layer", num_layers), (head, "head", num_heads)):
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < count:
-            raise ValueError(f"--{label} must be in 0..{count - 1}, got {value}")
+    layer = layer_and_head(encoding, layer, head)
     tokens = encoding.tokens
     weights = encoding.attentions[layer, head]  # (t, t): query rows, key columns
     if query is not None and query not in tokens:
