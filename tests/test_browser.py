@@ -11,7 +11,8 @@ import shutil
 import pytest
 import torch
 
-from attnkit.views import head_view_html, write_html
+from attnkit.cli import main
+from test_views import page_data
 
 CHROMIUM = os.environ.get("ATTNKIT_CHROMIUM", "/usr/bin/chromium")
 # The machine's closed network refuses Chromium's background connections: turn them off.
@@ -23,7 +24,7 @@ FLAGS = [
     "--disable-sync",
     "--no-first-run",
 ]
-TOKENS = ["[CLS]", "the", "<b>cat</b>", "</script><script>alert(1)</script>", "[SEP]"]
+TEXT = "The <b>cat</b> sat </script><script>alert(1)</script> on the mat"
 
 
 def _missing() -> str | None:
@@ -52,8 +53,12 @@ def browser():
 
 
 def test_head_view_hover_switch_head_and_screenshot(browser, tmp_path):
-    weights = torch.softmax(3 * torch.randn(2, 3, 5, 5), dim=-1)
-    path = write_html(head_view_html(TOKENS, weights, "a <test> & title"), tmp_path / "view.html")
+    """The report `attnkit explain --model minilm --html` writes, for a text that tries to inject
+    markup and a script."""
+    path = tmp_path / "view.html"
+    assert main(["explain", "--model", "minilm", "--text", TEXT, "--html", str(path)]) == 0
+    data = page_data(path.read_text())
+    weights, tokens = torch.tensor(data["weights"]), data["tokens"]
     page = browser.new_page()
     problems = []
     page.on("console", lambda m: problems.append(m.text) if m.type == "error" else None)
@@ -61,36 +66,31 @@ def test_head_view_hover_switch_head_and_screenshot(browser, tmp_path):
     page.on("dialog", lambda d: (problems.append(f"dialog: {d.message}"), d.dismiss()))
     page.goto(path.as_uri())
 
-    assert page.locator("#title").text_content() == "a <test> & title"
-    assert page.locator(".query").all_text_contents() == TOKENS  # shown as text, not markup
+    assert page.locator("#title").text_content() == f"all-MiniLM-L6-v2: {TEXT}"
+    assert page.locator(".query").all_text_contents() == tokens  # shown as text, not markup
     assert page.locator("b").count() == 0
 
     def shown(layer: int, head: int, query: int) -> None:
         page.hover(f".query[data-i='{query}']")
         texts = page.locator(".key .weight").all_text_contents()
         assert all(re.fullmatch(r"\d\.\d{3}", text) for text in texts)
-        shown_values = torch.tensor([float(text) for text in texts])
-        torch.testing.assert_close(shown_values, weights[layer, head, query], atol=5.1e-4, rtol=0)
+        values = torch.tensor([float(text) for text in texts])
+        torch.testing.assert_close(values, weights[layer, head, query], atol=5.1e-4, rtol=0)
         assert page.locator(".query.active").get_attribute("data-i") == str(query)
         lines = page.locator("svg line")
-        assert lines.count() == len(TOKENS)
-        strengths = [
-            float(lines.nth(j).get_attribute("stroke-opacity")) for j in range(len(TOKENS))
-        ]
-        torch.testing.assert_close(
-            torch.tensor(strengths), weights[layer, head, query], atol=1e-4, rtol=0
-        )
+        assert lines.count() == len(tokens)
+        strength = [float(lines.nth(j).get_attribute("stroke-opacity")) for j in range(len(tokens))]
+        torch.testing.assert_close(torch.tensor(strength), weights[layer, head, query])
 
-    shown(1, 0, 2)  # opens on the last layer, head 0
-    page.select_option("#head", "2")
-    shown(1, 2, 2)
-    page.select_option("#layer", "0")
-    shown(0, 2, 4)
+    shown(5, 0, 2)  # opens on the last layer, head 0
+    page.select_option("#head", "7")
+    shown(5, 7, 2)
+    page.select_option("#layer", "1")
+    shown(1, 7, len(tokens) - 1)
 
     shot = tmp_path / "view.png"
     page.screenshot(path=str(shot))
     import matplotlib.image
 
-    pixels = matplotlib.image.imread(shot)
-    assert pixels.std() > 0.02  # not a blank page
+    assert matplotlib.image.imread(shot).std() > 0.02  # not a blank page
     assert problems == []
