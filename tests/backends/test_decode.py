@@ -8,6 +8,7 @@ import torch
 
 from attnkit import KVCache, MultiHeadAttention, attention
 from attnkit.backends import BACKENDS, DECODE_MIN_KEYS, Request, decode, resolve_backend
+from attnkit.backends._native import Kernel
 from attnkit.masks import Masks
 from oracle import naive_attention
 
@@ -141,8 +142,8 @@ def test_named_decode_refuses_what_it_cannot_run():
 
 
 def test_without_the_kernel_auto_uses_sdpa_and_a_named_call_says_why(monkeypatch):
-    monkeypatch.setattr(decode, "_kernel", None)
-    monkeypatch.setattr(decode, "_failure", "disabled by ATTNKIT_NATIVE=0")
+    monkeypatch.setattr(decode, "KERNEL", Kernel("decode.cpp", ()))
+    monkeypatch.setenv("ATTNKIT_NATIVE", "0")
     q = torch.randn(1, 2, 1, 8)
     k = v = torch.randn(1, 2, DECODE_MIN_KEYS[torch.float32], 8)
     request = Request(masks=Masks(), scale=1.0)

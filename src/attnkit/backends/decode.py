@@ -16,75 +16,24 @@ or ``ATTNKIT_NATIVE=0``), :func:`available` says why and ``auto`` uses SDPA inst
 
 from __future__ import annotations
 
-import hashlib
-import logging
-import os
-import warnings
-from pathlib import Path
-from types import ModuleType
-
 import torch
 from torch import Tensor
 
+from attnkit.backends._native import Kernel
 from attnkit.backends.base import AttentionOutput, Request
 
 MAX_ROWS = 16  # query rows per key/value head (GQA group size x queries)
 MAX_HEAD_DIM = 256
 MIN_KEYS_PER_SPLIT = 1024
-_SOURCE = Path(__file__).with_name("decode.cpp")
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
 _NO_MASK = torch.empty(0, dtype=torch.bool)
-_BUILD = b"-O3 -ffast-math -fopenmp"  # part of the build's name: a change of flags rebuilds
 
-_kernel: ModuleType | None = None
-_failure: str | None = None
-
-
-def _compile_flags() -> tuple[str, list[str]]:
-    """Instruction-set flags for the CPU torch runs on (not -march=native: a cached build must not
-    reach a CPU that lacks its instructions), and a name that keeps builds for each set apart."""
-    capability = torch.backends.cpu.get_cpu_capability()  # "AVX512", "AVX2", "DEFAULT", ...
-    flags = {
-        "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
-        "AVX2": ["-mavx2", "-mfma", "-mf16c"],
-    }.get(capability, [])
-    digest = hashlib.sha1(_SOURCE.read_bytes() + " ".join(flags).encode() + _BUILD).hexdigest()[:10]
-    return f"attnkit_decode_{capability.lower().replace(' ', '_')}_{digest}", flags
-
-
-def load() -> ModuleType | None:
-    """The compiled kernel, built on first use (about a minute, then cached by torch in
-    ``TORCH_EXTENSIONS_DIR``); None when it cannot be built, with the reason in :func:`available`."""
-    global _kernel, _failure
-    if _kernel is not None or _failure is not None:
-        return _kernel
-    if os.environ.get("ATTNKIT_NATIVE", "1") == "0":
-        _failure = "disabled by ATTNKIT_NATIVE=0"
-        return None
-    try:
-        from torch.utils import cpp_extension
-
-        name, flags = _compile_flags()
-        logging.getLogger("attnkit").info("building the C++ decode kernel %s (once)", name)
-        # -fopenmp: at::parallel_for runs on OpenMP; without it the kernel runs on one thread. The
-        # extension then shares the libgomp.so.1 that torch has loaded.
-        _kernel = cpp_extension.load(
-            name,
-            [str(_SOURCE)],
-            extra_cflags=["-O3", "-ffast-math", "-fopenmp", *flags],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
-    except Exception as error:  # a missing compiler or ninja shows up as many exception types
-        _failure = f"the C++ decode kernel could not be built: {type(error).__name__}: {error}"
-        warnings.warn(f"{_failure}; attnkit decodes with SDPA instead", stacklevel=2)
-    return _kernel
+KERNEL = Kernel("decode.cpp", ("-O3", "-ffast-math"))
 
 
 def available() -> tuple[bool, str | None]:
     """Whether the kernel is usable, building it if need be, and why not."""
-    return load() is not None, _failure
+    return KERNEL.available()
 
 
 def refuses(request: Request, q: Tensor, k: Tensor, v: Tensor) -> str | None:
@@ -112,9 +61,9 @@ def refuses(request: Request, q: Tensor, k: Tensor, v: Tensor) -> str | None:
 def decode(q: Tensor, k: Tensor, v: Tensor, request: Request) -> AttentionOutput:
     """Shapes ``q (b, h, t, d)``, ``k`` and ``v`` ``(b, h_kv, s, d)``, few query rows (see
     :func:`refuses`)."""
-    kernel = load()
+    kernel = KERNEL.load()
     if kernel is None:
-        raise RuntimeError(f"backend 'decode' is unavailable: {_failure}")
+        raise RuntimeError(f"backend 'decode' is unavailable: {available()[1]}")
     b, h, t, d = q.shape
     h_kv, s = k.shape[1], k.shape[2]
     # Query head i uses key/value head i // group: its rows (group x t) sit together.
