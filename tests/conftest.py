@@ -35,6 +35,12 @@ def _small_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(tiled, "BLOCK_K", 7)
 
 
+@pytest.fixture
+def pytorch_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tiled backend without its C++ kernel: the PyTorch loop of tiled.py runs."""
+    monkeypatch.setattr(tiled, "_native_kernel", lambda q, plan: None)
+
+
 @pytest.fixture(scope="session")
 def golden() -> dict:
     """The textbook's worked examples (a copy of shared/golden/textbook.json, checked below)."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 from hypothesis import given
@@ -23,6 +25,22 @@ MASK_KINDS = ["none", "key_mask", "bool", "float"]
 # The backends that take any shape, with gradients; the decode kernel (a few queries over a cache, no
 # gradients) has its own tests in tests/backends/test_decode.py.
 GENERAL = [name for name, backend in BACKENDS.items() if backend.refuses is None]
+# The tiled backend runs its C++ kernel where the block products are float32 on a CPU, and its
+# PyTorch loop elsewhere; "tiled:loop" forces the loop on the same inputs, so both paths are checked.
+PATHS = [*GENERAL, "tiled:loop"]
+
+
+@pytest.fixture
+def backend(request, monkeypatch) -> str:
+    """The backend to ask for, after switching the tiled path the parameter names."""
+    name = request.param
+    if name == "tiled:loop":
+        monkeypatch.setattr(tiled, "_native_kernel", lambda q, plan: None)
+        return "tiled"
+    if name == "tiled:half":  # the products of CPUs with AVX512-BF16 or AMX (always the loop)
+        monkeypatch.setattr(tiled, "_fast_half_matmul", lambda dtype, device: True)
+        return "tiled"
+    return name
 
 
 def make_inputs(shape, dtype=torch.float32, mask_kind="none", requires_grad=True):
@@ -63,7 +81,7 @@ def grads(out, inputs, dout):
     return torch.autograd.grad(out, inputs, dout)
 
 
-@pytest.mark.parametrize("backend", GENERAL)
+@pytest.mark.parametrize("backend", PATHS, indirect=True)
 @pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("mask_kind", MASK_KINDS)
@@ -94,7 +112,7 @@ MODIFIERS = {
 }
 
 
-@pytest.mark.parametrize("backend", GENERAL)
+@pytest.mark.parametrize("backend", PATHS, indirect=True)
 @pytest.mark.parametrize("name", MODIFIERS)
 @pytest.mark.parametrize("causal", [False, True])
 def test_score_modifiers_match_oracle(backend, name, causal):
@@ -113,13 +131,10 @@ def test_score_modifiers_match_oracle(backend, name, causal):
         torch.testing.assert_close(g, g64.float())
 
 
-@pytest.mark.parametrize("backend", [*GENERAL, "tiled, half-precision products"])
+@pytest.mark.parametrize("backend", [*PATHS, "tiled:half"], indirect=True)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("causal", [False, True])
-def test_low_precision_within_twice_the_naive_error(backend, dtype, causal, monkeypatch):
-    if backend == "tiled, half-precision products":  # the path of CPUs with AVX512-BF16 or AMX
-        monkeypatch.setattr(tiled, "_fast_half_matmul", lambda dtype, device: True)
-        backend = "tiled"
+def test_low_precision_within_twice_the_naive_error(backend, dtype, causal):
     shape = (2, 4, 2, 33, 47, 40)
     q, k, v, masks = make_inputs(shape, dtype=dtype, mask_kind="key_mask")
     out = attention(q, k, v, **masks, causal=causal, backend=backend)
@@ -140,7 +155,7 @@ def test_low_precision_within_twice_the_naive_error(backend, dtype, causal, monk
         assert err(g, g64) <= 3 * err(g_naive, g64) + 1e-6
 
 
-@pytest.mark.parametrize("backend", GENERAL)
+@pytest.mark.parametrize("backend", PATHS, indirect=True)
 def test_huge_scores_stay_finite_and_exact(backend):
     q = torch.randn(1, 2, 8, 16) * 100.0  # scores of magnitude ~1e4
     k = torch.randn(1, 2, 8, 16) * 100.0
@@ -151,7 +166,7 @@ def test_huge_scores_stay_finite_and_exact(backend):
     torch.testing.assert_close(out, out64.float(), atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("backend", GENERAL)
+@pytest.mark.parametrize("backend", PATHS, indirect=True)
 def test_fully_masked_rows_give_zeros_and_zero_gradients(backend):
     q, k, v, _ = make_inputs((2, 2, 2, 4, 6, 8))
     key_mask = torch.zeros(2, 6, dtype=torch.bool)
@@ -237,7 +252,49 @@ def test_property_every_capable_backend_matches_oracle_in_float64(
             torch.testing.assert_close(g, g64)
 
 
-@pytest.mark.parametrize("backend", GENERAL)
+@given(
+    b=st.integers(1, 2),
+    h_kv=st.integers(1, 2),
+    groups=st.integers(1, 3),
+    t=st.integers(1, 20),
+    s=st.integers(1, 20),
+    d=st.sampled_from([1, 8, 40]),
+    causal=st.booleans(),
+    window=st.none() | st.tuples(st.integers(-1, 9), st.integers(-1, 9)),
+    softcap=st.none() | st.floats(0.5, 5.0),
+    alibi=st.booleans(),
+    mask_kind=st.sampled_from(MASK_KINDS),
+)
+def test_property_both_tiled_paths_match_oracle_in_float32(
+    b, h_kv, groups, t, s, d, causal, window, softcap, alibi, mask_kind
+):
+    """The C++ kernel and the PyTorch loop run on float32 products only: this is their property test
+    (lengths up to 20 span several of the tests' 5 x 7 blocks)."""
+    h = h_kv * groups
+    q, k, v, masks = make_inputs((b, h, h_kv, t, s, d), torch.float32, mask_kind)
+    options = {"causal": causal, "window": window, "softcap": softcap}
+    if alibi:
+        options["alibi_slopes"] = torch.rand(h)
+    inputs64, out64, lse64, weights64 = oracle64(q, k, v, masks, **options)
+    dout = torch.randn_like(out64)
+    expected = grads(out64, inputs64, dout)
+    for native in (True, False):
+        with mock.patch.object(tiled, "_native_kernel", wraps=tiled._native_kernel) as kernel:
+            if not native:
+                kernel.side_effect = lambda q, plan: None
+            out, lse, weights = attention(
+                q, k, v, **masks, **options, backend="tiled", return_lse=True, return_weights=True
+            )
+            computed = grads(out, (q, k, v), dout.float())
+        assert kernel.called
+        torch.testing.assert_close(out, out64.float())
+        torch.testing.assert_close(lse, lse64.float())
+        torch.testing.assert_close(weights, weights64.float())
+        for g, g64 in zip(computed, expected):
+            torch.testing.assert_close(g, g64.float())
+
+
+@pytest.mark.parametrize("backend", PATHS, indirect=True)
 def test_non_contiguous_inputs_as_modules_produce_them(backend):
     """Modules hand over (b, t, h, d).transpose(1, 2): strided, not contiguous."""
     b, h, h_kv, t, s, d = 2, 4, 2, 9, 13, 8

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from attnkit import attention
-from attnkit.backends import tiled
+from attnkit.backends import _native, tiled
 from oracle import naive_attention
 
 
@@ -64,6 +64,7 @@ def count_blocks(monkeypatch, **options):
     return calls
 
 
+@pytest.mark.usefixtures("pytorch_loop")
 def test_causal_and_window_skip_the_blocks_they_empty(monkeypatch):
     full = count_blocks(monkeypatch)
     causal = count_blocks(monkeypatch, causal=True)
@@ -77,6 +78,7 @@ def test_causal_and_window_skip_the_blocks_they_empty(monkeypatch):
         assert j1 - 1 >= i0 - 6 and j0 <= i1 - 1
 
 
+@pytest.mark.usefixtures("pytorch_loop")
 def test_fully_visible_blocks_skip_the_positional_mask(monkeypatch):
     needs_mask = []
     original = tiled._Plan.scores
@@ -179,3 +181,70 @@ def test_a_row_whose_first_key_blocks_are_masked_keeps_exact_statistics():
     out, lse = attention(q, k, v, key_mask=key_mask, return_lse=True, backend="tiled")
     torch.testing.assert_close(out[0, 0], v[0, 0, 15:].mean(0).expand(3, 4))
     torch.testing.assert_close(lse, torch.full((1, 1, 3), -1000.0 + torch.log(torch.tensor(5.0))))
+
+
+def paths_taken(fn) -> list[str]:
+    """The ``attnkit::tiled_*`` profiler ranges that ``fn`` entered: which path ran."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return sorted({event.name for event in prof.events() if event.name.startswith("attnkit::")})
+
+
+def forward_backward(dtype=torch.float32, **options):
+    q, k, v = qkv(h=4, h_kv=2, t=23, s=31, dtype=dtype)
+    return lambda: attention(q, k, v, backend="tiled", **options).sum().backward()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cpp_kernel_runs_where_the_products_are_float32(dtype):
+    ran = paths_taken(forward_backward(dtype, causal=True, softcap=4.0))
+    assert ran == ["attnkit::tiled_native_backward", "attnkit::tiled_native_forward"]
+
+
+def test_the_loop_runs_in_float64():
+    ran = paths_taken(forward_backward(torch.float64, causal=True))
+    assert ran == ["attnkit::tiled_loop_backward", "attnkit::tiled_loop_forward"]
+
+
+def test_a_kernel_that_cannot_be_built_falls_back_to_the_loop_with_a_warning(monkeypatch):
+    broken = _native.Kernel("no_such_kernel.cpp", ())
+    monkeypatch.setattr(tiled, "KERNEL", broken)
+    q, k, v = qkv(t=23, s=31)
+    with pytest.warns(UserWarning, match="no_such_kernel.cpp could not be built"):
+        ran = paths_taken(lambda: attention(q, k, v, backend="tiled").sum().backward())
+    assert ran == ["attnkit::tiled_loop_backward", "attnkit::tiled_loop_forward"]
+    assert broken.available() == (False, broken._failure) and broken.build_seconds is not None
+    expected, _, _ = naive_attention(*(x.detach().double() for x in (q, k, v)))
+    torch.testing.assert_close(attention(q, k, v, backend="tiled"), expected.float())
+
+
+def test_attnkit_native_0_disables_the_kernel(monkeypatch):
+    monkeypatch.setenv("ATTNKIT_NATIVE", "0")
+    monkeypatch.setattr(tiled, "KERNEL", _native.Kernel("tiled.cpp", tiled.KERNEL.cflags))
+    assert tiled.KERNEL.available() == (False, "disabled by ATTNKIT_NATIVE=0")
+    ran = paths_taken(forward_backward())
+    assert ran == ["attnkit::tiled_loop_backward", "attnkit::tiled_loop_forward"]
+
+
+def test_torch_compile_traces_the_loop_into_one_graph():
+    """Dynamo cannot see into C++: compiled, the tiled backend is the PyTorch loop, in one graph
+    (fullgraph=True), and computes what the eager C++ kernel computes."""
+    graphs = []
+
+    def record(graph, example_inputs):
+        graphs.append(graph)
+        return graph.forward
+
+    q, k, v = qkv(h=4, h_kv=2, t=23, s=31)
+
+    def f(q, k, v):
+        return attention(q, k, v, causal=True, alibi_slopes=torch.ones(4), backend="tiled")
+
+    compiled = torch.compile(f, backend=record, fullgraph=True)
+    out = compiled(q, k, v)
+    code = "".join(module.code for graph in graphs for module in graph.modules())
+    assert "matmul" in code and "tiled_native" not in code
+    torch.testing.assert_close(out, f(q, k, v))
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    for g, g_eager in zip(grads, torch.autograd.grad(f(q, k, v).sum(), (q, k, v))):
+        torch.testing.assert_close(g, g_eager)

@@ -23,12 +23,15 @@ Shapes: ``b`` batch, ``h`` query heads, ``h_kv`` key/value heads, ``g = h / h_kv
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 from torch import Tensor
 
+from attnkit.backends._native import Kernel
 from attnkit.backends.base import AttentionOutput, Request
 
 BLOCK_Q = 256  # query rows per block
@@ -200,14 +203,27 @@ def _backward(
     return dq5, dk, dv
 
 
+def _marked(name: str) -> contextlib.AbstractContextManager:
+    """A profiler range: ``attnkit::tiled_{native,loop}_{forward,backward}`` say which path ran.
+    None under torch.compile, whose graphs drop such ranges (with a warning)."""
+    if torch.compiler.is_compiling():
+        return contextlib.nullcontext()
+    return torch.profiler.record_function(name)
+
+
 class _TiledAttention(torch.autograd.Function):
     """Saves only q, k, v, the output and the lse; the plan holds no tensor the kernel made."""
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, plan: _Plan) -> tuple[Tensor, Tensor]:
-        q5 = _prescaled(q, plan)
-        out5, lse = _forward(q5, _operand(k, plan), _operand(v, plan), plan)
-        out = out5.view((*q.shape[:-1], v.shape[-1])).to(q.dtype)
+        kernel = _native_kernel(q, plan)
+        if kernel is not None:
+            out, lse = _native_forward(kernel, q, k, v, plan)
+        else:
+            with _marked("attnkit::tiled_loop_forward"):
+                q5 = _prescaled(q, plan)
+                out, lse = _forward(q5, _operand(k, plan), _operand(v, plan), plan)
+        out = out.view((*q.shape[:-1], v.shape[-1])).to(q.dtype)
         lse = lse.view(q.shape[:-1])
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plan = plan
@@ -219,18 +235,102 @@ class _TiledAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         plan: _Plan = ctx.plan
         b, h, t, d = q.shape
-        grouped = (plan.b, plan.h_kv, plan.groups, t)
-        dq5, dk, dv = _backward(
-            dout.reshape(*grouped, -1),
-            _prescaled(q, plan),
-            _operand(k, plan),
-            _operand(v, plan),
-            out.to(plan.stats_dtype).view(*grouped, -1),
-            lse.view(grouped),
-            plan,
-        )
-        dq = (dq5 * plan.request.scale).view(b, h, t, d)  # the scores used q * scale
+        kernel = _native_kernel(q, plan)
+        if kernel is not None:
+            dq, dk, dv = _native_backward(kernel, dout, q, k, v, out, lse, plan)
+        else:
+            grouped = (plan.b, plan.h_kv, plan.groups, t)
+            with _marked("attnkit::tiled_loop_backward"):
+                dq, dk, dv = _backward(
+                    dout.reshape(*grouped, -1),
+                    _prescaled(q, plan),
+                    _operand(k, plan),
+                    _operand(v, plan),
+                    out.to(plan.stats_dtype).view(*grouped, -1),
+                    lse.view(grouped),
+                    plan,
+                )
+        dq = (dq * plan.request.scale).view(b, h, t, d)  # the scores used q * scale
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+
+
+# The C++ kernel (tiled.cpp): the same algorithm with each block's score work fused. It runs where
+# the block products are float32 on a CPU (every CPU dtype but float64, unless the CPU has fast
+# half-precision products), outside torch.compile's tracing, and when it could be built.
+KERNEL = Kernel("tiled.cpp", ("-O3", "-fno-math-errno", "-fno-trapping-math"))
+_EMPTY = {dtype: torch.empty(0, dtype=dtype) for dtype in (torch.float32, torch.bool)}
+
+
+def _native_kernel(q: Tensor, plan: _Plan) -> ModuleType | None:
+    """The C++ kernel if it can run this call, else None (the PyTorch loop runs)."""
+    if q.device.type != "cpu" or plan.matmul_dtype != torch.float32:
+        return None
+    if torch.compiler.is_compiling():  # dynamo traces the PyTorch loop; it cannot trace C++
+        return None
+    return KERNEL.load()
+
+
+def _native_options(plan: _Plan) -> tuple:
+    """The request as the C++ kernel takes it: bias, allowed, key_mask, alibi, softcap, window."""
+    req = plan.request
+    shape = (plan.b, plan.h_kv * plan.groups, plan.t, plan.s)
+    bias, allowed = _EMPTY[torch.float32], _EMPTY[torch.bool]
+    mask = req.masks.attn_mask
+    if mask is not None and mask.dtype == torch.bool:
+        allowed = mask.expand(shape)
+    elif mask is not None:
+        bias = mask.detach().to(torch.float32).expand(shape)
+    key_mask = req.masks.key_mask
+    key_mask = _EMPTY[torch.bool] if key_mask is None else key_mask.contiguous()
+    slopes = req.alibi_slopes
+    slopes = _EMPTY[torch.float32] if slopes is None else slopes.to(torch.float32).contiguous()
+    left, right = req.masks.window or (-1, -1)
+    return bias, allowed, key_mask, slopes, req.softcap or 0.0, left, right
+
+
+def _native_forward(
+    kernel: ModuleType, q: Tensor, k: Tensor, v: Tensor, plan: _Plan
+) -> tuple[Tensor, Tensor]:
+    q4 = _prescaled(q, plan).view(q.shape).contiguous()
+    k_t = _operand(k, plan).transpose(-2, -1).contiguous()
+    with _marked("attnkit::tiled_native_forward"):
+        return kernel.forward(
+            q4, k_t, _operand(v, plan), *_native_options(plan), plan.block_q, plan.block_k
+        )
+
+
+def _native_backward(
+    kernel: ModuleType,
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    plan: _Plan,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of the pre-scaled q, of k and of v, float32."""
+    dout = dout.to(torch.float32).contiguous()
+    delta = (dout * out.to(torch.float32)).sum(dim=-1).contiguous()  # D_i = dO_i . O_i
+    lse = lse.masked_fill(lse == _NEG_INF, 0.0).contiguous()
+    q4 = _prescaled(q, plan).view(q.shape).contiguous()
+    k, v = _operand(k, plan), _operand(v, plan)
+    with _marked("attnkit::tiled_native_backward"):
+        dq, dk_t, dv_t = kernel.backward(
+            dout,
+            dout.transpose(-2, -1).contiguous(),
+            q4,
+            q4.transpose(-2, -1).contiguous(),
+            k,
+            k.transpose(-2, -1).contiguous(),
+            v.transpose(-2, -1).contiguous(),
+            lse,
+            delta,
+            *_native_options(plan),
+            plan.block_q,
+            plan.block_k,
+        )
+    return dq, dk_t.transpose(-2, -1), dv_t.transpose(-2, -1)
 
 
 def _operand(x: Tensor, plan: _Plan) -> Tensor:

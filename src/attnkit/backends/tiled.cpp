@@ -1,0 +1,388 @@
+// The tiled kernel in C++: the loop of tiled.py (FlashAttention-2's online softmax, forward and
+// recomputing backward) with each block's score work fused into a few passes over a block that stays
+// in the CPU's cache, and the block products done by torch's own GEMM (cpublas::brgemm, MKL here).
+//
+// The Python loop launches a dozen tensor operations per block, each a full pass over the block in
+// memory; here the masks, positions, soft-capping and the softmax update of a row are applied while
+// the row is hot. The algorithm, the block skipping and the numerics are those of tiled.py: float32
+// throughout, statistics kept per row, a row with no allowed key gives zeros and lse = -inf.
+//
+// Layout (all float32 unless said, contiguous unless said):
+//   q (b, h, t, d), pre-scaled; k (b, h_kv, s, d) and its transpose k_t (b, h_kv, d, s);
+//   v (b, h_kv, s, dv) and, for the backward, its transpose v_t (b, h_kv, dv, s);
+//   bias: float, allowed: bool, both expanded to (b, h, t, s) with any strides, or empty;
+//   key_mask (b, s) bool or empty; alibi (h,) or empty; softcap 0 for none;
+//   window (left, right) around p(i) = i + s - t, -1 unbounded.
+// Query head i uses key/value head i / (h / h_kv).
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// exp(x) for x <= 0 (and -inf), in a form the compiler vectorises: 2^n * p(f), x log2(e) = n + f,
+// |f| <= 1/2, p of degree 6 (relative error below 2e-7); 0 below -87, where float32 underflows.
+inline float exp_nonpositive(float x) {
+  const float y = std::max(x, -87.f) * 1.44269504088896341f;
+  const float n = (y + 12582912.f) - 12582912.f;  // round to nearest: 1.5 * 2^23
+  const float f = y - n;
+  float p = 1.5403530393381606e-4f;
+  p = p * f + 1.3333558146428443e-3f;
+  p = p * f + 9.6181291076284772e-3f;
+  p = p * f + 5.5504108664821580e-2f;
+  p = p * f + 2.4022650695910071e-1f;
+  p = p * f + 6.9314718055994531e-1f;
+  p = p * f + 1.0f;
+  int32_t bits;
+  std::memcpy(&bits, &p, sizeof bits);
+  bits += static_cast<int32_t>(n) * (1 << 23);
+  std::memcpy(&p, &bits, sizeof p);
+  return x < -87.f ? 0.f : p;
+}
+
+// tanh(x), vectorisable: an odd Taylor polynomial near 0 (where 1 - e^{-2|x|} would cancel), else
+// (1 - e) / (1 + e) with e = e^{-2|x|}.
+inline float tanh_fast(float x) {
+  const float a = std::fabs(x);
+  const float x2 = x * x;
+  const float near = a * (1.f + x2 * (-1.f / 3 + x2 * (2.f / 15 + x2 * (-17.f / 315))));
+  const float e = exp_nonpositive(-2.f * a);
+  const float far = (1.f - e) / (1.f + e);
+  return std::copysign(a < 0.125f ? near : far, x);
+}
+
+// The largest of x[0 .. n), -inf for n = 0. GCC does not vectorise a running max of floats without
+// -ffinite-math-only (which -inf masking forbids), so eight lanes are kept in a vector of the
+// compiler's own (generic vectors: one AVX register here, pairs of SSE ones elsewhere).
+typedef float Float8 __attribute__((vector_size(32)));
+
+inline float row_max(const float* x, int64_t n) {
+  Float8 lanes = {kNegInf, kNegInf, kNegInf, kNegInf, kNegInf, kNegInf, kNegInf, kNegInf};
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    Float8 chunk;
+    std::memcpy(&chunk, x + j, sizeof chunk);
+    lanes = chunk > lanes ? chunk : lanes;
+  }
+  float top = kNegInf;
+  for (; j < n; ++j) top = x[j] > top ? x[j] : top;
+  for (int u = 0; u < 8; ++u) top = lanes[u] > top ? lanes[u] : top;
+  return top;
+}
+
+// A (b, h, t, s) view with any strides (0 where broadcast), or none.
+template <typename T>
+struct Strided {
+  const T* data = nullptr;
+  int64_t sb = 0, sh = 0, st = 0, ss = 0;
+
+  static Strided of(const torch::Tensor& x) {
+    Strided m;
+    if (x.numel() == 0) return m;
+    m.data = x.data_ptr<T>();
+    m.sb = x.stride(0), m.sh = x.stride(1), m.st = x.stride(2), m.ss = x.stride(3);
+    return m;
+  }
+  const T* row(int64_t batch, int64_t head, int64_t i) const {
+    return data ? data + batch * sb + head * sh + i * st : nullptr;
+  }
+};
+
+// What turns a block of raw scores into masked scores: everything but q, k, v.
+struct Scoring {
+  int64_t t, s, left, right;
+  float softcap;                // 0: none
+  const float* alibi;           // (h,) or null
+  Strided<float> bias;
+  Strided<bool> allowed;
+  const bool* key_mask;         // (b, s) contiguous rows, or null
+  int64_t key_mask_stride;
+
+  // The keys [lo, hi) that query i may see by position (clipped to the block [j0, j1)).
+  std::pair<int64_t, int64_t> visible(int64_t i, int64_t j0, int64_t j1) const {
+    const int64_t p = i + s - t;
+    const int64_t lo = left >= 0 ? std::max(j0, p - left) : j0;
+    const int64_t hi = right >= 0 ? std::min(j1, p + right + 1) : j1;
+    return {lo, std::max(lo, hi)};
+  }
+
+  // The keys [lo, hi) that queries [i0, i1) may see together (the union of their ranges).
+  std::pair<int64_t, int64_t> block_range(int64_t i0, int64_t i1) const {
+    const int64_t first = i0 + s - t, last = i1 - 1 + s - t;
+    const int64_t lo = left >= 0 ? std::max<int64_t>(0, first - left) : 0;
+    const int64_t hi = right >= 0 ? std::min(s, last + right + 1) : s;
+    return {lo, std::max(lo, hi)};
+  }
+
+  // Row `row` (query i of head `head`, keys j0 .. j0 + n) of raw scores becomes the masked scores in
+  // place, -inf where not allowed; `capped` (if softcap) receives tanh(u / softcap) for the backward.
+  // Returns false when no key of the row is allowed by position (the row is then all -inf).
+  bool apply(float* row, float* capped, int64_t batch, int64_t head, int64_t i, int64_t j0,
+             int64_t n) const {
+    const auto [lo, hi] = visible(i, j0, j0 + n);
+    const int64_t a = lo - j0, z = hi - j0;
+    std::fill(row, row + a, kNegInf);
+    std::fill(row + z, row + n, kNegInf);
+    if (a >= z) return false;
+    if (softcap > 0.f) {
+      const float c = softcap, inv = 1.f / softcap;
+#pragma omp simd
+      for (int64_t j = a; j < z; ++j) {
+        const float th = tanh_fast(row[j] * inv);
+        capped[j] = th;
+        row[j] = c * th;
+      }
+    }
+    if (alibi != nullptr) {
+      const float slope = alibi[head];
+      const float p = static_cast<float>(i + s - t - j0);
+#pragma omp simd
+      for (int64_t j = a; j < z; ++j) row[j] -= slope * std::fabs(p - static_cast<float>(j));
+    }
+    if (const float* b = bias.row(batch, head, i)) {
+      b += j0 * bias.ss;
+      if (bias.ss == 1) {
+#pragma omp simd
+        for (int64_t j = a; j < z; ++j) row[j] += b[j];
+      } else {
+        for (int64_t j = a; j < z; ++j) row[j] += b[j * bias.ss];
+      }
+    }
+    if (const bool* m = allowed.row(batch, head, i)) {
+      m += j0 * allowed.ss;
+      for (int64_t j = a; j < z; ++j) row[j] = m[j * allowed.ss] ? row[j] : kNegInf;
+    }
+    if (key_mask != nullptr) {
+      const bool* m = key_mask + batch * key_mask_stride + j0;
+#pragma omp simd
+      for (int64_t j = a; j < z; ++j) row[j] = m[j] ? row[j] : kNegInf;
+    }
+    return true;
+  }
+};
+
+Scoring make_scoring(int64_t t, int64_t s, const torch::Tensor& bias,
+                     const torch::Tensor& allowed, const torch::Tensor& key_mask,
+                     const torch::Tensor& alibi, double softcap, int64_t left, int64_t right) {
+  TORCH_CHECK(bias.numel() == 0 || (bias.dim() == 4 && bias.scalar_type() == torch::kFloat),
+              "tiled: bias must be empty or float32 (b, h, t, s)");
+  TORCH_CHECK(allowed.numel() == 0 || (allowed.dim() == 4 && allowed.scalar_type() == torch::kBool),
+              "tiled: allowed must be empty or bool (b, h, t, s)");
+  TORCH_CHECK(key_mask.numel() == 0 || (key_mask.dim() == 2 && key_mask.stride(1) == 1 &&
+                                        key_mask.scalar_type() == torch::kBool),
+              "tiled: key_mask must be empty or bool (b, s) with contiguous rows");
+  TORCH_CHECK(alibi.numel() == 0 || (alibi.is_contiguous() && alibi.scalar_type() == torch::kFloat),
+              "tiled: alibi must be empty or contiguous float32 (h,)");
+  Scoring sc;
+  sc.t = t, sc.s = s, sc.left = left, sc.right = right;
+  sc.softcap = static_cast<float>(softcap);
+  sc.alibi = alibi.numel() ? alibi.data_ptr<float>() : nullptr;
+  sc.bias = Strided<float>::of(bias);
+  sc.allowed = Strided<bool>::of(allowed);
+  sc.key_mask = key_mask.numel() ? key_mask.data_ptr<bool>() : nullptr;
+  sc.key_mask_stride = key_mask.numel() ? key_mask.stride(0) : 0;
+  return sc;
+}
+
+void check_operands(std::initializer_list<const torch::Tensor*> tensors) {
+  for (const auto* x : tensors) {
+    TORCH_CHECK(x->dim() == 4 && x->is_contiguous() && x->scalar_type() == torch::kFloat,
+                "tiled: every operand must be a contiguous 4-d float32 tensor");
+  }
+}
+
+// C (m x n, row stride ldc) = A (m x kk, lda) B (kk x n, ldb), plus C if `add`; row-major.
+inline void gemm(int64_t m, int64_t n, int64_t kk, const float* a, int64_t lda, const float* b,
+                 int64_t ldb, float* c, int64_t ldc, bool add) {
+  at::native::cpublas::brgemm(m, n, kk, lda, ldb, ldc, add, a, b, c, false);
+}
+
+}  // namespace
+
+// Returns out (b, h, t, dv) and lse (b, h, t).
+std::tuple<torch::Tensor, torch::Tensor> forward(
+    torch::Tensor q, torch::Tensor k_t, torch::Tensor v, torch::Tensor bias,
+    torch::Tensor allowed, torch::Tensor key_mask, torch::Tensor alibi, double softcap,
+    int64_t left, int64_t right, int64_t block_q, int64_t block_k) {
+  const int64_t b = q.size(0), h = q.size(1), t = q.size(2), d = q.size(3);
+  const int64_t h_kv = v.size(1), s = v.size(2), dv = v.size(3), groups = h / h_kv;
+  check_operands({&q, &k_t, &v});
+  TORCH_CHECK(k_t.size(0) == b && v.size(0) == b && h % h_kv == 0 && k_t.size(1) == h_kv &&
+                  k_t.size(2) == d && k_t.size(3) == s,
+              "tiled: q (b, h, t, d), k_t (b, h_kv, d, s) and v (b, h_kv, s, dv) disagree");
+  const Scoring sc = make_scoring(t, s, bias, allowed, key_mask, alibi, softcap, left, right);
+  auto out = torch::empty({b, h, t, dv}, q.options());
+  auto lse = torch::empty({b, h, t}, q.options());
+  const int64_t q_blocks = (t + block_q - 1) / block_q;
+  const float* qp = q.data_ptr<float>();
+  const float* ktp = k_t.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  float* lp = lse.data_ptr<float>();
+
+  at::parallel_for(0, b * h * q_blocks, 1, [&](int64_t first, int64_t last) {
+    std::vector<float> scores(block_q * block_k), capped(block_k), acc(block_q * dv);
+    std::vector<float> m(block_q), l(block_q);
+    for (int64_t item = first; item < last; ++item) {
+      const int64_t qb = item % q_blocks, bh = item / q_blocks;
+      const int64_t batch = bh / h, head = bh % h, kv = batch * h_kv + head / groups;
+      const int64_t i0 = qb * block_q, i1 = std::min(t, i0 + block_q), bq = i1 - i0;
+      const float* q_blk = qp + (bh * t + i0) * d;
+      const float* kt_head = ktp + kv * d * s;
+      const float* v_head = vp + kv * s * dv;
+      std::fill(m.begin(), m.begin() + bq, kNegInf);
+      std::fill(l.begin(), l.begin() + bq, 0.f);
+      std::fill(acc.begin(), acc.begin() + bq * dv, 0.f);
+      const auto [lo, hi] = sc.block_range(i0, i1);
+      for (int64_t j0 = lo; j0 < hi; j0 += block_k) {
+        const int64_t n = std::min(block_k, hi - j0);
+        float* sp = scores.data();
+        gemm(bq, n, d, q_blk, d, kt_head + j0, s, sp, n, false);  // S = Q K^T
+        for (int64_t r = 0; r < bq; ++r) {
+          float* row = sp + r * n;
+          sc.apply(row, capped.data(), batch, head, i0 + r, j0, n);
+          const float top = std::max(m[r], row_max(row, n));
+          if (top == kNegInf) {  // nothing allowed so far: the row adds nothing
+            std::fill(row, row + n, 0.f);
+            continue;
+          }
+          float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+          for (int64_t j = 0; j < n; ++j) {
+            const float p = exp_nonpositive(row[j] - top);
+            row[j] = p;
+            sum += p;
+          }
+          const float shrink = exp_nonpositive(m[r] - top);  // 0 when m was -inf
+          l[r] = l[r] * shrink + sum;
+          m[r] = top;
+          if (shrink != 1.f) {
+            float* a = acc.data() + r * dv;
+#pragma omp simd
+            for (int64_t c = 0; c < dv; ++c) a[c] *= shrink;
+          }
+        }
+        gemm(bq, dv, n, sp, n, v_head + j0 * dv, dv, acc.data(), dv, true);  // acc += P V
+      }
+      for (int64_t r = 0; r < bq; ++r) {
+        float* o = op + (bh * t + i0 + r) * dv;
+        const float* a = acc.data() + r * dv;
+        const bool empty = l[r] == 0.f;
+        const float inverse = empty ? 0.f : 1.f / l[r];
+        for (int64_t c = 0; c < dv; ++c) o[c] = a[c] * inverse;
+        lp[bh * t + i0 + r] = empty ? kNegInf : m[r] + std::log(l[r]);
+      }
+    }
+  });
+  return {out, lse};
+}
+
+// Gradients w.r.t. the pre-scaled q, k and v: dq (b, h, t, d), and dk, dv transposed,
+// (b, h_kv, d, s) and (b, h_kv, dv, s), so that every block product reads rows as they are stored
+// (dK^T += Q^T dS and dV^T += dO^T P: no block is ever transposed). q_t (b, h, d, t) and dout_t
+// (b, h, dv, t) are the transposes of q and dout. `delta` (b, h, t) is rowsum(dout * out); `lse` has 0
+// for the rows with no allowed key (their probabilities are 0 anyway). Work is split by key/value
+// head: each item owns dK and dV of its head, so no thread writes where another does.
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> backward(
+    torch::Tensor dout, torch::Tensor dout_t, torch::Tensor q, torch::Tensor q_t, torch::Tensor k,
+    torch::Tensor k_t, torch::Tensor v_t, torch::Tensor lse, torch::Tensor delta,
+    torch::Tensor bias, torch::Tensor allowed, torch::Tensor key_mask, torch::Tensor alibi,
+    double softcap, int64_t left, int64_t right, int64_t block_q, int64_t block_k) {
+  const int64_t b = q.size(0), h = q.size(1), t = q.size(2), d = q.size(3);
+  const int64_t h_kv = k.size(1), s = k.size(2), dv = v_t.size(2), groups = h / h_kv;
+  check_operands({&dout, &dout_t, &q, &q_t, &k, &k_t, &v_t});
+  TORCH_CHECK(k.size(0) == b && h % h_kv == 0 && k.size(3) == d &&
+                  k_t.sizes() == torch::IntArrayRef({b, h_kv, d, s}) &&
+                  v_t.sizes() == torch::IntArrayRef({b, h_kv, dv, s}) &&
+                  q_t.sizes() == torch::IntArrayRef({b, h, d, t}) &&
+                  dout.sizes() == torch::IntArrayRef({b, h, t, dv}) &&
+                  dout_t.sizes() == torch::IntArrayRef({b, h, dv, t}),
+              "tiled: the shapes of the backward's operands disagree");
+  TORCH_CHECK(lse.is_contiguous() && delta.is_contiguous() && lse.numel() == b * h * t &&
+                  delta.numel() == b * h * t,
+              "tiled: lse and delta must be contiguous (b, h, t)");
+  const Scoring sc = make_scoring(t, s, bias, allowed, key_mask, alibi, softcap, left, right);
+  auto dq = torch::empty_like(q);
+  auto dk_t = torch::zeros_like(k_t);
+  auto dv_t = torch::zeros_like(v_t);
+  const int64_t q_blocks = (t + block_q - 1) / block_q;
+  const float *qp = q.data_ptr<float>(), *qtp = q_t.data_ptr<float>();
+  const float *kp = k.data_ptr<float>(), *ktp = k_t.data_ptr<float>();
+  const float *vtp = v_t.data_ptr<float>();
+  const float *dop = dout.data_ptr<float>(), *dotp = dout_t.data_ptr<float>();
+  const float *lp = lse.data_ptr<float>(), *dlp = delta.data_ptr<float>();
+  float *dqp = dq.data_ptr<float>(), *dktp = dk_t.data_ptr<float>(), *dvtp = dv_t.data_ptr<float>();
+  const bool capping = softcap > 0.0;
+
+  at::parallel_for(0, b * h_kv, 1, [&](int64_t first, int64_t last) {
+    std::vector<float> probs(block_q * block_k), dscores(block_q * block_k);
+    std::vector<float> capped(capping ? block_q * block_k : 0);
+    for (int64_t kv = first; kv < last; ++kv) {
+      const int64_t batch = kv / h_kv, kv_head = kv % h_kv;
+      const float* k_head = kp + kv * s * d;
+      const float* kt_head = ktp + kv * d * s;
+      const float* vt_head = vtp + kv * dv * s;
+      float* dkt_head = dktp + kv * d * s;
+      float* dvt_head = dvtp + kv * dv * s;
+      for (int64_t head = kv_head * groups; head < (kv_head + 1) * groups; ++head) {
+        const int64_t bh = batch * h + head;
+        for (int64_t qb = 0; qb < q_blocks; ++qb) {
+          const int64_t i0 = qb * block_q, i1 = std::min(t, i0 + block_q), bq = i1 - i0;
+          const float* q_blk = qp + (bh * t + i0) * d;
+          const float* qt_blk = qtp + bh * d * t + i0;  // columns i0.. of q^T, row stride t
+          const float* do_blk = dop + (bh * t + i0) * dv;
+          const float* dot_blk = dotp + bh * dv * t + i0;
+          float* dq_blk = dqp + (bh * t + i0) * d;
+          std::fill(dq_blk, dq_blk + bq * d, 0.f);
+          const auto [lo, hi] = sc.block_range(i0, i1);
+          for (int64_t j0 = lo; j0 < hi; j0 += block_k) {
+            const int64_t n = std::min(block_k, hi - j0);
+            float *p = probs.data(), *ds = dscores.data();
+            gemm(bq, n, d, q_blk, d, kt_head + j0, s, p, n, false);  // S = Q K^T
+            for (int64_t r = 0; r < bq; ++r) {
+              float* row = p + r * n;
+              sc.apply(row, capping ? capped.data() + r * n : nullptr, batch, head, i0 + r, j0, n);
+              const float shift = lp[bh * t + i0 + r];
+#pragma omp simd
+              for (int64_t j = 0; j < n; ++j) row[j] = exp_nonpositive(row[j] - shift);  // P
+            }
+            gemm(dv, n, bq, dot_blk, t, p, n, dvt_head + j0, s, true);  // dV^T += dO^T P
+            gemm(bq, n, dv, do_blk, dv, vt_head + j0, s, ds, n, false);  // dP = dO V^T
+            for (int64_t r = 0; r < bq; ++r) {
+              const float* pr = p + r * n;
+              float* dr = ds + r * n;
+              const float di = dlp[bh * t + i0 + r];
+#pragma omp simd
+              for (int64_t j = 0; j < n; ++j) dr[j] = pr[j] * (dr[j] - di);  // dS = P (dP - D)
+              if (capping) {
+                const float* th = capped.data() + r * n;
+#pragma omp simd
+                for (int64_t j = 0; j < n; ++j) dr[j] *= 1.f - th[j] * th[j];  // through tanh
+              }
+            }
+            gemm(bq, d, n, ds, n, k_head + j0 * d, d, dq_blk, d, true);  // dQ += dS K
+            gemm(d, n, bq, qt_blk, t, ds, n, dkt_head + j0, s, true);  // dK^T += Q^T dS
+          }
+        }
+      }
+    }
+  });
+  return {dq, dk_t, dv_t};
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("forward", &forward, "Tiled attention forward: (out, lse)");
+  m.def("backward", &backward, "Tiled attention backward: (dq, dk, dv)");
+}
