@@ -1,6 +1,6 @@
 // The tiled kernel in C++: the loop of tiled.py (FlashAttention-2's online softmax, forward and
 // recomputing backward) with each block's score work fused into a few passes over a block that stays
-// in the CPU's cache, and the block products done by torch's own GEMM (cpublas::brgemm, MKL here).
+// in the CPU's cache, and the block products done by torch's own matrix product (MKL here).
 //
 // The Python loop launches a dozen tensor operations per block, each a full pass over the block in
 // memory; here the masks, positions, soft-capping and the softmax update of a row are applied while
@@ -8,8 +8,7 @@
 // throughout, statistics kept per row, a row with no allowed key gives zeros and lse = -inf.
 //
 // Layout (all float32 unless said, contiguous unless said):
-//   q (b, h, t, d), pre-scaled; k (b, h_kv, s, d) and its transpose k_t (b, h_kv, d, s);
-//   v (b, h_kv, s, dv) and, for the backward, its transpose v_t (b, h_kv, dv, s);
+//   q (b, h, t, d), pre-scaled; k (b, h_kv, s, d); v (b, h_kv, s, dv);
 //   bias: float, allowed: bool, both expanded to (b, h, t, s) with any strides, or empty;
 //   key_mask (b, s) bool or empty; alibi (h,) or empty; softcap 0 for none;
 //   window (left, right) around p(i) = i + s - t, -1 unbounded.
@@ -18,7 +17,6 @@
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
-#include <ATen/native/CPUBlas.h>
 
 #include <algorithm>
 #include <cmath>
@@ -203,36 +201,48 @@ void check_operands(std::initializer_list<const torch::Tensor*> tensors) {
   }
 }
 
-// C (m x n, row stride ldc) = A (m x kk, lda) B (kk x n, ldb), plus C if `add`; row-major.
-inline void gemm(int64_t m, int64_t n, int64_t kk, const float* a, int64_t lda, const float* b,
-                 int64_t ldb, float* c, int64_t ldc, bool add) {
-  at::native::cpublas::brgemm(m, n, kk, lda, ldb, ldc, add, a, b, c, false);
+// C (m x n, row stride ldc) = op(A) op(B), plus C if `add`; row-major, op(X) = X or X^T as stored
+// (`ta`: A is stored (kk x m); `tb`: B is stored (n x kk)). The product is torch's own (MKL here), on
+// views of the block: one BLAS call per product, no copy. On one thread inside parallel_for.
+inline void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t kk, const float* a, int64_t lda,
+                 const float* b, int64_t ldb, float* c, int64_t ldc, bool add) {
+  const auto view = [](const float* x, int64_t rows, int64_t cols, int64_t ld, bool transposed) {
+    auto t = torch::from_blob(const_cast<float*>(x), {transposed ? cols : rows, transposed ? rows : cols},
+                              {ld, 1}, torch::kFloat);
+    return transposed ? t.t() : t;
+  };
+  auto out = torch::from_blob(c, {m, n}, {ldc, 1}, torch::kFloat);
+  const auto lhs = view(a, m, kk, lda, ta), rhs = view(b, kk, n, ldb, tb);
+  if (add) {
+    at::addmm_out(out, out, lhs, rhs);
+  } else {
+    at::mm_out(out, lhs, rhs);
+  }
 }
 
 }  // namespace
 
 // Returns out (b, h, t, dv) and lse (b, h, t).
 std::tuple<torch::Tensor, torch::Tensor> forward(
-    torch::Tensor q, torch::Tensor k_t, torch::Tensor v, torch::Tensor bias,
-    torch::Tensor allowed, torch::Tensor key_mask, torch::Tensor alibi, double softcap,
-    int64_t left, int64_t right, int64_t block_q, int64_t block_k) {
+    torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor bias, torch::Tensor allowed,
+    torch::Tensor key_mask, torch::Tensor alibi, double softcap, int64_t left, int64_t right,
+    int64_t block_q, int64_t block_k) {
+  check_operands({&q, &k, &v});
   const int64_t b = q.size(0), h = q.size(1), t = q.size(2), d = q.size(3);
-  const int64_t h_kv = v.size(1), s = v.size(2), dv = v.size(3), groups = h / h_kv;
-  check_operands({&q, &k_t, &v});
-  TORCH_CHECK(k_t.size(0) == b && v.size(0) == b && h % h_kv == 0 && k_t.size(1) == h_kv &&
-                  k_t.size(2) == d && k_t.size(3) == s,
-              "tiled: q (b, h, t, d), k_t (b, h_kv, d, s) and v (b, h_kv, s, dv) disagree");
+  const int64_t h_kv = k.size(1), s = k.size(2), dv = v.size(3);
+  TORCH_CHECK(h % h_kv == 0 && k.sizes() == torch::IntArrayRef({b, h_kv, s, d}) &&
+                  v.sizes() == torch::IntArrayRef({b, h_kv, s, dv}),
+              "tiled: q (b, h, t, d), k (b, h_kv, s, d) and v (b, h_kv, s, dv) disagree");
+  const int64_t groups = h / h_kv;
   const Scoring sc = make_scoring(t, s, bias, allowed, key_mask, alibi, softcap, left, right);
   auto out = torch::empty({b, h, t, dv}, q.options());
   auto lse = torch::empty({b, h, t}, q.options());
   const int64_t q_blocks = (t + block_q - 1) / block_q;
-  const float* qp = q.data_ptr<float>();
-  const float* ktp = k_t.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  float* lp = lse.data_ptr<float>();
+  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  float *op = out.data_ptr<float>(), *lp = lse.data_ptr<float>();
 
   at::parallel_for(0, b * h * q_blocks, 1, [&](int64_t first, int64_t last) {
+    c10::InferenceMode no_autograd;  // the block products' views need no autograd bookkeeping
     std::vector<float> scores(block_q * block_k), capped(block_k), acc(block_q * dv);
     std::vector<float> m(block_q), l(block_q);
     for (int64_t item = first; item < last; ++item) {
@@ -240,7 +250,7 @@ std::tuple<torch::Tensor, torch::Tensor> forward(
       const int64_t batch = bh / h, head = bh % h, kv = batch * h_kv + head / groups;
       const int64_t i0 = qb * block_q, i1 = std::min(t, i0 + block_q), bq = i1 - i0;
       const float* q_blk = qp + (bh * t + i0) * d;
-      const float* kt_head = ktp + kv * d * s;
+      const float* k_head = kp + kv * s * d;
       const float* v_head = vp + kv * s * dv;
       std::fill(m.begin(), m.begin() + bq, kNegInf);
       std::fill(l.begin(), l.begin() + bq, 0.f);
@@ -249,7 +259,7 @@ std::tuple<torch::Tensor, torch::Tensor> forward(
       for (int64_t j0 = lo; j0 < hi; j0 += block_k) {
         const int64_t n = std::min(block_k, hi - j0);
         float* sp = scores.data();
-        gemm(bq, n, d, q_blk, d, kt_head + j0, s, sp, n, false);  // S = Q K^T
+        gemm(false, true, bq, n, d, q_blk, d, k_head + j0 * d, d, sp, n, false);  // S = Q K^T
         for (int64_t r = 0; r < bq; ++r) {
           float* row = sp + r * n;
           sc.apply(row, capped.data(), batch, head, i0 + r, j0, n);
@@ -274,7 +284,7 @@ std::tuple<torch::Tensor, torch::Tensor> forward(
             for (int64_t c = 0; c < dv; ++c) a[c] *= shrink;
           }
         }
-        gemm(bq, dv, n, sp, n, v_head + j0 * dv, dv, acc.data(), dv, true);  // acc += P V
+        gemm(false, false, bq, dv, n, sp, n, v_head + j0 * dv, dv, acc.data(), dv, true);  // += P V
       }
       for (int64_t r = 0; r < bq; ++r) {
         float* o = op + (bh * t + i0 + r) * dv;
@@ -289,68 +299,59 @@ std::tuple<torch::Tensor, torch::Tensor> forward(
   return {out, lse};
 }
 
-// Gradients w.r.t. the pre-scaled q, k and v: dq (b, h, t, d), and dk, dv transposed,
-// (b, h_kv, d, s) and (b, h_kv, dv, s), so that every block product reads rows as they are stored
-// (dK^T += Q^T dS and dV^T += dO^T P: no block is ever transposed). q_t (b, h, d, t) and dout_t
-// (b, h, dv, t) are the transposes of q and dout. `delta` (b, h, t) is rowsum(dout * out); `lse` has 0
+// Gradients w.r.t. the pre-scaled q, k and v. `delta` (b, h, t) is rowsum(dout * out); `lse` has 0
 // for the rows with no allowed key (their probabilities are 0 anyway). Work is split by key/value
 // head: each item owns dK and dV of its head, so no thread writes where another does.
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> backward(
-    torch::Tensor dout, torch::Tensor dout_t, torch::Tensor q, torch::Tensor q_t, torch::Tensor k,
-    torch::Tensor k_t, torch::Tensor v_t, torch::Tensor lse, torch::Tensor delta,
-    torch::Tensor bias, torch::Tensor allowed, torch::Tensor key_mask, torch::Tensor alibi,
-    double softcap, int64_t left, int64_t right, int64_t block_q, int64_t block_k) {
+    torch::Tensor dout, torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor lse,
+    torch::Tensor delta, torch::Tensor bias, torch::Tensor allowed, torch::Tensor key_mask,
+    torch::Tensor alibi, double softcap, int64_t left, int64_t right, int64_t block_q,
+    int64_t block_k) {
+  check_operands({&dout, &q, &k, &v});
   const int64_t b = q.size(0), h = q.size(1), t = q.size(2), d = q.size(3);
-  const int64_t h_kv = k.size(1), s = k.size(2), dv = v_t.size(2), groups = h / h_kv;
-  check_operands({&dout, &dout_t, &q, &q_t, &k, &k_t, &v_t});
-  TORCH_CHECK(k.size(0) == b && h % h_kv == 0 && k.size(3) == d &&
-                  k_t.sizes() == torch::IntArrayRef({b, h_kv, d, s}) &&
-                  v_t.sizes() == torch::IntArrayRef({b, h_kv, dv, s}) &&
-                  q_t.sizes() == torch::IntArrayRef({b, h, d, t}) &&
-                  dout.sizes() == torch::IntArrayRef({b, h, t, dv}) &&
-                  dout_t.sizes() == torch::IntArrayRef({b, h, dv, t}),
+  const int64_t h_kv = k.size(1), s = k.size(2), dv = v.size(3);
+  TORCH_CHECK(h % h_kv == 0 && k.sizes() == torch::IntArrayRef({b, h_kv, s, d}) &&
+                  v.sizes() == torch::IntArrayRef({b, h_kv, s, dv}) &&
+                  dout.sizes() == torch::IntArrayRef({b, h, t, dv}),
               "tiled: the shapes of the backward's operands disagree");
   TORCH_CHECK(lse.is_contiguous() && delta.is_contiguous() && lse.numel() == b * h * t &&
                   delta.numel() == b * h * t,
               "tiled: lse and delta must be contiguous (b, h, t)");
+  const int64_t groups = h / h_kv;
   const Scoring sc = make_scoring(t, s, bias, allowed, key_mask, alibi, softcap, left, right);
   auto dq = torch::empty_like(q);
-  auto dk_t = torch::zeros_like(k_t);
-  auto dv_t = torch::zeros_like(v_t);
+  auto dk = torch::zeros_like(k);
+  auto dvv = torch::zeros_like(v);
   const int64_t q_blocks = (t + block_q - 1) / block_q;
-  const float *qp = q.data_ptr<float>(), *qtp = q_t.data_ptr<float>();
-  const float *kp = k.data_ptr<float>(), *ktp = k_t.data_ptr<float>();
-  const float *vtp = v_t.data_ptr<float>();
-  const float *dop = dout.data_ptr<float>(), *dotp = dout_t.data_ptr<float>();
-  const float *lp = lse.data_ptr<float>(), *dlp = delta.data_ptr<float>();
-  float *dqp = dq.data_ptr<float>(), *dktp = dk_t.data_ptr<float>(), *dvtp = dv_t.data_ptr<float>();
+  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  const float *dop = dout.data_ptr<float>(), *lp = lse.data_ptr<float>();
+  const float* dlp = delta.data_ptr<float>();
+  float *dqp = dq.data_ptr<float>(), *dkp = dk.data_ptr<float>(), *dvp = dvv.data_ptr<float>();
   const bool capping = softcap > 0.0;
 
   at::parallel_for(0, b * h_kv, 1, [&](int64_t first, int64_t last) {
+    c10::InferenceMode no_autograd;
     std::vector<float> probs(block_q * block_k), dscores(block_q * block_k);
     std::vector<float> capped(capping ? block_q * block_k : 0);
     for (int64_t kv = first; kv < last; ++kv) {
       const int64_t batch = kv / h_kv, kv_head = kv % h_kv;
       const float* k_head = kp + kv * s * d;
-      const float* kt_head = ktp + kv * d * s;
-      const float* vt_head = vtp + kv * dv * s;
-      float* dkt_head = dktp + kv * d * s;
-      float* dvt_head = dvtp + kv * dv * s;
+      const float* v_head = vp + kv * s * dv;
+      float* dk_head = dkp + kv * s * d;
+      float* dv_head = dvp + kv * s * dv;
       for (int64_t head = kv_head * groups; head < (kv_head + 1) * groups; ++head) {
         const int64_t bh = batch * h + head;
         for (int64_t qb = 0; qb < q_blocks; ++qb) {
           const int64_t i0 = qb * block_q, i1 = std::min(t, i0 + block_q), bq = i1 - i0;
           const float* q_blk = qp + (bh * t + i0) * d;
-          const float* qt_blk = qtp + bh * d * t + i0;  // columns i0.. of q^T, row stride t
           const float* do_blk = dop + (bh * t + i0) * dv;
-          const float* dot_blk = dotp + bh * dv * t + i0;
           float* dq_blk = dqp + (bh * t + i0) * d;
           std::fill(dq_blk, dq_blk + bq * d, 0.f);
           const auto [lo, hi] = sc.block_range(i0, i1);
           for (int64_t j0 = lo; j0 < hi; j0 += block_k) {
             const int64_t n = std::min(block_k, hi - j0);
             float *p = probs.data(), *ds = dscores.data();
-            gemm(bq, n, d, q_blk, d, kt_head + j0, s, p, n, false);  // S = Q K^T
+            gemm(false, true, bq, n, d, q_blk, d, k_head + j0 * d, d, p, n, false);  // S = Q K^T
             for (int64_t r = 0; r < bq; ++r) {
               float* row = p + r * n;
               sc.apply(row, capping ? capped.data() + r * n : nullptr, batch, head, i0 + r, j0, n);
@@ -358,8 +359,8 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> backward(
 #pragma omp simd
               for (int64_t j = 0; j < n; ++j) row[j] = exp_nonpositive(row[j] - shift);  // P
             }
-            gemm(dv, n, bq, dot_blk, t, p, n, dvt_head + j0, s, true);  // dV^T += dO^T P
-            gemm(bq, n, dv, do_blk, dv, vt_head + j0, s, ds, n, false);  // dP = dO V^T
+            gemm(true, false, n, dv, bq, p, n, do_blk, dv, dv_head + j0 * dv, dv, true);  // dV += P^T dO
+            gemm(false, true, bq, n, dv, do_blk, dv, v_head + j0 * dv, dv, ds, n, false);  // dP = dO V^T
             for (int64_t r = 0; r < bq; ++r) {
               const float* pr = p + r * n;
               float* dr = ds + r * n;
@@ -372,14 +373,14 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> backward(
                 for (int64_t j = 0; j < n; ++j) dr[j] *= 1.f - th[j] * th[j];  // through tanh
               }
             }
-            gemm(bq, d, n, ds, n, k_head + j0 * d, d, dq_blk, d, true);  // dQ += dS K
-            gemm(d, n, bq, qt_blk, t, ds, n, dkt_head + j0, s, true);  // dK^T += Q^T dS
+            gemm(false, false, bq, d, n, ds, n, k_head + j0 * d, d, dq_blk, d, true);  // dQ += dS K
+            gemm(true, false, n, d, bq, ds, n, q_blk, d, dk_head + j0 * d, d, true);  // dK += dS^T Q
           }
         }
       }
     }
   });
-  return {dq, dk_t, dv_t};
+  return {dq, dk, dvv};
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

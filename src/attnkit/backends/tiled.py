@@ -292,11 +292,9 @@ def _native_forward(
     kernel: ModuleType, q: Tensor, k: Tensor, v: Tensor, plan: _Plan
 ) -> tuple[Tensor, Tensor]:
     q4 = _prescaled(q, plan).view(q.shape).contiguous()
-    k_t = _operand(k, plan).transpose(-2, -1).contiguous()
+    k, v = _operand(k, plan), _operand(v, plan)
     with _marked("attnkit::tiled_native_forward"):
-        return kernel.forward(
-            q4, k_t, _operand(v, plan), *_native_options(plan), plan.block_q, plan.block_k
-        )
+        return kernel.forward(q4, k, v, *_native_options(plan), plan.block_q, plan.block_k)
 
 
 def _native_backward(
@@ -311,26 +309,14 @@ def _native_backward(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of the pre-scaled q, of k and of v, float32."""
     dout = dout.to(torch.float32).contiguous()
-    delta = (dout * out.to(torch.float32)).sum(dim=-1).contiguous()  # D_i = dO_i . O_i
+    delta = (dout * out.to(torch.float32)).sum(dim=-1)  # D_i = dO_i . O_i
     lse = lse.masked_fill(lse == _NEG_INF, 0.0).contiguous()
     q4 = _prescaled(q, plan).view(q.shape).contiguous()
     k, v = _operand(k, plan), _operand(v, plan)
     with _marked("attnkit::tiled_native_backward"):
-        dq, dk_t, dv_t = kernel.backward(
-            dout,
-            dout.transpose(-2, -1).contiguous(),
-            q4,
-            q4.transpose(-2, -1).contiguous(),
-            k,
-            k.transpose(-2, -1).contiguous(),
-            v.transpose(-2, -1).contiguous(),
-            lse,
-            delta,
-            *_native_options(plan),
-            plan.block_q,
-            plan.block_k,
+        return kernel.backward(
+            dout, q4, k, v, lse, delta, *_native_options(plan), plan.block_q, plan.block_k
         )
-    return dq, dk_t.transpose(-2, -1), dv_t.transpose(-2, -1)
 
 
 def _operand(x: Tensor, plan: _Plan) -> Tensor:
