@@ -248,3 +248,21 @@ def test_torch_compile_traces_the_loop_into_one_graph():
     grads = torch.autograd.grad(out.sum(), (q, k, v))
     for g, g_eager in zip(grads, torch.autograd.grad(f(q, k, v).sum(), (q, k, v))):
         torch.testing.assert_close(g, g_eager)
+
+
+@pytest.mark.parametrize("window", [(3, 2), (0, 0), (2, -1), (-1, 1)])
+def test_windows_that_end_before_or_start_after_a_key_block(window):
+    """With 5 x 7 blocks, t=9 and s=13, some rows' windows lie wholly outside a key block that
+    other rows of their query block need: the row is masked there, nothing is written outside it
+    (a C++ kernel once did, and crashed in its backward)."""
+    q, k, v = qkv(h=1, t=9, s=13, d=16)
+    out = attention(q, k, v, window=window, backend="tiled")
+    inputs64 = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    expected, _, _ = naive_attention(*inputs64, window=window)
+    torch.testing.assert_close(out, expected.float())
+    dout = torch.randn_like(out)
+    for g, g64 in zip(
+        torch.autograd.grad(out, (q, k, v), dout),
+        torch.autograd.grad(expected, inputs64, dout.double()),
+    ):
+        torch.testing.assert_close(g, g64.float())

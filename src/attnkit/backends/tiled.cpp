@@ -108,10 +108,11 @@ struct Scoring {
   const bool* key_mask;         // (b, s) contiguous rows, or null
   int64_t key_mask_stride;
 
-  // The keys [lo, hi) that query i may see by position (clipped to the block [j0, j1)).
+  // The keys [lo, hi) that query i may see by position, clipped to the block [j0, j1) (empty, with
+  // lo = hi inside the block, when the row's window lies wholly before or after it).
   std::pair<int64_t, int64_t> visible(int64_t i, int64_t j0, int64_t j1) const {
     const int64_t p = i + s - t;
-    const int64_t lo = left >= 0 ? std::max(j0, p - left) : j0;
+    const int64_t lo = left >= 0 ? std::min(j1, std::max(j0, p - left)) : j0;
     const int64_t hi = right >= 0 ? std::min(j1, p + right + 1) : j1;
     return {lo, std::max(lo, hi)};
   }
@@ -131,6 +132,8 @@ struct Scoring {
              int64_t n) const {
     const auto [lo, hi] = visible(i, j0, j0 + n);
     const int64_t a = lo - j0, z = hi - j0;
+    TORCH_CHECK(0 <= a && a <= z && z <= n, "tiled: row ", i, " keys [", lo, ", ", hi,
+                ") outside the block [", j0, ", ", j0 + n, ")");  // never: would write outside
     std::fill(row, row + a, kNegInf);
     std::fill(row + z, row + n, kNegInf);
     if (a >= z) return false;
@@ -201,6 +204,11 @@ void check_operands(std::initializer_list<const torch::Tensor*> tensors) {
   }
 }
 
+// The i-th of n blocks in the order 0, n-1, 1, n-2, ...: parallel_for hands each thread a contiguous
+// range of items, and under a causal mask the later query blocks have more keys to visit; in this
+// order every range mixes light and heavy blocks.
+inline int64_t zigzag(int64_t i, int64_t n) { return i % 2 == 0 ? i / 2 : n - 1 - i / 2; }
+
 // C (m x n, row stride ldc) = op(A) op(B), plus C if `add`; row-major, op(X) = X or X^T as stored
 // (`ta`: A is stored (kk x m); `tb`: B is stored (n x kk)). The product is torch's own (MKL here), on
 // views of the block: one BLAS call per product, no copy. On one thread inside parallel_for.
@@ -246,7 +254,7 @@ std::tuple<torch::Tensor, torch::Tensor> forward(
     std::vector<float> scores(block_q * block_k), capped(block_k), acc(block_q * dv);
     std::vector<float> m(block_q), l(block_q);
     for (int64_t item = first; item < last; ++item) {
-      const int64_t qb = item % q_blocks, bh = item / q_blocks;
+      const int64_t qb = zigzag(item % q_blocks, q_blocks), bh = item / q_blocks;
       const int64_t batch = bh / h, head = bh % h, kv = batch * h_kv + head / groups;
       const int64_t i0 = qb * block_q, i1 = std::min(t, i0 + block_q), bq = i1 - i0;
       const float* q_blk = qp + (bh * t + i0) * d;
@@ -301,7 +309,10 @@ std::tuple<torch::Tensor, torch::Tensor> forward(
 
 // Gradients w.r.t. the pre-scaled q, k and v. `delta` (b, h, t) is rowsum(dout * out); `lse` has 0
 // for the rows with no allowed key (their probabilities are 0 anyway). Work is split by key/value
-// head: each item owns dK and dV of its head, so no thread writes where another does.
+// head, and when there are fewer of those than threads, by key blocks too (every `split`-th block,
+// so that causal work spreads evenly): each item owns dK and dV of its key blocks, so no two threads
+// write the same rows; dQ, which every key block adds to, then goes to one buffer per part, summed
+// at the end (extra memory: split x dq, with split <= threads / (b h_kv)).
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> backward(
     torch::Tensor dout, torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor lse,
     torch::Tensor delta, torch::Tensor bias, torch::Tensor allowed, torch::Tensor key_mask,
@@ -319,21 +330,24 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> backward(
               "tiled: lse and delta must be contiguous (b, h, t)");
   const int64_t groups = h / h_kv;
   const Scoring sc = make_scoring(t, s, bias, allowed, key_mask, alibi, softcap, left, right);
-  auto dq = torch::empty_like(q);
+  const int64_t q_blocks = (t + block_q - 1) / block_q, k_blocks = (s + block_k - 1) / block_k;
+  const int64_t split =
+      std::max<int64_t>(1, std::min(k_blocks, at::get_num_threads() / (b * h_kv)));
+  auto dq_parts = torch::zeros({split, b, h, t, d}, q.options());
   auto dk = torch::zeros_like(k);
   auto dvv = torch::zeros_like(v);
-  const int64_t q_blocks = (t + block_q - 1) / block_q;
   const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
   const float *dop = dout.data_ptr<float>(), *lp = lse.data_ptr<float>();
   const float* dlp = delta.data_ptr<float>();
-  float *dqp = dq.data_ptr<float>(), *dkp = dk.data_ptr<float>(), *dvp = dvv.data_ptr<float>();
+  float *dqp = dq_parts.data_ptr<float>(), *dkp = dk.data_ptr<float>(), *dvp = dvv.data_ptr<float>();
   const bool capping = softcap > 0.0;
 
-  at::parallel_for(0, b * h_kv, 1, [&](int64_t first, int64_t last) {
+  at::parallel_for(0, b * h_kv * split, 1, [&](int64_t first, int64_t last) {
     c10::InferenceMode no_autograd;
     std::vector<float> probs(block_q * block_k), dscores(block_q * block_k);
     std::vector<float> capped(capping ? block_q * block_k : 0);
-    for (int64_t kv = first; kv < last; ++kv) {
+    for (int64_t item = first; item < last; ++item) {
+      const int64_t kv = item / split, part = item % split;
       const int64_t batch = kv / h_kv, kv_head = kv % h_kv;
       const float* k_head = kp + kv * s * d;
       const float* v_head = vp + kv * s * dv;
@@ -345,11 +359,13 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> backward(
           const int64_t i0 = qb * block_q, i1 = std::min(t, i0 + block_q), bq = i1 - i0;
           const float* q_blk = qp + (bh * t + i0) * d;
           const float* do_blk = dop + (bh * t + i0) * dv;
-          float* dq_blk = dqp + (bh * t + i0) * d;
-          std::fill(dq_blk, dq_blk + bq * d, 0.f);
+          float* dq_blk = dqp + ((part * b * h + bh) * t + i0) * d;
           const auto [lo, hi] = sc.block_range(i0, i1);
-          for (int64_t j0 = lo; j0 < hi; j0 += block_k) {
-            const int64_t n = std::min(block_k, hi - j0);
+          if (lo == hi) continue;  // no key visible to this query block: its dq rows stay 0
+          // This part's key blocks: those of index part, part + split, ... on the grid of block_k.
+          const int64_t first_block = lo / block_k + (part - lo / block_k % split + split) % split;
+          for (int64_t grid = first_block * block_k; grid < hi; grid += split * block_k) {
+            const int64_t j0 = std::max(grid, lo), n = std::min(grid + block_k, hi) - j0;
             float *p = probs.data(), *ds = dscores.data();
             gemm(false, true, bq, n, d, q_blk, d, k_head + j0 * d, d, p, n, false);  // S = Q K^T
             for (int64_t r = 0; r < bq; ++r) {
@@ -380,7 +396,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> backward(
       }
     }
   });
-  return {dq, dk, dvv};
+  return {split == 1 ? dq_parts[0] : dq_parts.sum(0), dk, dvv};
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
