@@ -38,7 +38,7 @@ def _small_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture
 def pytorch_loop(monkeypatch: pytest.MonkeyPatch) -> None:
     """The tiled backend without its C++ kernel: the PyTorch loop of tiled.py runs."""
-    monkeypatch.setattr(tiled, "_native_kernel", lambda q, plan: None)
+    monkeypatch.setattr(tiled, "_native_kernel", lambda device, dtype: None)
 
 
 @pytest.fixture(scope="session")

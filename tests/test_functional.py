@@ -35,7 +35,7 @@ def backend(request, monkeypatch) -> str:
     """The backend to ask for, after switching the tiled path the parameter names."""
     name = request.param
     if name == "tiled:loop":
-        monkeypatch.setattr(tiled, "_native_kernel", lambda q, plan: None)
+        monkeypatch.setattr(tiled, "_native_kernel", lambda device, dtype: None)
         return "tiled"
     if name == "tiled:half":  # the products of CPUs with AVX512-BF16 or AMX (always the loop)
         monkeypatch.setattr(tiled, "_fast_half_matmul", lambda dtype, device: True)
@@ -281,7 +281,7 @@ def test_property_both_tiled_paths_match_oracle_in_float32(
     for native in (True, False):
         with mock.patch.object(tiled, "_native_kernel", wraps=tiled._native_kernel) as kernel:
             if not native:
-                kernel.side_effect = lambda q, plan: None
+                kernel.side_effect = lambda device, dtype: None
             out, lse, weights = attention(
                 q, k, v, **masks, **options, backend="tiled", return_lse=True, return_weights=True
             )

@@ -81,17 +81,19 @@ def test_tiled_refuses_dropout_and_mask_gradients():
         attention(q, k, v, backend="tiled", attn_mask=bias)
 
 
+@pytest.mark.usefixtures("pytorch_loop")
 def test_auto_takes_tiled_for_a_narrow_window():
     narrow = Request(masks=Masks(window=(255, 0)), scale=1.0)
     assert resolve_backend("auto", narrow, *SHAPES).name == "tiled"  # sees 256 of 1024 keys
     wide = Request(masks=Masks(window=(600, 0)), scale=1.0)
-    assert resolve_backend("auto", wide, *SHAPES).name == "sdpa"
+    assert resolve_backend("auto", wide, *SHAPES).name == "sdpa"  # without the C++ kernel
     assert (
         resolve_backend("auto", Request(masks=Masks(window=(-1, 0)), scale=1.0), *SHAPES).name
         == "sdpa"
     )
 
 
+@pytest.mark.usefixtures("pytorch_loop")
 def test_auto_takes_tiled_rather_than_a_huge_dense_alibi_mask():
     slopes = Request(masks=Masks(window=(-1, 0)), scale=1.0, alibi_slopes=torch.ones(12))
     long = qkv(n=2048)
@@ -114,3 +116,22 @@ def test_auto_takes_tiled_for_half_precision_training_without_fast_half_products
         resolve_backend("auto", plain, *qkv(dtype=torch.bfloat16, requires_grad=True)).name
         == "sdpa"
     )
+
+
+@pytest.mark.parametrize(
+    "masks, slopes",
+    [
+        (Masks(window=(-1, 0)), torch.ones(12)),
+        (Masks(window=(600, 0)), None),
+        (Masks(), torch.ones(12)),
+    ],
+    ids=["causal alibi", "wide window", "alibi"],
+)
+def test_auto_takes_the_cpp_kernel_over_sdpa_with_a_dense_positional_mask(masks, slopes):
+    wanted = Request(masks=masks, scale=1.0, alibi_slopes=slopes)
+    assert tiled.runs_native(SHAPES[0])
+    assert resolve_backend("auto", wanted, *SHAPES).name == "tiled"  # 1024 x 1024 scores
+    assert resolve_backend("auto", wanted, *qkv(n=128)).name == "sdpa"  # below NATIVE_MIN_SCORES
+    assert resolve_backend("auto", wanted, *qkv(dtype=torch.float64)).name == "sdpa"  # the loop
+    plain = Request(masks=Masks(), scale=1.0)
+    assert resolve_backend("auto", plain, *SHAPES).name == "sdpa"  # no mask: SDPA is as fast

@@ -24,9 +24,10 @@ not refuse the tensors, with these exceptions measured with ``attnkit bench``: t
 only over at least :data:`DECODE_MIN_KEYS` keys (below, SDPA is as fast or faster); the tiled
 kernel where SDPA would compute every score of a sliding window that shows each query at most a
 quarter of the keys, where it would need a dense ALiBi/window mask of more than
-:data:`DENSE_MASK_LIMIT` elements, and for half-precision inputs that need gradients on a CPU
-without fast half-precision products (SDPA's backward there ran 4x slower than the tiled kernel's at
-N=4096).
+:data:`DENSE_MASK_LIMIT` elements or of any size from :data:`NATIVE_MIN_SCORES` scores when the tiled
+backend's C++ kernel runs (it applies those masks while the scores are in cache, SDPA reads a
+materialised mask), and for half-precision inputs that need gradients on a CPU without fast
+half-precision products (SDPA's backward there ran 4x slower than the tiled kernel's at N=4096).
 A backend named explicitly that cannot do what was asked raises, naming the option; nothing falls
 back silently.
 """
@@ -68,6 +69,13 @@ DECODE_MIN_KEYS = {torch.float32: 1024, torch.bfloat16: 512, torch.float16: 512}
 DENSE_MASK_LIMIT = 2**24
 
 
+# The fewest scores (t * s) from which the tiled C++ kernel overtakes SDPA given a dense positional
+# mask (ALiBi, a window, causal with t != s). b=1, h=12, d=64, fp32, forward / forward+backward, tiled
+# vs SDPA: at 64 x 64 0.6-1.5x (Python's set-up shows), at 256 x 256 0.2-1.0x, at 1024 x 1024
+# 0.14-0.8x, at 4096 x 4096 0.09-0.7x (ALiBi causal best, causal with t = s / 2 least).
+NATIVE_MIN_SCORES = 256 * 256
+
+
 def _tiled_beats_sdpa(request: Request, q: Tensor, k: Tensor, v: Tensor) -> bool:
     """Whether SDPA would waste work or memory where the tiled kernel would not."""
     _, h, t, _ = q.shape
@@ -84,8 +92,12 @@ def _tiled_beats_sdpa(request: Request, q: Tensor, k: Tensor, v: Tensor) -> bool
         if 4 * visible <= s:  # SDPA computes every score, the tiled kernel about visible / s
             return True
     dense = limited or request.alibi_slopes is not None or (window == (-1, 0) and t != s)
+    if not dense:
+        return False
     mask_elements = t * s * (h if request.alibi_slopes is not None else 1)
-    return dense and mask_elements > DENSE_MASK_LIMIT
+    if mask_elements > DENSE_MASK_LIMIT:
+        return True
+    return t * s >= NATIVE_MIN_SCORES and tiled.runs_native(q)
 
 
 def _can_run(

@@ -51,6 +51,11 @@ def _fast_half_matmul(dtype: torch.dtype, device: torch.device) -> bool:
     return any(getattr(torch.cpu, name, lambda: False)() for name in probe)
 
 
+def _matmul_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype of the block products for inputs of ``dtype``."""
+    return dtype if _fast_half_matmul(dtype, device) else torch.promote_types(dtype, torch.float32)
+
+
 def _by_group(m: Tensor, h_kv: int, groups: int) -> Tensor:
     """A tensor broadcastable to ``(b, h, bq, bk)`` -> broadcastable to ``(b, h_kv, g, bq, bk)``."""
     while m.dim() < 4:
@@ -216,7 +221,7 @@ class _TiledAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, plan: _Plan) -> tuple[Tensor, Tensor]:
-        kernel = _native_kernel(q, plan)
+        kernel = _native_kernel(q.device, plan.matmul_dtype)
         if kernel is not None:
             out, lse = _native_forward(kernel, q, k, v, plan)
         else:
@@ -235,7 +240,7 @@ class _TiledAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         plan: _Plan = ctx.plan
         b, h, t, d = q.shape
-        kernel = _native_kernel(q, plan)
+        kernel = _native_kernel(q.device, plan.matmul_dtype)
         if kernel is not None:
             dq, dk, dv = _native_backward(kernel, dout, q, k, v, out, lse, plan)
         else:
@@ -261,13 +266,21 @@ KERNEL = Kernel("tiled.cpp", ("-O3", "-fno-math-errno", "-fno-trapping-math"))
 _EMPTY = {dtype: torch.empty(0, dtype=dtype) for dtype in (torch.float32, torch.bool)}
 
 
-def _native_kernel(q: Tensor, plan: _Plan) -> ModuleType | None:
-    """The C++ kernel if it can run this call, else None (the PyTorch loop runs)."""
-    if q.device.type != "cpu" or plan.matmul_dtype != torch.float32:
+def _native_kernel(device: torch.device, matmul_dtype: torch.dtype) -> ModuleType | None:
+    """The C++ kernel if it can run a call with these block products, else None (the loop runs)."""
+    if device.type != "cpu" or matmul_dtype != torch.float32:
         return None
     if torch.compiler.is_compiling():  # dynamo traces the PyTorch loop; it cannot trace C++
         return None
     return KERNEL.load()
+
+
+def runs_native(q: Tensor) -> bool:
+    """Whether a tiled call on ``q`` runs the C++ kernel (building it, the first time)."""
+    dtype = q.dtype
+    if torch.is_autocast_enabled(q.device.type):
+        dtype = torch.get_autocast_dtype(q.device.type)
+    return _native_kernel(q.device, _matmul_dtype(dtype, q.device)) is not None
 
 
 def _native_options(plan: _Plan) -> tuple:
@@ -360,7 +373,6 @@ def tiled(q: Tensor, k: Tensor, v: Tensor, request: Request) -> AttentionOutput:
     with torch.autocast(device, enabled=False):
         b, h, t, _ = q.shape
         stats_dtype = torch.promote_types(q.dtype, torch.float32)
-        fast = _fast_half_matmul(q.dtype, q.device)
         plan = _Plan(
             request=request,
             b=b,
@@ -368,7 +380,7 @@ def tiled(q: Tensor, k: Tensor, v: Tensor, request: Request) -> AttentionOutput:
             groups=h // k.shape[1],
             t=t,
             s=k.shape[-2],
-            matmul_dtype=q.dtype if fast else stats_dtype,
+            matmul_dtype=_matmul_dtype(q.dtype, q.device),
             stats_dtype=stats_dtype,
             block_q=BLOCK_Q,
             block_k=BLOCK_K,
