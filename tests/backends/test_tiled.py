@@ -266,3 +266,12 @@ def test_windows_that_end_before_or_start_after_a_key_block(window):
         torch.autograd.grad(expected, inputs64, dout.double()),
     ):
         torch.testing.assert_close(g, g64.float())
+
+
+def test_a_key_mask_over_a_single_key_with_any_stride():
+    """(b, 1) masks are contiguous whatever their stride, which the kernel must accept."""
+    q, k, v = torch.randn(2, 1, 3, 4), torch.randn(2, 1, 1, 4), torch.randn(2, 1, 1, 4)
+    key_mask = torch.tensor([[True, False]]).t()  # (2, 1), strides (1, 2)
+    out = attention(q, k, v, key_mask=key_mask, backend="tiled")
+    torch.testing.assert_close(out[0], v[0].expand(1, 3, 4))
+    assert torch.equal(out[1], torch.zeros(1, 3, 4))

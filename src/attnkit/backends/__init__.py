@@ -15,6 +15,9 @@ return_weights          yes        no    yes    no      tiled: recomputed from t
 memory                  O(t s)     O(t s) with a mask    O((t + s) d)
 ======================  =========  ====  =====  ======  =====
 
+The tiled backend runs its C++ kernel (``tiled.cpp``) where the block products are float32 on a
+CPU and its PyTorch loop elsewhere; both support the same options.
+
 The decode backend (:mod:`attnkit.backends.decode`) is for decoding: CPU tensors without gradients,
 at most 16 query rows per key/value head. A causal mask is no option there: with one query it
 masks nothing (:func:`attnkit.masks.merge_window` drops it).

@@ -31,7 +31,8 @@ namespace {
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // exp(x) for x <= 0 (and -inf), in a form the compiler vectorises: 2^n * p(f), x log2(e) = n + f,
-// |f| <= 1/2, p of degree 6 (relative error below 2e-7); 0 below -87, where float32 underflows.
+// |f| <= 1/2, p of degree 6 (below 2e-7 relative error; with the rounding of x log2(e), below 4e-6
+// near -87); 0 below -87, where float32 turns denormal.
 inline float exp_nonpositive(float x) {
   const float y = std::max(x, -87.f) * 1.44269504088896341f;
   const float n = (y + 12582912.f) - 12582912.f;  // round to nearest: 1.5 * 2^23
@@ -174,17 +175,28 @@ struct Scoring {
   }
 };
 
-Scoring make_scoring(int64_t t, int64_t s, const torch::Tensor& bias,
+// The scoring of a call with b batches, h query heads, t queries and s keys, after checking that
+// every mask fits those sizes (the kernel reads them without bounds checks).
+Scoring make_scoring(int64_t b, int64_t h, int64_t t, int64_t s, const torch::Tensor& bias,
                      const torch::Tensor& allowed, const torch::Tensor& key_mask,
-                     const torch::Tensor& alibi, double softcap, int64_t left, int64_t right) {
+                     const torch::Tensor& alibi, double softcap, int64_t left, int64_t right,
+                     int64_t block_q, int64_t block_k) {
   TORCH_CHECK(bias.numel() == 0 || (bias.dim() == 4 && bias.scalar_type() == torch::kFloat),
               "tiled: bias must be empty or float32 (b, h, t, s)");
   TORCH_CHECK(allowed.numel() == 0 || (allowed.dim() == 4 && allowed.scalar_type() == torch::kBool),
               "tiled: allowed must be empty or bool (b, h, t, s)");
-  TORCH_CHECK(key_mask.numel() == 0 || (key_mask.dim() == 2 && key_mask.stride(1) == 1 &&
-                                        key_mask.scalar_type() == torch::kBool),
+  const std::vector<int64_t> full{b, h, t, s};
+  TORCH_CHECK(block_q > 0 && block_k > 0, "tiled: block sizes must be positive");
+  TORCH_CHECK(bias.numel() == 0 || bias.sizes() == torch::IntArrayRef(full),
+              "tiled: bias must be (b, h, t, s)");
+  TORCH_CHECK(allowed.numel() == 0 || allowed.sizes() == torch::IntArrayRef(full),
+              "tiled: allowed must be (b, h, t, s)");
+  TORCH_CHECK(key_mask.numel() == 0 ||
+                  (key_mask.sizes() == torch::IntArrayRef({b, s}) &&
+                   (s == 1 || key_mask.stride(1) == 1) && key_mask.scalar_type() == torch::kBool),
               "tiled: key_mask must be empty or bool (b, s) with contiguous rows");
-  TORCH_CHECK(alibi.numel() == 0 || (alibi.is_contiguous() && alibi.scalar_type() == torch::kFloat),
+  TORCH_CHECK(alibi.numel() == 0 || (alibi.numel() == h && alibi.is_contiguous() &&
+                                     alibi.scalar_type() == torch::kFloat),
               "tiled: alibi must be empty or contiguous float32 (h,)");
   Scoring sc;
   sc.t = t, sc.s = s, sc.left = left, sc.right = right;
@@ -242,7 +254,8 @@ std::tuple<torch::Tensor, torch::Tensor> forward(
                   v.sizes() == torch::IntArrayRef({b, h_kv, s, dv}),
               "tiled: q (b, h, t, d), k (b, h_kv, s, d) and v (b, h_kv, s, dv) disagree");
   const int64_t groups = h / h_kv;
-  const Scoring sc = make_scoring(t, s, bias, allowed, key_mask, alibi, softcap, left, right);
+  const Scoring sc = make_scoring(b, h, t, s, bias, allowed, key_mask, alibi, softcap, left, right, block_q,
+                                      block_k);
   auto out = torch::empty({b, h, t, dv}, q.options());
   auto lse = torch::empty({b, h, t}, q.options());
   const int64_t q_blocks = (t + block_q - 1) / block_q;
@@ -329,7 +342,8 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> backward(
                   delta.numel() == b * h * t,
               "tiled: lse and delta must be contiguous (b, h, t)");
   const int64_t groups = h / h_kv;
-  const Scoring sc = make_scoring(t, s, bias, allowed, key_mask, alibi, softcap, left, right);
+  const Scoring sc = make_scoring(b, h, t, s, bias, allowed, key_mask, alibi, softcap, left, right, block_q,
+                                      block_k);
   const int64_t q_blocks = (t + block_q - 1) / block_q, k_blocks = (s + block_k - 1) / block_k;
   const int64_t split =
       std::max<int64_t>(1, std::min(k_blocks, at::get_num_threads() / (b * h_kv)));

@@ -1,4 +1,9 @@
-"""The tiled backend: FlashAttention-2's online softmax, block by block, in PyTorch operations.
+"""The tiled backend: FlashAttention-2's online softmax, block by block.
+
+Two implementations of one algorithm: the PyTorch loop below, the readable shape of it, and
+``tiled.cpp``, which runs where the block products are float32 on a CPU (see ``KERNEL``): there a
+dozen tensor operations per block, each a pass over the block in memory, become a few passes over a
+row that is in cache. Both are tested against the float64 oracle, option by option.
 
 The forward walks over blocks of ``block_q`` queries; for each it streams blocks of ``block_k`` keys,
 keeping a running max ``m``, a running sum ``l`` and an unnormalised output ``acc``, and stores only
