@@ -1,6 +1,6 @@
 // The tiled kernel in C++: the loop of tiled.py (FlashAttention-2's online softmax, forward and
-// recomputing backward) with each block's score work fused into a few passes over a block that stays
-// in the CPU's cache, and the block products done by torch's own matrix product (MKL here).
+// recomputing backward) with each block's score work fused into a few passes over a block that
+// stays in the CPU's cache, and the block products done by torch's own matrix product (MKL here).
 //
 // The Python loop launches a dozen tensor operations per block, each a full pass over the block in
 // memory; here the masks, positions, soft-capping and the softmax update of a row are applied while
@@ -126,8 +126,9 @@ struct Scoring {
     return {lo, std::max(lo, hi)};
   }
 
-  // Row `row` (query i of head `head`, keys j0 .. j0 + n) of raw scores becomes the masked scores in
-  // place, -inf where not allowed; `capped` (if softcap) receives tanh(u / softcap) for the backward.
+  // Row `row` (query i of head `head`, keys j0 .. j0 + n) of raw scores becomes the masked scores
+  // in place, -inf where not allowed; `capped` (if softcap) gets tanh(u / softcap), for the
+  // backward.
   // Returns false when no key of the row is allowed by position (the row is then all -inf).
   bool apply(float* row, float* capped, int64_t batch, int64_t head, int64_t i, int64_t j0,
              int64_t n) const {
@@ -216,19 +217,20 @@ void check_operands(std::initializer_list<const torch::Tensor*> tensors) {
   }
 }
 
-// The i-th of n blocks in the order 0, n-1, 1, n-2, ...: parallel_for hands each thread a contiguous
-// range of items, and under a causal mask the later query blocks have more keys to visit; in this
-// order every range mixes light and heavy blocks.
+// The i-th of n blocks in the order 0, n-1, 1, n-2, ...: parallel_for hands each thread a
+// contiguous range of items, and under a causal mask the later query blocks have more keys to
+// visit; in this order every range mixes light and heavy blocks.
 inline int64_t zigzag(int64_t i, int64_t n) { return i % 2 == 0 ? i / 2 : n - 1 - i / 2; }
 
 // C (m x n, row stride ldc) = op(A) op(B), plus C if `add`; row-major, op(X) = X or X^T as stored
-// (`ta`: A is stored (kk x m); `tb`: B is stored (n x kk)). The product is torch's own (MKL here), on
-// views of the block: one BLAS call per product, no copy. On one thread inside parallel_for.
+// (`ta`: A is stored (kk x m); `tb`: B is stored (n x kk)). The product is torch's own (MKL here),
+// on views of the block: one BLAS call per product, no copy. On one thread inside parallel_for.
 inline void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t kk, const float* a, int64_t lda,
                  const float* b, int64_t ldb, float* c, int64_t ldc, bool add) {
   const auto view = [](const float* x, int64_t rows, int64_t cols, int64_t ld, bool transposed) {
-    auto t = torch::from_blob(const_cast<float*>(x), {transposed ? cols : rows, transposed ? rows : cols},
-                              {ld, 1}, torch::kFloat);
+    const int64_t stored_rows = transposed ? cols : rows, stored_cols = transposed ? rows : cols;
+    auto t = torch::from_blob(const_cast<float*>(x), {stored_rows, stored_cols}, {ld, 1},
+                              torch::kFloat);
     return transposed ? t.t() : t;
   };
   auto out = torch::from_blob(c, {m, n}, {ldc, 1}, torch::kFloat);
@@ -254,8 +256,8 @@ std::tuple<torch::Tensor, torch::Tensor> forward(
                   v.sizes() == torch::IntArrayRef({b, h_kv, s, dv}),
               "tiled: q (b, h, t, d), k (b, h_kv, s, d) and v (b, h_kv, s, dv) disagree");
   const int64_t groups = h / h_kv;
-  const Scoring sc = make_scoring(b, h, t, s, bias, allowed, key_mask, alibi, softcap, left, right, block_q,
-                                      block_k);
+  const Scoring sc = make_scoring(b, h, t, s, bias, allowed, key_mask, alibi, softcap, left,
+                                  right, block_q, block_k);
   auto out = torch::empty({b, h, t, dv}, q.options());
   auto lse = torch::empty({b, h, t}, q.options());
   const int64_t q_blocks = (t + block_q - 1) / block_q;
@@ -323,9 +325,9 @@ std::tuple<torch::Tensor, torch::Tensor> forward(
 // Gradients w.r.t. the pre-scaled q, k and v. `delta` (b, h, t) is rowsum(dout * out); `lse` has 0
 // for the rows with no allowed key (their probabilities are 0 anyway). Work is split by key/value
 // head, and when there are fewer of those than threads, by key blocks too (every `split`-th block,
-// so that causal work spreads evenly): each item owns dK and dV of its key blocks, so no two threads
-// write the same rows; dQ, which every key block adds to, then goes to one buffer per part, summed
-// at the end (extra memory: split x dq, with split <= threads / (b h_kv)).
+// so that causal work spreads evenly): each item owns dK and dV of its key blocks, so no two
+// threads write the same rows. dQ, which every key block adds to, goes to one buffer per part,
+// summed at the end (extra memory: split x dq, with split <= threads / (b h_kv)).
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> backward(
     torch::Tensor dout, torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor lse,
     torch::Tensor delta, torch::Tensor bias, torch::Tensor allowed, torch::Tensor key_mask,
@@ -342,8 +344,8 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> backward(
                   delta.numel() == b * h * t,
               "tiled: lse and delta must be contiguous (b, h, t)");
   const int64_t groups = h / h_kv;
-  const Scoring sc = make_scoring(b, h, t, s, bias, allowed, key_mask, alibi, softcap, left, right, block_q,
-                                      block_k);
+  const Scoring sc = make_scoring(b, h, t, s, bias, allowed, key_mask, alibi, softcap, left,
+                                  right, block_q, block_k);
   const int64_t q_blocks = (t + block_q - 1) / block_q, k_blocks = (s + block_k - 1) / block_k;
   const int64_t split =
       std::max<int64_t>(1, std::min(k_blocks, at::get_num_threads() / (b * h_kv)));
@@ -353,7 +355,8 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> backward(
   const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
   const float *dop = dout.data_ptr<float>(), *lp = lse.data_ptr<float>();
   const float* dlp = delta.data_ptr<float>();
-  float *dqp = dq_parts.data_ptr<float>(), *dkp = dk.data_ptr<float>(), *dvp = dvv.data_ptr<float>();
+  float* dqp = dq_parts.data_ptr<float>();
+  float *dkp = dk.data_ptr<float>(), *dvp = dvv.data_ptr<float>();
   const bool capping = softcap > 0.0;
 
   at::parallel_for(0, b * h_kv * split, 1, [&](int64_t first, int64_t last) {
@@ -389,8 +392,9 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> backward(
 #pragma omp simd
               for (int64_t j = 0; j < n; ++j) row[j] = exp_nonpositive(row[j] - shift);  // P
             }
-            gemm(true, false, n, dv, bq, p, n, do_blk, dv, dv_head + j0 * dv, dv, true);  // dV += P^T dO
-            gemm(false, true, bq, n, dv, do_blk, dv, v_head + j0 * dv, dv, ds, n, false);  // dP = dO V^T
+            // dV += P^T dO, then dP = dO V^T
+            gemm(true, false, n, dv, bq, p, n, do_blk, dv, dv_head + j0 * dv, dv, true);
+            gemm(false, true, bq, n, dv, do_blk, dv, v_head + j0 * dv, dv, ds, n, false);
             for (int64_t r = 0; r < bq; ++r) {
               const float* pr = p + r * n;
               float* dr = ds + r * n;
@@ -404,7 +408,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> backward(
               }
             }
             gemm(false, false, bq, d, n, ds, n, k_head + j0 * d, d, dq_blk, d, true);  // dQ += dS K
-            gemm(true, false, n, d, bq, ds, n, q_blk, d, dk_head + j0 * d, d, true);  // dK += dS^T Q
+            gemm(true, false, n, d, bq, ds, n, q_blk, d, dk_head + j0 * d, d, true);  // dK += dS^TQ
           }
         }
       }
