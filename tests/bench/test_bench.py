@@ -30,6 +30,9 @@ def test_smoke_runs_end_to_end(tmp_path, capsys):
     sdpa = [r for r in records if r["impl"] == "torch-sdpa" and r["status"] == "ok"]
     assert all(r["vs_baseline"] == 1.0 for r in sdpa)
     assert data["info"]["machine"]["torch"] == torch.__version__
+    tiled_kernel = data["info"]["native"]["tiled.cpp"]
+    assert tiled_kernel["available"] and tiled_kernel["seconds"] >= 0  # build time, measured
+    assert "C++ kernels: tiled.cpp built or loaded in " in out
     assert (tmp_path / "results.md").read_text().startswith("Machine: ")
     assert (tmp_path / "results.png").stat().st_size > 10_000
 

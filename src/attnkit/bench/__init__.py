@@ -16,6 +16,7 @@ from itertools import product
 from typing import ClassVar, TextIO
 
 from attnkit._progress import Progress
+from attnkit.backends import decode, tiled
 from attnkit.bench.measure import Result, matmul_gflops, probe_memory, time_interleaved
 from attnkit.bench.peers import KERNEL_IMPLS, MODULE_IMPLS, Case, prepare, supported
 from attnkit.bench.report import machine, write
@@ -85,10 +86,25 @@ class BenchConfig:
         return cases
 
 
+def native_kernels() -> dict[str, dict]:
+    """attnkit's C++ kernels, each built or loaded from torch's cache: how long that took, and
+    why a kernel is unavailable (the tiled backend then runs its PyTorch loop)."""
+    report = {}
+    for kernel in (tiled.KERNEL, decode.KERNEL):
+        usable, reason = kernel.available()
+        report[kernel.source] = {
+            "available": usable,
+            "seconds": kernel.build_seconds,
+            "why": reason,
+        }
+    return report
+
+
 def run(config: BenchConfig, progress_stream: TextIO | None = None) -> tuple[list[Result], dict]:
     """Probe every case's memory, then time the cases of each report row interleaved."""
     cases = config.cases()
     stream = progress_stream or sys.stderr
+    native = native_kernels()  # built here, once: no probe or timing below includes a build
     progress = Progress(len(cases) * (1 + config.warmups + config.repeats), stream)
 
     results: list[Result] = []
@@ -126,6 +142,7 @@ def run(config: BenchConfig, progress_stream: TextIO | None = None) -> tuple[lis
         "matmul": matmul,
         "repeats": config.repeats,
         "warmups": config.warmups,
+        "native": native,
         "date": time.strftime("%Y-%m-%d"),
     }
     return results, info

@@ -85,6 +85,14 @@ def markdown(records: list[dict], info: dict) -> str:
         + f"; median of {info['repeats']} interleaved runs after {info['warmups']} warm-ups.",
         "",
     ]
+    if info.get("native"):
+        kernels = [
+            f"{name} built or loaded in {k['seconds']:.1f} s"
+            if k["available"]
+            else f"{name} unavailable ({k['why']})"
+            for name, k in info["native"].items()
+        ]
+        lines += [f"C++ kernels: {'; '.join(kernels)} (a first build takes ~45 s each).", ""]
     for group, baseline in BASELINES.items():
         mine = [r for r in records if r["group"] == group]
         if not mine:
