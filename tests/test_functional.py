@@ -209,19 +209,24 @@ def test_float64_is_computed_in_float64():
     torch.testing.assert_close(out, out64, rtol=1e-12, atol=1e-12)
 
 
-@given(
-    b=st.integers(1, 2),
-    h_kv=st.integers(1, 2),
-    groups=st.integers(1, 3),
-    t=st.integers(1, 12),
-    s=st.integers(1, 12),
-    d=st.sampled_from([1, 3, 8]),
-    causal=st.booleans(),
-    window=st.none() | st.tuples(st.integers(-1, 4), st.integers(-1, 4)),
-    softcap=st.none() | st.floats(0.5, 5.0),
-    alibi=st.booleans(),
-    mask_kind=st.sampled_from(MASK_KINDS),
-)
+def cases(max_len: int, dims: list[int], max_window: int) -> dict:
+    """Hypothesis strategies for one call: shapes, GQA groups, every option and mask kind."""
+    return {
+        "b": st.integers(1, 2),
+        "h_kv": st.integers(1, 2),
+        "groups": st.integers(1, 3),
+        "t": st.integers(1, max_len),
+        "s": st.integers(1, max_len),
+        "d": st.sampled_from(dims),
+        "causal": st.booleans(),
+        "window": st.none() | st.tuples(*[st.integers(-1, max_window)] * 2),
+        "softcap": st.none() | st.floats(0.5, 5.0),
+        "alibi": st.booleans(),
+        "mask_kind": st.sampled_from(MASK_KINDS),
+    }
+
+
+@given(**cases(max_len=12, dims=[1, 3, 8], max_window=4))
 def test_property_every_capable_backend_matches_oracle_in_float64(
     b, h_kv, groups, t, s, d, causal, window, softcap, alibi, mask_kind
 ):
@@ -252,19 +257,7 @@ def test_property_every_capable_backend_matches_oracle_in_float64(
             torch.testing.assert_close(g, g64)
 
 
-@given(
-    b=st.integers(1, 2),
-    h_kv=st.integers(1, 2),
-    groups=st.integers(1, 3),
-    t=st.integers(1, 20),
-    s=st.integers(1, 20),
-    d=st.sampled_from([1, 8, 40]),
-    causal=st.booleans(),
-    window=st.none() | st.tuples(st.integers(-1, 9), st.integers(-1, 9)),
-    softcap=st.none() | st.floats(0.5, 5.0),
-    alibi=st.booleans(),
-    mask_kind=st.sampled_from(MASK_KINDS),
-)
+@given(**cases(max_len=20, dims=[1, 8, 40], max_window=9))
 def test_property_both_tiled_paths_match_oracle_in_float32(
     b, h_kv, groups, t, s, d, causal, window, softcap, alibi, mask_kind
 ):
