@@ -215,7 +215,7 @@ def _backward(
 
 def _marked(name: str) -> contextlib.AbstractContextManager:
     """A profiler range: ``attnkit::tiled_{native,loop}_{forward,backward}`` say which path ran.
-    None under torch.compile, whose graphs drop such ranges (with a warning)."""
+    A no-op under torch.compile, whose graphs drop such ranges (with a warning)."""
     if torch.compiler.is_compiling():
         return contextlib.nullcontext()
     return torch.profiler.record_function(name)
