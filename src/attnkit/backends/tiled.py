@@ -306,13 +306,17 @@ def _native_options(plan: _Plan) -> tuple:
     return bias, allowed, key_mask, slopes, req.softcap or 0.0, left, right
 
 
+def _native_operands(q: Tensor, k: Tensor, v: Tensor, plan: _Plan) -> tuple[Tensor, Tensor, Tensor]:
+    """q pre-scaled, k and v, as the C++ kernel takes them: contiguous float32 ``(b, heads, n, d)``."""
+    return _prescaled(q, plan).view(q.shape).contiguous(), _operand(k, plan), _operand(v, plan)
+
+
 def _native_forward(
     kernel: ModuleType, q: Tensor, k: Tensor, v: Tensor, plan: _Plan
 ) -> tuple[Tensor, Tensor]:
-    q4 = _prescaled(q, plan).view(q.shape).contiguous()
-    k, v = _operand(k, plan), _operand(v, plan)
+    operands = _native_operands(q, k, v, plan)
     with _marked("attnkit::tiled_native_forward"):
-        return kernel.forward(q4, k, v, *_native_options(plan), plan.block_q, plan.block_k)
+        return kernel.forward(*operands, *_native_options(plan), plan.block_q, plan.block_k)
 
 
 def _native_backward(
@@ -329,11 +333,10 @@ def _native_backward(
     dout = dout.to(torch.float32).contiguous()
     delta = (dout * out.to(torch.float32)).sum(dim=-1)  # D_i = dO_i . O_i
     lse = lse.masked_fill(lse == _NEG_INF, 0.0).contiguous()
-    q4 = _prescaled(q, plan).view(q.shape).contiguous()
-    k, v = _operand(k, plan), _operand(v, plan)
+    q, k, v = _native_operands(q, k, v, plan)
     with _marked("attnkit::tiled_native_backward"):
         return kernel.backward(
-            dout, q4, k, v, lse, delta, *_native_options(plan), plan.block_q, plan.block_k
+            dout, q, k, v, lse, delta, *_native_options(plan), plan.block_q, plan.block_k
         )
 
 
