@@ -275,3 +275,31 @@ def test_a_key_mask_over_a_single_key_with_any_stride():
     out = attention(q, k, v, key_mask=key_mask, backend="tiled")
     torch.testing.assert_close(out[0], v[0].expand(1, 3, 4))
     assert torch.equal(out[1], torch.zeros(1, 3, 4))
+
+
+def test_the_cpp_kernel_refuses_operands_that_do_not_fit_with_a_message():
+    """The kernel reads masks without bounds checks, so it checks their sizes first (the Python
+    side always passes fitting ones; this guards direct calls and future callers)."""
+    kernel = tiled.KERNEL.load()
+    q, k, v = torch.randn(1, 2, 5, 4), torch.randn(1, 1, 7, 4), torch.randn(1, 1, 7, 4)
+    empty_float, empty_bool = torch.empty(0), torch.empty(0, dtype=torch.bool)
+
+    def forward(bias=empty_float, key_mask=empty_bool, alibi=empty_float, blocks=(4, 4)):
+        return kernel.forward(q, k, v, bias, empty_bool, key_mask, alibi, 0.0, -1, -1, *blocks)
+
+    assert forward()[0].shape == (1, 2, 5, 4)
+    with pytest.raises(RuntimeError, match=r"bias must be \(b, h, t, s\)"):
+        forward(bias=torch.zeros(1, 2, 5, 6))
+    with pytest.raises(RuntimeError, match=r"key_mask must be empty or bool \(b, s\)"):
+        forward(key_mask=torch.ones(1, 6, dtype=torch.bool))
+    with pytest.raises(RuntimeError, match=r"alibi must be empty or contiguous float32 \(h,\)"):
+        forward(alibi=torch.ones(3))
+    with pytest.raises(RuntimeError, match="block sizes must be positive"):
+        forward(blocks=(0, 4))
+    with pytest.raises(
+        RuntimeError,
+        match=r"q \(b, h, t, d\), k \(b, h_kv, s, d\) and v \(b, h_kv, s, dv\) disagree",
+    ):
+        kernel.forward(
+            q, k[:, :, :6], v, empty_float, empty_bool, empty_bool, empty_float, 0.0, -1, -1, 4, 4
+        )
