@@ -148,7 +148,73 @@ def test_without_the_kernel_auto_uses_sdpa_and_a_named_call_says_why(monkeypatch
     k = v = torch.randn(1, 2, DECODE_MIN_KEYS[torch.float32], 8)
     request = Request(masks=Masks(), scale=1.0)
     assert resolve_backend("auto", request, q, k, v).name == "sdpa"
+    with torch.no_grad():  # the projections stay with nn.Linear
+        assert not decode.runs_linear(torch.randn(1, 8), torch.randn(4, 8))
     with pytest.raises(
         ValueError, match=r"backend 'decode' is unavailable: disabled by ATTNKIT_NATIVE=0"
     ):
         attention(q, k, v, backend="decode")
+
+
+# The matrix-vector product of a decoding step's projections: (rows, in, out) with one token, widths
+# that are not multiples of its 16 lanes, and rows that are not multiples of its groups of four.
+LINEAR_SHAPES = [(1, 768, 768), (1, 59, 37), (3, 40, 129), (16, 17, 5), (1, 1, 1)]
+
+
+@pytest.mark.parametrize("rows,d_in,d_out", LINEAR_SHAPES)
+@pytest.mark.parametrize("bias", [True, False])
+def test_linear_float32_matches_float64(rows, d_in, d_out, bias):
+    x, weight = torch.randn(2, rows, d_in), torch.randn(d_out, d_in)
+    b = torch.randn(d_out) if bias else None
+    x = x[:1]  # (1, rows, d_in): leading dims are kept
+    expected = torch.nn.functional.linear(
+        x.double(), weight.double(), None if b is None else b.double()
+    )
+    with torch.no_grad():
+        assert decode.runs_linear(x, weight)
+        out = decode.linear(x, weight, b)
+    assert out.shape == (1, rows, d_out) and out.dtype == torch.float32
+    torch.testing.assert_close(out, expected.float())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows,d_in,d_out", LINEAR_SHAPES[:3])
+def test_linear_half_within_twice_the_error_of_torch_in_the_same_dtype(dtype, rows, d_in, d_out):
+    x, weight, b = torch.randn(rows, d_in), torch.randn(d_out, d_in), torch.randn(d_out)
+    expected = torch.nn.functional.linear(x.double(), weight.double(), b.double())
+    low = [t.to(dtype) for t in (x, weight, b)]
+    with torch.no_grad():
+        out = decode.linear(*low)
+    torch_error = (torch.nn.functional.linear(*low).double() - expected).abs().max()
+    assert out.dtype == dtype
+    assert (out.double() - expected).abs().max() <= 2 * torch_error + 1e-6
+
+
+def test_linear_is_refused_where_it_cannot_run():
+    x, weight = torch.randn(1, 8), torch.randn(4, 8, requires_grad=True)
+    assert not decode.runs_linear(x, weight)  # the weight needs a gradient
+    with torch.no_grad():
+        assert decode.runs_linear(x, weight)
+        assert not decode.runs_linear(torch.randn(17, 8), weight)  # more rows than MAX_ROWS
+        assert not decode.runs_linear(x.double(), weight.double())
+        assert not decode.runs_linear(x.bfloat16(), weight)
+        assert not decode.runs_linear(x, torch.randn(8, 4).t())  # a non-contiguous weight
+
+
+def test_a_decoding_step_projects_with_the_kernel_but_keeps_hooks_and_gradients(monkeypatch):
+    calls = []
+    real = decode.linear
+    monkeypatch.setattr(decode, "linear", lambda *a: calls.append(1) or real(*a))
+    module = MultiHeadAttention(16, 16, 8, 0.0, 2).eval()
+    x = torch.randn(1, 1, 16)
+    with torch.no_grad():
+        expected = module(x)
+    assert len(calls) == 4  # query, key, value and output projections
+    hooked = []
+    module.W_key.register_forward_hook(lambda *_: hooked.append(1))
+    with torch.no_grad():
+        torch.testing.assert_close(module(x), expected)
+    assert len(calls) == 7 and hooked == [1]  # the hooked layer ran as a module
+    out = module(x)  # with gradients: every projection is nn.Linear's
+    assert len(calls) == 7 and out.requires_grad
+    torch.testing.assert_close(out, expected)
