@@ -5,9 +5,11 @@ Shapes: ``b`` batch, ``t`` tokens, ``h`` heads, ``d`` head dim, ``e = h * d`` em
 
 from __future__ import annotations
 
-from torch import Tensor
+from torch import Tensor, nn
+from torch.nn.modules import module as _module
 
 from attnkit import _checks
+from attnkit.backends import decode
 
 
 def as_batched(
@@ -22,6 +24,20 @@ def as_batched(
     _checks.check_features(x, name, features, features_name)
     _checks.check_matches_parameters(x, name, like)
     return (x.unsqueeze(0), True) if x.dim() == 2 else (x, False)
+
+
+def project(layer: nn.Linear, x: Tensor) -> Tensor:
+    """``layer(x)``. A decoding step's few rows, without gradients, go to the decode kernel's
+    matrix-vector product (:func:`attnkit.backends.decode.linear`), which streams the weight on every
+    thread; a layer that is not a plain ``nn.Linear``, or has hooks, is called as a module."""
+    if (
+        type(layer) is nn.Linear
+        and decode.runs_linear(x, layer.weight)
+        and not (layer._forward_hooks or layer._forward_pre_hooks)
+        and not (_module._global_forward_hooks or _module._global_forward_pre_hooks)
+    ):
+        return decode.linear(x, layer.weight, layer.bias)
+    return layer(x)
 
 
 def split_heads(x: Tensor, num_heads: int) -> Tensor:

@@ -27,6 +27,7 @@ from attnkit.modules._common import (
     merge_heads,
     module_softcap,
     module_window,
+    project,
     split_heads,
     unbatch,
 )
@@ -76,14 +77,15 @@ class ProjectedAttention(nn.Module):
         self.out_proj = nn.Linear(d_out, d_out, bias=out_bias, **factory)
 
     def _project_queries(self, x: Tensor) -> Tensor:
-        return split_heads(self.W_query(x), self.num_heads)  # (b, t, e) -> (b, h, t, d)
+        return split_heads(project(self.W_query, x), self.num_heads)  # (b, t, e) -> (b, h, t, d)
 
     def _project(self, x: Tensor, memory: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Queries ``(b, h, t, d)`` from ``x`` ``(b, t, d_q)``; keys and values ``(b, h_kv, s, d)``
         from ``memory`` ``(b, s, d_kv)``."""
         queries = self._project_queries(x)
-        keys = split_heads(self.W_key(memory), self.num_kv_heads)  # (b, s, e) -> (b, h_kv, s, d)
-        values = split_heads(self.W_value(memory), self.num_kv_heads)  # -> (b, h_kv, s, d)
+        # (b, s, e) -> (b, h_kv, s, d)
+        keys = split_heads(project(self.W_key, memory), self.num_kv_heads)
+        values = split_heads(project(self.W_value, memory), self.num_kv_heads)
         return queries, keys, values
 
     def _attend(
@@ -113,7 +115,7 @@ class ProjectedAttention(nn.Module):
             **score_options,
         )
         context, weights = result if need_weights else (result, None)
-        out = self.out_proj(merge_heads(context))  # (b, h, t, d) -> (b, t, e) -> (b, t, e)
+        out = project(self.out_proj, merge_heads(context))  # (b, h, t, d) -> (b, t, e) -> (b, t, e)
         if not need_weights:
             return out
         return out, weights.mean(dim=1) if average_weights else weights  # (b, t, s) | (b, h, t, s)
