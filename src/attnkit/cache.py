@@ -77,18 +77,24 @@ class KVCache(nn.Module):
         shape = (batch_size, num_kv_heads, capacity, head_dim)
         self.register_buffer("keys", torch.zeros(shape, dtype=dtype, device=device), False)
         self.register_buffer("values", torch.zeros(shape, dtype=dtype, device=device), False)
-        self.register_buffer("real", torch.ones(batch_size, capacity, dtype=torch.bool), False)
-        self.register_buffer("row_positions", torch.zeros(batch_size, dtype=torch.long), False)
-        self.real = self.real.to(device)
-        self.row_positions = self.row_positions.to(device)
+        # Padding (ragged batches): `real` is False where a held key is padding, True everywhere
+        # else; `padding_seen` counts each row's padding tokens. Both are written only once a chunk
+        # comes with a key mask, so that unpadded decoding pays nothing for them.
+        real = torch.ones(batch_size, capacity, dtype=torch.bool, device=device)
+        self.register_buffer("real", real, False)
+        padding_seen = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self.register_buffer("padding_seen", padding_seen, False)
+        self.padded = False
         self.reset()
 
     def reset(self) -> None:
         """Forget every token (the buffers are kept, not zeroed)."""
         self.size = 0  # keys held, in slots [0, size) of the buffers
         self.position = 0  # tokens seen: the position of the next token
-        self.padded = False  # some held key is padding
-        self.row_positions.zero_()
+        if self.padded:
+            self.real.fill_(True)
+            self.padding_seen.zero_()
+        self.padded = False  # some key since the last reset was padding
 
     @property
     def capacity(self) -> int:
@@ -98,6 +104,11 @@ class KVCache(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.keys.dtype
+
+    @property
+    def row_positions(self) -> Tensor:
+        """``(b,)`` each row's real tokens seen: where its rotary positions continue."""
+        return self.position - self.padding_seen
 
     @property
     def key_mask(self) -> Tensor | None:
@@ -135,25 +146,26 @@ class KVCache(nn.Module):
                 or more tokens than ``max_len``.
         """
         n = self._check_chunk(k, v, key_mask)
-        if self.size + n > self.capacity:  # only a windowed cache: move the kept keys to the front
-            kept = min(self.window - 1, self.size)
-            for buffer in (self.keys, self.values):
-                buffer[:, :, :kept] = buffer[:, :, self.size - kept : self.size].clone()
-            self.real[:, :kept] = self.real[:, self.size - kept : self.size].clone()
-            self.size = kept
-        end = self.size + n
-        self.keys[:, :, self.size : end] = k.detach()
-        self.values[:, :, self.size : end] = v.detach()
-        if key_mask is None:
-            self.real[:, self.size : end] = True
-            self.row_positions += n
-        else:
-            self.real[:, self.size : end] = key_mask
-            self.row_positions += key_mask.sum(dim=1)
-            self.padded = self.padded or not bool(key_mask.all())
+        keys, values, size = self.keys, self.values, self.size
+        if size + n > keys.shape[2]:  # only a windowed cache: move the kept keys to the front
+            kept = min(self.window - 1, size)
+            keys[:, :, :kept] = keys[:, :, size - kept : size].clone()
+            values[:, :, :kept] = values[:, :, size - kept : size].clone()
+            if self.padded:
+                self.real[:, :kept] = self.real[:, size - kept : size].clone()
+            size = kept
+        end = size + n
+        keys[:, :, size:end] = k.detach()
+        values[:, :, size:end] = v.detach()
+        if key_mask is not None and not self.padded:
+            self.padded = not bool(key_mask.all())
+        if self.padded:
+            self.real[:, size:end] = True if key_mask is None else key_mask
+            if key_mask is not None:
+                self.padding_seen += n - key_mask.sum(dim=1)
         self.size, self.position = end, self.position + n
         start = 0 if self.window is None else max(0, end - (self.window - 1 + n))
-        return self.keys[:, :, start:end], self.values[:, :, start:end]
+        return keys[:, :, start:end], values[:, :, start:end]
 
     def _check_chunk(self, k: Tensor, v: Tensor, key_mask: Tensor | None) -> int:
         for x, name in ((k, "k"), (v, "v")):
