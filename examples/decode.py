@@ -95,6 +95,8 @@ def main(argv: list[str] | None = None) -> None:
     model = TinyDecoder(args.vocab, args.width, args.heads, args.kv_heads, args.layers, context)
     model.eval()  # dropout off: decoding is inference
     prompt = torch.randint(0, args.vocab, (1, args.prompt))
+    for use_cache in (True, False):  # untimed: the first calls load attnkit's C++ kernels
+        generate(model, prompt[:, :8], 2, use_cache)
     cached, cached_s = generate(model, prompt, args.new, use_cache=True)
     recomputed, recomputed_s = generate(model, prompt, args.new, use_cache=False)
     print(f"{args.new} tokens after a {args.prompt}-token prompt, {args.layers} blocks:")

@@ -12,6 +12,10 @@ It computes plain scaled dot-product attention with an optional ``key_mask`` (ra
 CPU tensors in float32, bfloat16 or float16 that need no gradient, with at most
 :data:`MAX_ROWS` query rows per key/value head. Where the kernel cannot be built (no C++ compiler;
 or ``ATTNKIT_NATIVE=0``), :func:`available` says why and ``auto`` uses SDPA instead.
+
+The same kernel file has the other half of a decoding step's memory traffic: :func:`linear`, the
+projections of a few token rows, which stream the layer's weights once on every thread (the modules
+call it through :func:`attnkit.modules._common.project`, and fall back to ``nn.Linear`` likewise).
 """
 
 from __future__ import annotations
