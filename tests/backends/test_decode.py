@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 from attnkit import KVCache, MultiHeadAttention, attention
 from attnkit.backends import BACKENDS, DECODE_MIN_KEYS, Request, decode, resolve_backend
 from attnkit.backends._native import Kernel
 from attnkit.masks import Masks
+from attnkit.modules._common import project
 from oracle import naive_attention
 
 pytestmark = pytest.mark.skipif(
@@ -190,31 +192,52 @@ def test_linear_half_within_twice_the_error_of_torch_in_the_same_dtype(dtype, ro
     assert (out.double() - expected).abs().max() <= 2 * torch_error + 1e-6
 
 
-def test_linear_is_refused_where_it_cannot_run():
-    x, weight = torch.randn(1, 8), torch.randn(4, 8, requires_grad=True)
-    assert not decode.runs_linear(x, weight)  # the weight needs a gradient
+def test_linear_takes_a_non_contiguous_input():
+    x, weight, bias = torch.randn(8, 3).t(), torch.randn(5, 8), torch.randn(5)
     with torch.no_grad():
-        assert decode.runs_linear(x, weight)
+        torch.testing.assert_close(
+            decode.linear(x, weight, bias), torch.nn.functional.linear(x, weight, bias)
+        )
+
+
+def test_linear_is_refused_where_it_would_differ_from_torch():
+    x, weight = torch.randn(1, 8), torch.randn(4, 8, requires_grad=True)
+    bias = torch.randn(4)
+    assert not decode.runs_linear(x, weight)  # the weight needs a gradient
+    assert not decode.runs_linear(x, weight.detach(), bias.requires_grad_())  # the bias does
+    with torch.no_grad():
+        assert decode.runs_linear(x, weight, bias)
         assert not decode.runs_linear(torch.randn(17, 8), weight)  # more rows than MAX_ROWS
+        assert not decode.runs_linear(torch.randn(1, 0), torch.randn(4, 0))
         assert not decode.runs_linear(x.double(), weight.double())
         assert not decode.runs_linear(x.bfloat16(), weight)
+        assert not decode.runs_linear(x, weight, bias.bfloat16())
         assert not decode.runs_linear(x, torch.randn(8, 4).t())  # a non-contiguous weight
+        assert not decode.runs_linear(x, weight, torch.randn(4, 2)[:, 0])  # and bias
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert not decode.runs_linear(x, weight)  # autocast would run it in bfloat16
+        assert torch.vmap(lambda row: torch.tensor(decode.runs_linear(row, weight)))(x).sum() == 0
 
 
-def test_a_decoding_step_projects_with_the_kernel_but_keeps_hooks_and_gradients(monkeypatch):
-    calls = []
-    real = decode.linear
-    monkeypatch.setattr(decode, "linear", lambda *a: calls.append(1) or real(*a))
+def test_projections_follow_autocast_tracing_and_a_replaced_forward():
     module = MultiHeadAttention(16, 16, 8, 0.0, 2).eval()
-    x = torch.randn(1, 1, 16)
+    x, other = torch.randn(1, 1, 16), torch.randn(1, 1, 16)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert module(x).dtype == torch.bfloat16
+    layer = module.W_query
+
+    class Projection(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = layer
+
+        def forward(self, inp):
+            return project(self.layer, inp)
+
     with torch.no_grad():
-        expected = module(x)
-    assert len(calls) == 4  # query, key, value and output projections
-    hooked = []
-    module.W_key.register_forward_hook(lambda *_: hooked.append(1))
-    with torch.no_grad():
-        torch.testing.assert_close(module(x), expected)
-    assert len(calls) == 7 and hooked == [1]  # the hooked layer ran as a module
-    out = module(x)  # with gradients: every projection is nn.Linear's
-    assert len(calls) == 7 and out.requires_grad
-    torch.testing.assert_close(out, expected)
+        traced = torch.jit.trace(Projection(), x)
+        torch.testing.assert_close(traced(other), layer(other))  # no constant baked in
+        calls = []
+        layer.forward = lambda inp: calls.append(1) or nn.Linear.forward(layer, inp)
+        module(x)
+    assert calls == [1]

@@ -78,17 +78,26 @@ def decode(q: Tensor, k: Tensor, v: Tensor, request: Request) -> AttentionOutput
     return AttentionOutput(out.view(b, h, t, d))
 
 
-def runs_linear(x: Tensor, weight: Tensor) -> bool:
-    """Whether :func:`linear` takes ``x @ weight.T``: at most :data:`MAX_ROWS` rows of a CPU tensor
-    in float32, bfloat16 or float16 that need no gradient, the kernel built."""
+def runs_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
+    """Whether :func:`linear` computes exactly what ``torch.nn.functional.linear`` would: at most
+    :data:`MAX_ROWS` rows of plain CPU tensors of one dtype (float32, bfloat16 or float16) that need
+    no gradient, outside autocast, tracing, ``torch.compile`` and ``torch.func`` transforms, with
+    the kernel built."""
+    grad = torch.is_grad_enabled()
     return (
-        x.numel() <= MAX_ROWS * x.shape[-1]
-        and x.device.type == "cpu"
+        x.shape[-1] > 0
+        and x.numel() <= MAX_ROWS * x.shape[-1]
+        and x.device.type == weight.device.type == "cpu"
         and x.dtype == weight.dtype
         and x.dtype in _DTYPES
         and weight.is_contiguous()
-        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+        and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous() and bias.is_cpu))
+        and not (grad and (x.requires_grad or weight.requires_grad))
+        and not (grad and bias is not None and bias.requires_grad)
+        and not torch.is_autocast_enabled("cpu")
+        and not torch.jit.is_tracing()
         and not torch.compiler.is_compiling()
+        and not torch._C._functorch.is_functorch_wrapped_tensor(x)
         and KERNEL.load() is not None
     )
 

@@ -29,12 +29,13 @@ def as_batched(
 def project(layer: nn.Linear, x: Tensor) -> Tensor:
     """``layer(x)``. A decoding step's few rows, without gradients, go to the decode kernel's
     matrix-vector product (:func:`attnkit.backends.decode.linear`), which streams the weight on every
-    thread; a layer that is not a plain ``nn.Linear``, or has hooks, is called as a module."""
+    thread; a layer that is not a plain ``nn.Linear`` (a subclass, hooks, a ``forward`` of its
+    own) is called as a module."""
     if (
         type(layer) is nn.Linear
-        and decode.runs_linear(x, layer.weight)
-        and not (layer._forward_hooks or layer._forward_pre_hooks)
+        and not (layer._forward_hooks or layer._forward_pre_hooks or "forward" in vars(layer))
         and not (_module._global_forward_hooks or _module._global_forward_pre_hooks)
+        and decode.runs_linear(x, layer.weight, layer.bias)
     ):
         return decode.linear(x, layer.weight, layer.bias)
     return layer(x)
