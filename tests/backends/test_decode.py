@@ -200,6 +200,14 @@ def test_linear_takes_a_non_contiguous_input():
         )
 
 
+def test_the_linear_kernel_refuses_misfitting_operands_with_a_message():
+    weight = torch.randn(4, 8)
+    with pytest.raises(RuntimeError, match=r"linear: x \(\.\.\., in\) and a contiguous w"):
+        decode.linear(torch.randn(1, 7), weight)
+    with pytest.raises(RuntimeError, match="linear: bias must be None or"):
+        decode.linear(torch.randn(1, 8), weight, torch.randn(3))
+
+
 def test_linear_is_refused_where_it_would_differ_from_torch():
     x, weight = torch.randn(1, 8), torch.randn(4, 8, requires_grad=True)
     bias = torch.randn(4)
