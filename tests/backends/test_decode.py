@@ -227,6 +227,7 @@ def test_linear_is_refused_where_it_would_differ_from_torch():
         assert torch.vmap(lambda row: torch.tensor(decode.runs_linear(row, weight)))(x).sum() == 0
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.trace:DeprecationWarning")
 def test_projections_follow_autocast_tracing_and_a_replaced_forward():
     module = MultiHeadAttention(16, 16, 8, 0.0, 2).eval()
     x, other = torch.randn(1, 1, 16), torch.randn(1, 1, 16)

@@ -85,7 +85,8 @@ def runs_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
     the kernel built."""
     grad = torch.is_grad_enabled()
     return (
-        x.shape[-1] > 0
+        not torch.jit.is_tracing()  # first: under tracing, the shapes below would be tensors
+        and x.shape[-1] > 0
         and x.numel() <= MAX_ROWS * x.shape[-1]
         and x.device.type == weight.device.type == "cpu"
         and x.dtype == weight.dtype
@@ -95,7 +96,6 @@ def runs_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
         and not (grad and (x.requires_grad or weight.requires_grad))
         and not (grad and bias is not None and bias.requires_grad)
         and not torch.is_autocast_enabled("cpu")
-        and not torch.jit.is_tracing()
         and not torch.compiler.is_compiling()
         and not torch._C._functorch.is_functorch_wrapped_tensor(x)
         and KERNEL.load() is not None
