@@ -105,6 +105,8 @@ def test_decode_smoke_runs_end_to_end(tmp_path, capsys):
     assert memory["GQA 1 kv heads fp32"] == 0.5  # smoke: 2 query heads
     gen = record["generation"][0]
     assert gen["cached_tokens_per_s"] > 0 and gen["recomputed_tokens_per_s"] > 0
+    low, high = gen["speedup_range"]
+    assert gen["rounds"] == 3 and low <= gen["speedup"] <= high
 
 
 def test_decode_bench_rejects_kv_heads_that_do_not_divide_h(capsys):

@@ -14,7 +14,8 @@ Three measurements, in one run:
 - **generation**: tokens per second for ``new_tokens`` tokens after prompts of each length, through a
   :class:`~attnkit.MultiHeadAttention` layer of width ``h * d``, cached (one step per token) and
   recomputed (the full causal forward over the prompt and every token so far, per token; timed on
-  ``recompute_samples`` evenly spaced steps, which stand for the rest).
+  ``recompute_samples`` evenly spaced steps, which stand for the rest), in ``generation_rounds``
+  interleaved rounds: the speed-up is the median of the rounds' ratios.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ class DecodeConfig:
     prompts: tuple[int, ...] = (1024, 8192)
     new_tokens: int = 256
     recompute_samples: int = 32
+    generation_rounds: int = 4
     bandwidth_bytes: int = 2**30
     repeats: int = 40
     warmups: int = 3
@@ -69,6 +71,7 @@ class DecodeConfig:
             "prompts": (40,),
             "new_tokens": 6,
             "recompute_samples": 3,
+            "generation_rounds": 3,
             "bandwidth_bytes": 2**24,
             "repeats": 2,
             "warmups": 1,
@@ -127,35 +130,57 @@ def _memory_rows(config: DecodeConfig) -> list[dict]:
 
 
 def _generation(config: DecodeConfig, prompt: int, progress: Progress) -> dict:
-    """Tokens per second after ``prompt`` tokens: cached steps vs full recomputation."""
+    """Tokens per second after ``prompt`` tokens, cached vs recomputed, in interleaved rounds.
+
+    Each round times a whole cached generation of ``new_tokens`` steps (after an untimed prefill)
+    and then ``recompute_samples / rounds`` recomputations at evenly spaced steps, each round its
+    own steps; the speed-up is the median over rounds of the two per-token times' ratio. A first
+    round is a warm-up.
+    """
     e = config.h * config.d
     module = MultiHeadAttention(e, e, None, 0.0, config.h, causal=True).eval()
     total = prompt + config.new_tokens
     x = torch.randn(config.b, total, e)
-    with torch.no_grad():
-        cache = KVCache(config.b, config.h, total, config.d)
+    cache = KVCache(config.b, config.h, total, config.d)
+    rounds = config.generation_rounds
+    per_round = max(1, config.recompute_samples // rounds)
+    spacing = torch.linspace(0, config.new_tokens - 1, per_round * rounds).round().long().tolist()
+
+    def cached_step_s() -> float:
+        cache.reset()
         module(x[:, :prompt], cache=cache)
         start = time.perf_counter()
         for i in range(prompt, total):
             module(x[:, i : i + 1], cache=cache)
-        cached_s = time.perf_counter() - start
-        progress.step(f"generation after {prompt}: cached")
-        samples = min(config.recompute_samples, config.new_tokens)
-        steps = torch.linspace(0, config.new_tokens - 1, samples).round().long().tolist()
+        return (time.perf_counter() - start) / config.new_tokens
+
+    def recomputed_step_s(steps: list[int]) -> float:
         times = []
         for i in steps:
             start = time.perf_counter()
             module(x[:, : prompt + i + 1])[:, -1]
             times.append(time.perf_counter() - start)
-        recomputed_s = statistics.mean(times) * config.new_tokens
-        progress.step(f"generation after {prompt}: recomputed")
+        return statistics.mean(times)
+
+    cached, recomputed = [], []
+    with torch.no_grad():
+        cached_step_s(), recomputed_step_s(spacing[:1])  # warm-up
+        for r in range(rounds):
+            cached.append(cached_step_s())
+            recomputed.append(recomputed_step_s(spacing[r::rounds]))
+            progress.step(f"generation after {prompt}: round {r + 1} of {rounds}")
     return {
         "prompt": prompt,
         "new_tokens": config.new_tokens,
-        "cached_tokens_per_s": config.new_tokens / cached_s,
-        "recomputed_tokens_per_s": config.new_tokens / recomputed_s,
-        "recompute_samples": samples,
-        "speedup": recomputed_s / cached_s,
+        "rounds": rounds,
+        "cached_tokens_per_s": 1 / statistics.median(cached),
+        "recomputed_tokens_per_s": 1 / statistics.median(recomputed),
+        "recompute_samples": per_round * rounds,
+        "speedup": statistics.median(rec / c for rec, c in zip(recomputed, cached, strict=True)),
+        "speedup_range": [
+            min(r / c for r, c in zip(recomputed, cached, strict=True)),
+            max(r / c for r, c in zip(recomputed, cached, strict=True)),
+        ],
     }
 
 
@@ -164,7 +189,7 @@ def run_decode(config: DecodeConfig, progress_stream: TextIO | None = None) -> d
     rows = list(product(config.lengths, config.dtypes, config.kv_heads))
     rounds = config.warmups + config.repeats
     progress = Progress(
-        len(rows) * (len(STEP_IMPLS) + 1) * rounds + 2 * len(config.prompts),
+        len(rows) * (len(STEP_IMPLS) + 1) * rounds + config.generation_rounds * len(config.prompts),
         progress_stream or sys.stderr,
     )
     big = torch.randn(config.bandwidth_bytes // 4)  # float32: x.sum() reads it once
@@ -266,14 +291,16 @@ def markdown(record: dict) -> str:
         )
     lines += [
         "",
-        "| generation | cached tokens/s | recomputed tokens/s | speed-up |",
-        "|---|---:|---:|---:|",
+        "| generation | cached tokens/s | recomputed tokens/s | speed-up (median of rounds) "
+        "| rounds' range |",
+        "|---|---:|---:|---:|---:|",
     ]
     for g in record["generation"]:
+        low, high = g["speedup_range"]
         lines.append(
-            f"| {g['new_tokens']} tokens after {g['prompt']} (recomputed: {g['recompute_samples']} "
-            f"steps timed) | {g['cached_tokens_per_s']:.0f} | {g['recomputed_tokens_per_s']:.1f} "
-            f"| {g['speedup']:.0f}x |"
+            f"| {g['new_tokens']} tokens after {g['prompt']} ({g['rounds']} rounds; recomputed: "
+            f"{g['recompute_samples']} steps timed) | {g['cached_tokens_per_s']:.0f} "
+            f"| {g['recomputed_tokens_per_s']:.1f} | {g['speedup']:.0f}x | {low:.0f}–{high:.0f}x |"
         )
     return "\n".join(lines) + "\n"
 
