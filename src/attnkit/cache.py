@@ -147,7 +147,7 @@ class KVCache(nn.Module):
         """
         n = self._check_chunk(k, v, key_mask)
         keys, values, size = self.keys, self.values, self.size
-        if size + n > keys.shape[2]:  # only a windowed cache: move the kept keys to the front
+        if size + n > self.capacity:  # only a windowed cache: move the kept keys to the front
             kept = min(self.window - 1, size)
             keys[:, :, :kept] = keys[:, :, size - kept : size].clone()
             values[:, :, :kept] = values[:, :, size - kept : size].clone()
