@@ -151,7 +151,7 @@ def test_without_the_kernel_auto_uses_sdpa_and_a_named_call_says_why(monkeypatch
     request = Request(masks=Masks(), scale=1.0)
     assert resolve_backend("auto", request, q, k, v).name == "sdpa"
     with torch.no_grad():  # the projections stay with nn.Linear
-        assert not decode.runs_linear(torch.randn(1, 8), torch.randn(4, 8))
+        assert not decode.runs_linear(torch.randn(1, 8), [torch.randn(4, 8)], [None])
     with pytest.raises(
         ValueError, match=r"backend 'decode' is unavailable: disabled by ATTNKIT_NATIVE=0"
     ):
@@ -173,8 +173,8 @@ def test_linear_float32_matches_float64(rows, d_in, d_out, bias):
         x.double(), weight.double(), None if b is None else b.double()
     )
     with torch.no_grad():
-        assert decode.runs_linear(x, weight)
-        out = decode.linear(x, weight, b)
+        assert decode.runs_linear(x, [weight], [b])
+        [out] = decode.linear(x, [weight], [b])
     assert out.shape == (1, rows, d_out) and out.dtype == torch.float32
     torch.testing.assert_close(out, expected.float())
 
@@ -186,45 +186,70 @@ def test_linear_half_within_twice_the_error_of_torch_in_the_same_dtype(dtype, ro
     expected = torch.nn.functional.linear(x.double(), weight.double(), b.double())
     low = [t.to(dtype) for t in (x, weight, b)]
     with torch.no_grad():
-        out = decode.linear(*low)
+        [out] = decode.linear(low[0], low[1:2], low[2:])
     torch_error = (torch.nn.functional.linear(*low).double() - expected).abs().max()
     assert out.dtype == dtype
     assert (out.double() - expected).abs().max() <= 2 * torch_error + 1e-6
 
 
-def test_linear_takes_a_non_contiguous_input():
-    x, weight, bias = torch.randn(8, 3).t(), torch.randn(5, 8), torch.randn(5)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_of_several_weights_equals_one_call_each(dtype):
+    # 100 + 3 + 70 rows of weights: the threads' shares (64 rows or more) cross from one to the next
+    x = torch.randn(2, 40, dtype=dtype)
+    weights = [torch.randn(out, 40, dtype=dtype) for out in (100, 3, 70)]
+    biases = [torch.randn(100, dtype=dtype), None, torch.randn(70, dtype=dtype)]
     with torch.no_grad():
+        assert decode.runs_linear(x, weights, biases)
+        outs = decode.linear(x, weights, biases)
+        singles = [decode.linear(x, [w], [b])[0] for w, b in zip(weights, biases, strict=True)]
+    assert [o.shape for o in outs] == [(2, 100), (2, 3), (2, 70)]
+    for out, single, w, b in zip(outs, singles, weights, biases, strict=True):
+        assert torch.equal(out, single)
+        if dtype is torch.float32:  # bf16's accuracy: the test above
+            expected = torch.nn.functional.linear(
+                x.double(), w.double(), None if b is None else b.double()
+            )
+            torch.testing.assert_close(out, expected.float())
+
+
+def test_linear_takes_non_contiguous_operands():
+    x, weight, bias = torch.randn(8, 3).t(), torch.randn(8, 5).t(), torch.randn(5, 2)[:, 0]
+    with torch.no_grad():
+        assert decode.runs_linear(x, [weight], [bias])
         torch.testing.assert_close(
-            decode.linear(x, weight, bias), torch.nn.functional.linear(x, weight, bias)
+            decode.linear(x, [weight], [bias])[0], torch.nn.functional.linear(x, weight, bias)
         )
 
 
 def test_the_linear_kernel_refuses_misfitting_operands_with_a_message():
     weight = torch.randn(4, 8)
-    with pytest.raises(RuntimeError, match=r"linear: x \(\.\.\., in\) and a contiguous w"):
-        decode.linear(torch.randn(1, 7), weight)
-    with pytest.raises(RuntimeError, match="linear: bias must be None or"):
-        decode.linear(torch.randn(1, 8), weight, torch.randn(3))
+    with pytest.raises(RuntimeError, match=r"linear: x \(\.\.\., in\) and each weight \(out, in\)"):
+        decode.linear(torch.randn(1, 7), [weight], [None])
+    with pytest.raises(RuntimeError, match="linear: each bias must be None or"):
+        decode.linear(torch.randn(1, 8), [weight], [torch.randn(3)])
+    with pytest.raises(RuntimeError, match=r"linear: one bias \(or None\) for each of one or more"):
+        decode.linear(torch.randn(1, 8), [weight], [])
 
 
 def test_linear_is_refused_where_it_would_differ_from_torch():
     x, weight = torch.randn(1, 8), torch.randn(4, 8, requires_grad=True)
     bias = torch.randn(4)
-    assert not decode.runs_linear(x, weight)  # the weight needs a gradient
-    assert not decode.runs_linear(x, weight.detach(), bias.requires_grad_())  # the bias does
+    plain = torch.randn(4, 8)
+    assert not decode.runs_linear(x, [weight], [None])  # the weight needs a gradient
+    assert not decode.runs_linear(x, [plain, weight], [None, None])  # the second one does
+    assert not decode.runs_linear(x, [plain], [bias.requires_grad_()])  # the bias does
     with torch.no_grad():
-        assert decode.runs_linear(x, weight, bias)
-        assert not decode.runs_linear(torch.randn(17, 8), weight)  # more rows than MAX_ROWS
-        assert not decode.runs_linear(torch.randn(1, 0), torch.randn(4, 0))
-        assert not decode.runs_linear(x.double(), weight.double())
-        assert not decode.runs_linear(x.bfloat16(), weight)
-        assert not decode.runs_linear(x, weight, bias.bfloat16())
-        assert not decode.runs_linear(x, torch.randn(8, 4).t())  # a non-contiguous weight
-        assert not decode.runs_linear(x, weight, torch.randn(4, 2)[:, 0])  # and bias
+        assert decode.runs_linear(x, [weight, plain], [bias, None])
+        assert not decode.runs_linear(torch.randn(17, 8), [weight], [None])  # more than MAX_ROWS
+        assert not decode.runs_linear(torch.randn(1, 0), [torch.randn(4, 0)], [None])
+        assert not decode.runs_linear(x.double(), [weight.double()], [None])
+        assert not decode.runs_linear(x.bfloat16(), [weight], [None])
+        assert not decode.runs_linear(x, [weight, plain.bfloat16()], [None, None])
+        assert not decode.runs_linear(x, [weight], [bias.bfloat16()])
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            assert not decode.runs_linear(x, weight)  # autocast would run it in bfloat16
-        assert torch.vmap(lambda row: torch.tensor(decode.runs_linear(row, weight)))(x).sum() == 0
+            assert not decode.runs_linear(x, [weight], [None])  # autocast would run it in bf16
+        in_vmap = torch.vmap(lambda row: torch.tensor(decode.runs_linear(row, [weight], [None])))
+        assert in_vmap(x).sum() == 0
 
 
 @pytest.mark.filterwarnings("ignore:`torch.jit.trace:DeprecationWarning")

@@ -242,43 +242,53 @@ void run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
   }
 }
 
-// y = x w^T + bias for a few rows of x (one token's projections while decoding). Each thread
-// streams its share of w's rows once, row after row (one sequential stream: faster here than four
-// rows side by side), for kGroup rows of x at a time while the row is in L1 (one for one token,
-// else four); each dot product in sixteen float32 lanes, half-precision weights converted as they
-// are read. MKL's sgemv ran on one thread at half the bus's speed on the CPU this was measured on.
+// y_i = x w_i^T + bias_i for a few rows of x and a few weights (one token's projections while
+// decoding: q, k and v in one call). The threads share the rows of all the weights, each streaming
+// its share once, row after row (one sequential stream: faster here than four rows side by side), for
+// kGroup rows of x at a time while the row is in L1 (one for one token, else four); each dot product
+// in sixteen float32 lanes, half-precision weights converted as they are read. MKL's sgemv ran on one
+// thread at half the bus's speed on the CPU this was measured on.
 template <typename T, int64_t kGroup>
-void linear_rows(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& bias,
-                 torch::Tensor& y) {
+void linear_rows(const torch::Tensor& x, const std::vector<torch::Tensor>& ws,
+                 const std::vector<torch::Tensor>& biases, std::vector<torch::Tensor>& ys) {
   constexpr int64_t kLanes = 16;
-  const int64_t rows = x.size(0), in = x.size(1), out = w.size(0);
+  const int64_t rows = x.size(0), in = x.size(1);
   const int64_t body = in - in % kLanes;
   const int64_t padded = (rows + kGroup - 1) / kGroup * kGroup;
   std::vector<float> xs(padded * in, 0.f);  // x as float32, zero rows up to a multiple of kGroup
   const T* xp = x.data_ptr<T>();
   for (int64_t i = 0; i < rows * in; ++i) xs[i] = static_cast<float>(xp[i]);
-  const T* wp = w.data_ptr<T>();
-  const T* bp = bias.numel() ? bias.data_ptr<T>() : nullptr;
-  T* yp = y.data_ptr<T>();
-  at::parallel_for(0, out, 64, [&](int64_t first, int64_t last) {
-    for (int64_t o = first; o < last; ++o) {
-      const T* wr = wp + o * in;
-      const float b = bp ? static_cast<float>(bp[o]) : 0.f;
-      for (int64_t r0 = 0; r0 < rows; r0 += kGroup) {
-        const float* xr = xs.data() + r0 * in;
-        float acc[kGroup][kLanes] = {};
-        for (int64_t c = 0; c < body; c += kLanes) {
-          for (int64_t lane = 0; lane < kLanes; ++lane) {
-            const float weight = static_cast<float>(wr[c + lane]);
-            for (int64_t g = 0; g < kGroup; ++g) acc[g][lane] += weight * xr[g * in + c + lane];
-          }
+  std::vector<int64_t> starts{0};  // weight i's rows are o in [starts[i], starts[i + 1])
+  for (const auto& w : ws) starts.push_back(starts.back() + w.size(0));
+
+  auto project = [&](const T* wr, float b, T* y, int64_t out) {  // one row of w, all rows of x
+    for (int64_t r0 = 0; r0 < rows; r0 += kGroup) {
+      const float* xr = xs.data() + r0 * in;
+      float acc[kGroup][kLanes] = {};
+      for (int64_t c = 0; c < body; c += kLanes) {
+        for (int64_t lane = 0; lane < kLanes; ++lane) {
+          const float weight = static_cast<float>(wr[c + lane]);
+          for (int64_t g = 0; g < kGroup; ++g) acc[g][lane] += weight * xr[g * in + c + lane];
         }
-        for (int64_t g = 0; g < std::min(kGroup, rows - r0); ++g) {
-          float dot = b;
-          for (int64_t c = body; c < in; ++c) dot += static_cast<float>(wr[c]) * xr[g * in + c];
-          for (int64_t lane = 0; lane < kLanes; ++lane) dot += acc[g][lane];
-          yp[(r0 + g) * out + o] = static_cast<T>(dot);
-        }
+      }
+      for (int64_t g = 0; g < std::min(kGroup, rows - r0); ++g) {
+        float dot = b;
+        for (int64_t c = body; c < in; ++c) dot += static_cast<float>(wr[c]) * xr[g * in + c];
+        for (int64_t lane = 0; lane < kLanes; ++lane) dot += acc[g][lane];
+        y[(r0 + g) * out] = static_cast<T>(dot);
+      }
+    }
+  };
+  at::parallel_for(0, starts.back(), 64, [&](int64_t first, int64_t last) {
+    for (size_t i = 0; i < ws.size(); ++i) {
+      const int64_t out = ws[i].size(0);
+      const T* wp = ws[i].data_ptr<T>();
+      const T* bp = biases[i].numel() ? biases[i].data_ptr<T>() : nullptr;
+      T* yp = ys[i].data_ptr<T>();
+      const int64_t lo = std::max(first, starts[i]) - starts[i];
+      const int64_t hi = std::min(last, starts[i + 1]) - starts[i];
+      for (int64_t o = lo; o < hi; ++o) {
+        project(wp + o * in, bp ? static_cast<float>(bp[o]) : 0.f, yp + o, out);
       }
     }
   });
@@ -286,28 +296,40 @@ void linear_rows(const torch::Tensor& x, const torch::Tensor& w, const torch::Te
 
 }  // namespace
 
-// x (..., in) @ w (out, in)^T + bias (out,), all of one dtype, w and bias contiguous; returns
-// (..., out).
-torch::Tensor linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.dim() >= 1 && w.dim() == 2 && x.size(-1) == w.size(1) && w.is_contiguous() &&
-                  x.scalar_type() == w.scalar_type(),
-              "linear: x (..., in) and a contiguous w (out, in) of x's dtype");
-  const auto b = bias.has_value() ? *bias : torch::empty({0}, w.options());
-  TORCH_CHECK(b.numel() == 0 || (b.dim() == 1 && b.size(0) == w.size(0) && b.is_contiguous() &&
-                                 b.scalar_type() == w.scalar_type()),
-              "linear: bias must be None or (out,) contiguous, of w's dtype");
+// [x (..., in) @ w (out_i, in)^T + bias_i (out_i,)] for each weight, all of one dtype; weights and
+// biases that are not contiguous are copied. Returns one (..., out_i) tensor per weight.
+std::vector<torch::Tensor> linear(torch::Tensor x, std::vector<torch::Tensor> weights,
+                                  std::vector<std::optional<torch::Tensor>> biases) {
+  TORCH_CHECK(!weights.empty() && biases.size() == weights.size(),
+              "linear: one bias (or None) for each of one or more weights");
+  TORCH_CHECK(x.dim() >= 1, "linear: x must be (..., in)");
+  std::vector<torch::Tensor> ws, bs, ys;
   const auto rows = x.reshape({-1, x.size(-1)}).contiguous();
-  auto y = torch::empty({rows.size(0), w.size(0)}, x.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, w.scalar_type(), "linear", [&] {
+  for (size_t i = 0; i < weights.size(); ++i) {
+    const auto& w = weights[i];
+    TORCH_CHECK(w.dim() == 2 && x.size(-1) == w.size(1) && x.scalar_type() == w.scalar_type(),
+                "linear: x (..., in) and each weight (out, in) of x's dtype");
+    const auto b = biases[i].has_value() ? *biases[i] : torch::empty({0}, w.options());
+    TORCH_CHECK(b.numel() == 0 || (b.dim() == 1 && b.size(0) == w.size(0) &&
+                                   b.scalar_type() == w.scalar_type()),
+                "linear: each bias must be None or (out,) of its weight's dtype");
+    ws.push_back(w.contiguous());
+    bs.push_back(b.contiguous());
+    ys.push_back(torch::empty({rows.size(0), w.size(0)}, x.options()));
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "linear", [&] {
     if (rows.size(0) == 1) {
-      linear_rows<scalar_t, 1>(rows, w, b, y);
+      linear_rows<scalar_t, 1>(rows, ws, bs, ys);
     } else {
-      linear_rows<scalar_t, 4>(rows, w, b, y);
+      linear_rows<scalar_t, 4>(rows, ws, bs, ys);
     }
   });
   auto shape = x.sizes().vec();
-  shape.back() = w.size(0);
-  return y.view(shape);
+  for (size_t i = 0; i < ys.size(); ++i) {
+    shape.back() = ws[i].size(0);
+    ys[i] = ys[i].view(shape);
+  }
+  return ys;
 }
 
 // Attention of q (b, h_kv, rows, d) over k, v (b, h_kv, s, d), rows being the query heads of a
@@ -339,5 +361,5 @@ torch::Tensor decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::T
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode", &decode, "Attention of a few queries over a key/value cache, in one pass");
-  m.def("linear", &linear, "x w^T + bias for a few rows of x, on every thread");
+  m.def("linear", &linear, "x w_i^T + bias_i for a few rows of x and a few weights, on every thread");
 }

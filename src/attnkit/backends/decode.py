@@ -20,6 +20,8 @@ call it through :func:`attnkit.modules._common.project`, and fall back to ``nn.L
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
@@ -78,35 +80,39 @@ def decode(q: Tensor, k: Tensor, v: Tensor, request: Request) -> AttentionOutput
     return AttentionOutput(out.view(b, h, t, d))
 
 
-def runs_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
-    """Whether :func:`linear` computes exactly what ``torch.nn.functional.linear`` would: at most
-    :data:`MAX_ROWS` rows of plain CPU tensors of one dtype (float32, bfloat16 or float16) that need
-    no gradient, outside autocast, tracing, ``torch.compile`` and ``torch.func`` transforms, with
-    the kernel built."""
+def runs_linear(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None]) -> bool:
+    """Whether :func:`linear` computes exactly what ``torch.nn.functional.linear`` would for each
+    weight and bias: at most :data:`MAX_ROWS` rows of plain CPU tensors of one dtype (float32,
+    bfloat16 or float16) that need no gradient, outside autocast, tracing, ``torch.compile`` and
+    ``torch.func`` transforms, with the kernel built."""
+    if (
+        torch.jit.is_tracing()  # first: under tracing, the shapes below would be tensors
+        or x.dim() == 0
+        or not 0 < x.numel() <= MAX_ROWS * x.shape[-1]
+        or not x.is_cpu
+        or x.dtype not in _DTYPES
+        or torch.is_autocast_enabled("cpu")
+        or torch.compiler.is_compiling()
+        or torch._C._functorch.is_functorch_wrapped_tensor(x)
+        or KERNEL.load() is None
+    ):
+        return False
     grad = torch.is_grad_enabled()
-    return (
-        not torch.jit.is_tracing()  # first: under tracing, the shapes below would be tensors
-        and x.shape[-1] > 0
-        and x.numel() <= MAX_ROWS * x.shape[-1]
-        and x.device.type == weight.device.type == "cpu"
-        and x.dtype == weight.dtype
-        and x.dtype in _DTYPES
-        and weight.is_contiguous()
-        and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous() and bias.is_cpu))
-        and not (grad and (x.requires_grad or weight.requires_grad))
-        and not (grad and bias is not None and bias.requires_grad)
-        and not torch.is_autocast_enabled("cpu")
-        and not torch.compiler.is_compiling()
-        and not torch._C._functorch.is_functorch_wrapped_tensor(x)
-        and KERNEL.load() is not None
-    )
+    if grad and x.requires_grad:
+        return False
+    for weight, bias in zip(weights, biases, strict=True):
+        for p in (weight,) if bias is None else (weight, bias):
+            if not p.is_cpu or p.dtype != x.dtype or (grad and p.requires_grad):
+                return False
+    return True
 
 
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """``torch.nn.functional.linear`` for the few rows of a decoding step (see :func:`runs_linear`):
-    the kernel streams the weight on every thread, where MKL's matrix-vector product ran on one
-    thread at half the memory bus's speed on the CPU this was measured on."""
-    return KERNEL.load().linear(x, weight, bias)
+def linear(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None]) -> list[Tensor]:
+    """``[torch.nn.functional.linear(x, w, b) for w, b in zip(weights, biases)]`` for the few rows
+    of a decoding step (see :func:`runs_linear`), in one pass of the threads over every weight (the
+    query, key and value projections of a token in one call). MKL's matrix-vector product ran on
+    one thread at half the memory bus's speed on the CPU this was measured on."""
+    return KERNEL.load().linear(x, list(weights), list(biases))
 
 
 def _splits(items: int, s: int) -> int:

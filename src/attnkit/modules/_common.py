@@ -5,6 +5,8 @@ Shapes: ``b`` batch, ``t`` tokens, ``h`` heads, ``d`` head dim, ``e = h * d`` em
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from torch import Tensor, nn
 from torch.nn.modules import module as _module
 
@@ -27,18 +29,26 @@ def as_batched(
 
 
 def project(layer: nn.Linear, x: Tensor) -> Tensor:
-    """``layer(x)``. A decoding step's few rows, without gradients, go to the decode kernel's
-    matrix-vector product (:func:`attnkit.backends.decode.linear`), which streams the weight on every
-    thread; a layer that is not a plain ``nn.Linear`` (a subclass, hooks, a ``forward`` of its
-    own) is called as a module."""
-    if (
+    """``layer(x)``, through :func:`project_all`."""
+    return project_all((layer,), x)[0]
+
+
+def project_all(layers: Sequence[nn.Linear], x: Tensor) -> list[Tensor]:
+    """``[layer(x) for layer in layers]``. A decoding step's few rows, without gradients, go to the
+    decode kernel's matrix-vector product (:func:`attnkit.backends.decode.linear`), which streams the
+    weights of all the layers in one pass on every thread; a layer that is not a plain ``nn.Linear``
+    (a subclass, hooks, a ``forward`` of its own) is called as a module, and so are the others."""
+    plain = not (_module._global_forward_hooks or _module._global_forward_pre_hooks) and all(
         type(layer) is nn.Linear
         and not (layer._forward_hooks or layer._forward_pre_hooks or "forward" in vars(layer))
-        and not (_module._global_forward_hooks or _module._global_forward_pre_hooks)
-        and decode.runs_linear(x, layer.weight, layer.bias)
-    ):
-        return decode.linear(x, layer.weight, layer.bias)
-    return layer(x)
+        for layer in layers
+    )
+    if plain:
+        weights = [layer.weight for layer in layers]
+        biases = [layer.bias for layer in layers]
+        if decode.runs_linear(x, weights, biases):
+            return decode.linear(x, weights, biases)
+    return [layer(x) for layer in layers]
 
 
 def split_heads(x: Tensor, num_heads: int) -> Tensor:

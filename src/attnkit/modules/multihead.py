@@ -28,6 +28,7 @@ from attnkit.modules._common import (
     module_softcap,
     module_window,
     project,
+    project_all,
     split_heads,
     unbatch,
 )
@@ -82,11 +83,16 @@ class ProjectedAttention(nn.Module):
     def _project(self, x: Tensor, memory: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Queries ``(b, h, t, d)`` from ``x`` ``(b, t, d_q)``; keys and values ``(b, h_kv, s, d)``
         from ``memory`` ``(b, s, d_kv)``."""
-        queries = self._project_queries(x)
-        # (b, s, e) -> (b, h_kv, s, d)
-        keys = split_heads(project(self.W_key, memory), self.num_kv_heads)
-        values = split_heads(project(self.W_value, memory), self.num_kv_heads)
-        return queries, keys, values
+        if x is memory:  # self-attention: the three projections of x in one call
+            q, k, v = project_all((self.W_query, self.W_key, self.W_value), x)
+        else:
+            q, (k, v) = project(self.W_query, x), project_all((self.W_key, self.W_value), memory)
+        # (b, t, e) -> (b, h, t, d); (b, s, e) -> (b, h_kv, s, d)
+        return (
+            split_heads(q, self.num_heads),
+            split_heads(k, self.num_kv_heads),
+            split_heads(v, self.num_kv_heads),
+        )
 
     def _attend(
         self,
