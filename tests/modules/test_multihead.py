@@ -236,6 +236,19 @@ def test_compiles_with_fullgraph(options):
     torch.testing.assert_close(compiled(x, key_mask=key_mask), module(x, key_mask=key_mask))
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.trace:DeprecationWarning")
+@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")
+@pytest.mark.parametrize("num_kv_heads", [4, 2])
+def test_traces_with_jit_trace(num_kv_heads):
+    # Traced sizes are tensors: every size that reaches torch as an argument must become a Python
+    # value first (SDPA's enable_gqa refused a tensor).
+    module = MultiHeadAttention(16, 16, None, 0.0, 4, num_kv_heads=num_kv_heads).eval()
+    with torch.no_grad():
+        traced = torch.jit.trace(module, torch.randn(1, 5, 16))
+        x = torch.randn(1, 5, 16)
+        torch.testing.assert_close(traced(x), module(x))
+
+
 def test_options_are_checked():
     with pytest.raises(ValueError, match="window must be >= 1, got 0"):
         MultiHeadAttention(8, 8, None, 0.0, 2, window=0)

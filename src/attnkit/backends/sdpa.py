@@ -37,7 +37,7 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, request: Request) -> AttentionOutput:
         dropout_p=request.dropout_p,
         is_causal=is_causal,
         scale=request.scale,
-        enable_gqa=q.shape[1] != k.shape[1],
+        enable_gqa=bool(q.shape[1] != k.shape[1]),  # bool: under jit.trace the sizes are tensors
     )
     if allowed is not None:
         # Rows with no allowed key are zero by construction, whatever the kernel on this device does.
