@@ -111,6 +111,16 @@ def test_token_positions_count_real_tokens_from_each_rows_start():
             "dtype torch.float64 but the cache",
         ),
         (lambda: (torch.zeros(2, 2, 1, 4), torch.zeros(2, 2, 2, 4)), ValueError, "same shape"),
+        (  # k fits, v does not: v is named
+            lambda: (torch.zeros(2, 2, 1, 4), torch.zeros(2, 2, 1, 4, dtype=torch.float64)),
+            TypeError,
+            "v has dtype torch.float64 but the cache holds torch.float32",
+        ),
+        (
+            lambda: (torch.zeros(2, 2, 1, 4), torch.zeros(2, 2, 1, 4, device="meta")),
+            ValueError,
+            "v is on meta but the cache is on cpu",
+        ),
         (lambda: chunks(2, 2, 0, 4, 0), ValueError, "at least one token, got 0"),
         (lambda: chunks(2, 2, 7, 4, 0), ValueError, r"7 tokens is longer than max_chunk \(6\)"),
         (lambda: ("k", torch.zeros(1)), TypeError, "k must be a torch.Tensor, got str"),

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from attnkit import KVCache, MultiHeadAttention, attention
+from attnkit import CrossAttention, KVCache, MultiHeadAttention, attention
 from attnkit.backends import BACKENDS, DECODE_MIN_KEYS, Request, decode, resolve_backend
 from attnkit.backends._native import Kernel
 from attnkit.masks import Masks
@@ -212,19 +212,25 @@ def test_linear_of_several_weights_equals_one_call_each(dtype):
             torch.testing.assert_close(out, expected.float())
 
 
-def test_linear_takes_non_contiguous_operands():
-    x, weight, bias = torch.randn(8, 3).t(), torch.randn(8, 5).t(), torch.randn(5, 2)[:, 0]
+def test_linear_takes_a_non_contiguous_or_one_dimensional_input():
+    weight, bias = torch.randn(5, 8), torch.randn(5)
     with torch.no_grad():
-        assert decode.runs_linear(x, [weight], [bias])
-        torch.testing.assert_close(
-            decode.linear(x, [weight], [bias])[0], torch.nn.functional.linear(x, weight, bias)
-        )
+        for x in (torch.randn(8, 3).t(), torch.randn(8)):
+            assert decode.runs_linear(x, [weight], [bias])
+            [out] = decode.linear(x, [weight], [bias])
+            torch.testing.assert_close(out, torch.nn.functional.linear(x, weight, bias))
 
 
 def test_the_linear_kernel_refuses_misfitting_operands_with_a_message():
     weight = torch.randn(4, 8)
-    with pytest.raises(RuntimeError, match=r"linear: x \(\.\.\., in\) and each weight \(out, in\)"):
+    with pytest.raises(
+        RuntimeError, match=r"linear: x \(\.\.\., in\) and each weight a contiguous"
+    ):
         decode.linear(torch.randn(1, 7), [weight], [None])
+    with pytest.raises(
+        RuntimeError, match=r"linear: x \(\.\.\., in\) and each weight a contiguous"
+    ):
+        decode.linear(torch.randn(1, 4), [weight.t()], [None])
     with pytest.raises(RuntimeError, match="linear: each bias must be None or"):
         decode.linear(torch.randn(1, 8), [weight], [torch.randn(3)])
     with pytest.raises(RuntimeError, match=r"linear: one bias \(or None\) for each of one or more"):
@@ -246,10 +252,79 @@ def test_linear_is_refused_where_it_would_differ_from_torch():
         assert not decode.runs_linear(x.bfloat16(), [weight], [None])
         assert not decode.runs_linear(x, [weight, plain.bfloat16()], [None, None])
         assert not decode.runs_linear(x, [weight], [bias.bfloat16()])
+        assert not decode.runs_linear(x, [torch.randn(8, 4).t()], [None])  # a non-contiguous weight
+        assert not decode.runs_linear(x, [weight], [torch.randn(4, 2)[:, 0]])  # and bias
+        assert not decode.runs_linear(x, [], [])
         with torch.autocast("cpu", dtype=torch.bfloat16):
             assert not decode.runs_linear(x, [weight], [None])  # autocast would run it in bf16
         in_vmap = torch.vmap(lambda row: torch.tensor(decode.runs_linear(row, [weight], [None])))
         assert in_vmap(x).sum() == 0
+        batched = torch.vmap(lambda w: torch.tensor(decode.runs_linear(x, [w], [None])))
+        assert batched(torch.randn(3, 4, 8)).sum() == 0  # weights batched (model ensembling)
+
+
+class Tagged(torch.Tensor):
+    """A tensor subclass: torch functions return Tagged, which the kernel would not."""
+
+
+class Watching(torch.overrides.TorchFunctionMode):
+    """A mode that sees every torch function, as a profiler or tracer would."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+class WatchingDispatch(torch.utils._python_dispatch.TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def test_linear_is_refused_under_torch_function_overrides_and_modes():
+    x, weight = torch.randn(1, 8), torch.randn(4, 8)
+    with torch.no_grad():
+        assert not decode.runs_linear(x.as_subclass(Tagged), [weight], [None])
+        assert not decode.runs_linear(x, [weight.as_subclass(Tagged)], [None])
+        with Watching():
+            assert not decode.runs_linear(x, [weight], [None])
+        with WatchingDispatch():
+            assert not decode.runs_linear(x, [weight], [None])
+
+
+def test_a_training_step_never_loads_the_kernel(monkeypatch):
+    module = MultiHeadAttention(16, 16, 8, 0.0, 2).train()
+
+    def refuse():
+        raise AssertionError("a step with gradients loaded the decode kernel")
+
+    monkeypatch.setattr(decode.KERNEL, "load", refuse)
+    module(torch.randn(1, 1, 16)).sum().backward()
+    assert module.W_query.weight.grad is not None
+
+
+def test_a_hook_on_one_projection_sends_all_three_through_their_modules(monkeypatch):
+    module = MultiHeadAttention(16, 16, 8, 0.0, 2).eval()
+    x = torch.randn(1, 1, 16)
+    projected = []  # the weights that reach the kernel
+    kernel_linear = decode.linear
+    monkeypatch.setattr(
+        decode, "linear", lambda x, ws, bs: projected.extend(ws) or kernel_linear(x, ws, bs)
+    )
+    with torch.no_grad():
+        expected = module(x)
+        assert len(projected) == 4  # q, k and v in one call, then the output projection
+        projected.clear()
+        seen = []
+        module.W_value.register_forward_hook(lambda layer, inp, out: seen.append(out))
+        torch.testing.assert_close(module(x), expected)
+    assert len(seen) == 1 and projected == [module.out_proj.weight]
+
+
+def test_cross_attention_projects_keys_and_values_in_one_call_as_nn_linear_would():
+    module = CrossAttention(16, 12, 16, 2).eval()
+    x, memory = torch.randn(2, 3, 16), torch.randn(2, 5, 12)  # 10 memory rows: the kernel's
+    with torch.no_grad():
+        fast = module(x, memory)
+    torch.testing.assert_close(fast, module(x, memory))  # gradients enabled: nn.Linear
 
 
 @pytest.mark.filterwarnings("ignore:`torch.jit.trace:DeprecationWarning")

@@ -299,8 +299,8 @@ void linear_rows(const torch::Tensor& x, const std::vector<torch::Tensor>& ws,
 
 }  // namespace
 
-// [x (..., in) @ w (out_i, in)^T + bias_i (out_i,)] for each weight, all of one dtype; weights and
-// biases that are not contiguous are copied. Returns one (..., out_i) tensor per weight.
+// [x (..., in) @ w (out_i, in)^T + bias_i (out_i,)] for each weight, all of one dtype, the weights
+// and biases contiguous. Returns one (..., out_i) tensor per weight.
 std::vector<torch::Tensor> linear(torch::Tensor x, std::vector<torch::Tensor> weights,
                                   std::vector<std::optional<torch::Tensor>> biases) {
   TORCH_CHECK(!weights.empty() && biases.size() == weights.size(),
@@ -310,14 +310,15 @@ std::vector<torch::Tensor> linear(torch::Tensor x, std::vector<torch::Tensor> we
   const auto rows = x.reshape({-1, x.size(-1)}).contiguous();
   for (size_t i = 0; i < weights.size(); ++i) {
     const auto& w = weights[i];
-    TORCH_CHECK(w.dim() == 2 && x.size(-1) == w.size(1) && x.scalar_type() == w.scalar_type(),
-                "linear: x (..., in) and each weight (out, in) of x's dtype");
+    TORCH_CHECK(w.dim() == 2 && x.size(-1) == w.size(1) && w.is_contiguous() &&
+                    x.scalar_type() == w.scalar_type(),
+                "linear: x (..., in) and each weight a contiguous (out, in) of x's dtype");
     const auto b = biases[i].has_value() ? *biases[i] : torch::empty({0}, w.options());
-    TORCH_CHECK(b.numel() == 0 || (b.dim() == 1 && b.size(0) == w.size(0) &&
+    TORCH_CHECK(b.numel() == 0 || (b.dim() == 1 && b.size(0) == w.size(0) && b.is_contiguous() &&
                                    b.scalar_type() == w.scalar_type()),
-                "linear: each bias must be None or (out,) of its weight's dtype");
-    ws.push_back(w.contiguous());
-    bs.push_back(b.contiguous());
+                "linear: each bias must be None or (out,) contiguous, of its weight's dtype");
+    ws.push_back(w);
+    bs.push_back(b);
     ys.push_back(torch::empty({rows.size(0), w.size(0)}, x.options()));
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "linear", [&] {

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 
 import torch
 from torch import Tensor
+from torch.overrides import has_torch_function
 
 from attnkit.backends._native import Kernel
 from attnkit.backends.base import AttentionOutput, Request
@@ -83,28 +84,39 @@ def decode(q: Tensor, k: Tensor, v: Tensor, request: Request) -> AttentionOutput
 def runs_linear(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None]) -> bool:
     """Whether :func:`linear` computes exactly what ``torch.nn.functional.linear`` would for each
     weight and bias: at most :data:`MAX_ROWS` rows of plain CPU tensors of one dtype (float32,
-    bfloat16 or float16) that need no gradient, outside autocast, tracing, ``torch.compile`` and
-    ``torch.func`` transforms, with the kernel built."""
+    bfloat16 or float16), contiguous weights and biases, nothing that needs a gradient; outside
+    autocast, tracing, ``torch.compile``, ``torch.func`` transforms and ``__torch_function__`` or
+    dispatch modes; with the kernel built (checked last, so that a training step never builds it)."""
+    grad = torch.is_grad_enabled()
     if (
         torch.jit.is_tracing()  # first: under tracing, the shapes below would be tensors
+        or not weights
         or x.dim() == 0
         or not 0 < x.numel() <= MAX_ROWS * x.shape[-1]
         or not x.is_cpu
         or x.dtype not in _DTYPES
+        or (grad and x.requires_grad)
         or torch.is_autocast_enabled("cpu")
         or torch.compiler.is_compiling()
-        or torch._C._functorch.is_functorch_wrapped_tensor(x)
-        or KERNEL.load() is None
+        or torch._C._is_torch_function_mode_enabled()
+        or torch._C._len_torch_dispatch_stack() > 0
     ):
         return False
-    grad = torch.is_grad_enabled()
-    if grad and x.requires_grad:
+    params = [*weights, *(b for b in biases if b is not None)]
+    if has_torch_function((x, *params)):  # subclasses that override torch functions
         return False
-    for weight, bias in zip(weights, biases, strict=True):
-        for p in (weight,) if bias is None else (weight, bias):
-            if not p.is_cpu or p.dtype != x.dtype or (grad and p.requires_grad):
-                return False
-    return True
+    for p in (x, *params):
+        if torch._C._functorch.is_functorch_wrapped_tensor(p):  # vmap, grad, ... of x or weights
+            return False
+    for p in params:
+        if (
+            not p.is_cpu
+            or p.dtype != x.dtype
+            or not p.is_contiguous()
+            or (grad and p.requires_grad)
+        ):
+            return False
+    return KERNEL.load() is not None
 
 
 def linear(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None]) -> list[Tensor]:

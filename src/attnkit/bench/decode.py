@@ -55,7 +55,7 @@ class DecodeConfig:
     prompts: tuple[int, ...] = (1024, 8192)
     new_tokens: int = 256
     recompute_samples: int = 32
-    generation_rounds: int = 4
+    generation_rounds: int = 8
     bandwidth_bytes: int = 2**30
     repeats: int = 40
     warmups: int = 3

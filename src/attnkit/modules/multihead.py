@@ -85,14 +85,12 @@ class ProjectedAttention(nn.Module):
         from ``memory`` ``(b, s, d_kv)``."""
         if x is memory:  # self-attention: the three projections of x in one call
             q, k, v = project_all((self.W_query, self.W_key, self.W_value), x)
+            queries = split_heads(q, self.num_heads)  # (b, t, e) -> (b, h, t, d)
         else:
-            q, (k, v) = project(self.W_query, x), project_all((self.W_key, self.W_value), memory)
-        # (b, t, e) -> (b, h, t, d); (b, s, e) -> (b, h_kv, s, d)
-        return (
-            split_heads(q, self.num_heads),
-            split_heads(k, self.num_kv_heads),
-            split_heads(v, self.num_kv_heads),
-        )
+            queries = self._project_queries(x)
+            k, v = project_all((self.W_key, self.W_value), memory)
+        # (b, s, e) -> (b, h_kv, s, d)
+        return queries, split_heads(k, self.num_kv_heads), split_heads(v, self.num_kv_heads)
 
     def _attend(
         self,
