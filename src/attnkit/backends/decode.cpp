@@ -286,7 +286,7 @@ void linear_rows(const torch::Tensor& x, const std::vector<torch::Tensor>& ws,
     for (size_t i = 0; i < ws.size(); ++i) {
       const int64_t out = ws[i].size(0);
       const T* wp = ws[i].data_ptr<T>();
-      const T* bp = biases[i].numel() ? biases[i].data_ptr<T>() : nullptr;
+      const T* bp = biases[i].defined() ? biases[i].data_ptr<T>() : nullptr;
       T* yp = ys[i].data_ptr<T>();
       const int64_t lo = std::max(first, starts[i]) - starts[i];
       const int64_t hi = std::min(last, starts[i + 1]) - starts[i];
@@ -313,9 +313,9 @@ std::vector<torch::Tensor> linear(torch::Tensor x, std::vector<torch::Tensor> we
     TORCH_CHECK(w.dim() == 2 && x.size(-1) == w.size(1) && w.is_contiguous() &&
                     x.scalar_type() == w.scalar_type(),
                 "linear: x (..., in) and each weight a contiguous (out, in) of x's dtype");
-    const auto b = biases[i].has_value() ? *biases[i] : torch::empty({0}, w.options());
-    TORCH_CHECK(b.numel() == 0 || (b.dim() == 1 && b.size(0) == w.size(0) && b.is_contiguous() &&
-                                   b.scalar_type() == w.scalar_type()),
+    const auto b = biases[i].value_or(torch::Tensor());  // undefined: no bias
+    TORCH_CHECK(!b.defined() || (b.dim() == 1 && b.size(0) == w.size(0) && b.is_contiguous() &&
+                                  b.scalar_type() == w.scalar_type()),
                 "linear: each bias must be None or (out,) contiguous, of its weight's dtype");
     ws.push_back(w);
     bs.push_back(b);
