@@ -98,6 +98,7 @@ def runs_linear(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | 
         or (grad and x.requires_grad)
         or torch.is_autocast_enabled("cpu")
         or torch.compiler.is_compiling()
+        or torch._C._are_functorch_transforms_active()  # vmap, grad, ...: x or a weight is wrapped
         or torch._C._is_torch_function_mode_enabled()
         or torch._C._len_torch_dispatch_stack() > 0
     ):
@@ -105,9 +106,6 @@ def runs_linear(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | 
     params = [*weights, *(b for b in biases if b is not None)]
     if has_torch_function((x, *params)):  # subclasses that override torch functions
         return False
-    for p in (x, *params):
-        if torch._C._functorch.is_functorch_wrapped_tensor(p):  # vmap, grad, ... of x or weights
-            return False
     for p in params:
         if (
             not p.is_cpu
