@@ -306,7 +306,7 @@ std::vector<torch::Tensor> linear(torch::Tensor x, std::vector<torch::Tensor> we
   TORCH_CHECK(!weights.empty() && biases.size() == weights.size(),
               "linear: one bias (or None) for each of one or more weights");
   TORCH_CHECK(x.dim() >= 1, "linear: x must be (..., in)");
-  std::vector<torch::Tensor> ws, bs, ys;
+  std::vector<torch::Tensor> bs, ys;
   const auto rows = x.reshape({-1, x.size(-1)}).contiguous();
   for (size_t i = 0; i < weights.size(); ++i) {
     const auto& w = weights[i];
@@ -317,20 +317,19 @@ std::vector<torch::Tensor> linear(torch::Tensor x, std::vector<torch::Tensor> we
     TORCH_CHECK(!b.defined() || (b.dim() == 1 && b.size(0) == w.size(0) && b.is_contiguous() &&
                                   b.scalar_type() == w.scalar_type()),
                 "linear: each bias must be None or (out,) contiguous, of its weight's dtype");
-    ws.push_back(w);
     bs.push_back(b);
     ys.push_back(torch::empty({rows.size(0), w.size(0)}, x.options()));
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "linear", [&] {
     if (rows.size(0) == 1) {
-      linear_rows<scalar_t, 1>(rows, ws, bs, ys);
+      linear_rows<scalar_t, 1>(rows, weights, bs, ys);
     } else {
-      linear_rows<scalar_t, 4>(rows, ws, bs, ys);
+      linear_rows<scalar_t, 4>(rows, weights, bs, ys);
     }
   });
   auto shape = x.sizes().vec();
   for (size_t i = 0; i < ys.size(); ++i) {
-    shape.back() = ws[i].size(0);
+    shape.back() = weights[i].size(0);
     ys[i] = ys[i].view(shape);
   }
   return ys;

@@ -169,6 +169,7 @@ def _generation(config: DecodeConfig, prompt: int, progress: Progress) -> dict:
             cached.append(cached_step_s())
             recomputed.append(recomputed_step_s(spacing[r::rounds]))
             progress.step(f"generation after {prompt}: round {r + 1} of {rounds}")
+    ratios = [rec / c for rec, c in zip(recomputed, cached, strict=True)]
     return {
         "prompt": prompt,
         "new_tokens": config.new_tokens,
@@ -176,11 +177,8 @@ def _generation(config: DecodeConfig, prompt: int, progress: Progress) -> dict:
         "cached_tokens_per_s": 1 / statistics.median(cached),
         "recomputed_tokens_per_s": 1 / statistics.median(recomputed),
         "recompute_samples": per_round * rounds,
-        "speedup": statistics.median(rec / c for rec, c in zip(recomputed, cached, strict=True)),
-        "speedup_range": [
-            min(r / c for r, c in zip(recomputed, cached, strict=True)),
-            max(r / c for r, c in zip(recomputed, cached, strict=True)),
-        ],
+        "speedup": statistics.median(ratios),
+        "speedup_range": [min(ratios), max(ratios)],
     }
 
 
