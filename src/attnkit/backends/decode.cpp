@@ -335,31 +335,39 @@ std::vector<torch::Tensor> linear(torch::Tensor x, std::vector<torch::Tensor> we
   return ys;
 }
 
-// Attention of q (b, h_kv, rows, d) over k, v (b, h_kv, s, d), rows being the query heads of a
-// key/value head times the queries; returns (b, h_kv, rows, d) in q's dtype.
-torch::Tensor decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor key_mask,
-                     double scale, int64_t splits) {
+// Attention of q (b, h, t, d) over k, v (b, h_kv, s, d), query head i using key/value head
+// i / (h / h_kv); returns (b, h, t, d) in q's dtype. The keys are cut into splits so that every
+// thread has work, each split at least min_keys_per_split long so that it streams.
+torch::Tensor decode(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                     const torch::Tensor& key_mask, double scale, int64_t min_keys_per_split) {
   TORCH_CHECK(q.dim() == 4 && q.stride(3) == 1 && q.scalar_type() == k.scalar_type(),
-              "decode: q must be (b, h_kv, rows, d) with a contiguous last dim, of k's dtype");
+              "decode: q must be (b, h, t, d) with a contiguous last dim, of k's dtype");
   TORCH_CHECK(k.dim() == 4 && v.sizes() == k.sizes() && v.strides() == k.strides() &&
                   k.stride(3) == 1 && k.scalar_type() == v.scalar_type(),
               "decode: k and v must share shape, strides and dtype, last dim contiguous");
-  TORCH_CHECK(q.size(0) == k.size(0) && q.size(1) == k.size(1) && q.size(3) == k.size(3),
-              "decode: q and k disagree on (b, h_kv, d)");
-  TORCH_CHECK(q.size(2) <= kMaxRows && q.size(3) <= kMaxDim && splits >= 1,
+  const int64_t b = q.size(0), h = q.size(1), t = q.size(2), d = q.size(3);
+  const int64_t h_kv = k.size(1), s = k.size(2);
+  TORCH_CHECK(b == k.size(0) && h_kv > 0 && h % h_kv == 0 && d == k.size(3),
+              "decode: q (b, h, t, d) and k (b, h_kv, s, d) disagree on b or d, or h % h_kv != 0");
+  const int64_t rows = (h / h_kv) * t;  // the query rows of one key/value head, side by side
+  TORCH_CHECK(rows <= kMaxRows && d <= kMaxDim && min_keys_per_split >= 1,
               "decode: at most 16 query rows per key/value head and head_dim 256");
   TORCH_CHECK(key_mask.numel() == 0 || (key_mask.scalar_type() == torch::kBool &&
                                         key_mask.dim() == 2 && key_mask.stride(1) == 1),
               "decode: key_mask must be an empty tensor or a (b, s) bool tensor");
-  auto out = torch::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
+  const auto grouped = q.reshape({b, h_kv, rows, d});
+  const int64_t wanted = (2 * at::get_num_threads() + b * h_kv - 1) / (b * h_kv);  // 2 per thread
+  const int64_t splits = std::max<int64_t>(1, std::min(wanted, s / min_keys_per_split));
+  auto out = torch::empty({b, h_kv, rows, d},
+                         q.options().memory_format(at::MemoryFormat::Contiguous));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "decode", [&] {
-    switch (q.size(3)) {
-      case 64: run<scalar_t, 64>(q, k, v, key_mask, scale, splits, out); break;
-      case 128: run<scalar_t, 128>(q, k, v, key_mask, scale, splits, out); break;
-      default: run<scalar_t, 0>(q, k, v, key_mask, scale, splits, out);
+    switch (d) {
+      case 64: run<scalar_t, 64>(grouped, k, v, key_mask, scale, splits, out); break;
+      case 128: run<scalar_t, 128>(grouped, k, v, key_mask, scale, splits, out); break;
+      default: run<scalar_t, 0>(grouped, k, v, key_mask, scale, splits, out);
     }
   });
-  return out;
+  return out.view({b, h, t, d});
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

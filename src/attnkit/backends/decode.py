@@ -31,7 +31,7 @@ from attnkit.backends.base import AttentionOutput, Request
 
 MAX_ROWS = 16  # query rows per key/value head (GQA group size x queries)
 MAX_HEAD_DIM = 256
-MIN_KEYS_PER_SPLIT = 1024
+MIN_KEYS_PER_SPLIT = 1024  # the shortest split of the keys that a thread streams on its own
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _NO_MASK = torch.empty(0, dtype=torch.bool)
 
@@ -48,11 +48,11 @@ def refuses(request: Request, q: Tensor, k: Tensor, v: Tensor) -> str | None:
     the registry."""
     _, h, t, d = q.shape
     rows = t * (h // k.shape[1])
-    if q.device.type != "cpu":
+    if not q.is_cpu:
         return f"tensors on {q.device.type} (the decode kernel is CPU-only)"
     if q.dtype not in _DTYPES:
         return f"dtype {q.dtype} (the decode kernel takes float32, bfloat16 or float16)"
-    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return "inputs that require grad (the decode kernel has no backward)"
     if rows > MAX_ROWS:
         return f"{rows} query rows per key/value head (the decode kernel takes at most {MAX_ROWS})"
@@ -67,18 +67,14 @@ def refuses(request: Request, q: Tensor, k: Tensor, v: Tensor) -> str | None:
 
 def decode(q: Tensor, k: Tensor, v: Tensor, request: Request) -> AttentionOutput:
     """Shapes ``q (b, h, t, d)``, ``k`` and ``v`` ``(b, h_kv, s, d)``, few query rows (see
-    :func:`refuses`)."""
+    :func:`refuses`). The kernel groups the query heads of each key/value head and splits the keys
+    so that every thread has work, each split at least :data:`MIN_KEYS_PER_SPLIT` long."""
     kernel = KERNEL.load()
     if kernel is None:
         raise RuntimeError(f"backend 'decode' is unavailable: {available()[1]}")
-    b, h, t, d = q.shape
-    h_kv, s = k.shape[1], k.shape[2]
-    # Query head i uses key/value head i // group: its rows (group x t) sit together.
-    rows = q.reshape(b, h_kv, (h // h_kv) * t, d)
     key_mask = request.masks.key_mask
     mask = _NO_MASK if key_mask is None else key_mask.contiguous()
-    out = kernel.decode(rows, k, v, mask, request.scale, _splits(b * h_kv, s))
-    return AttentionOutput(out.view(b, h, t, d))
+    return AttentionOutput(kernel.decode(q, k, v, mask, request.scale, MIN_KEYS_PER_SPLIT))
 
 
 def runs_linear(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None]) -> bool:
@@ -123,10 +119,3 @@ def linear(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None]
     query, key and value projections of a token in one call). MKL's matrix-vector product ran on
     one thread at half the memory bus's speed on the CPU this was measured on."""
     return KERNEL.load().linear(x, list(weights), list(biases))
-
-
-def _splits(items: int, s: int) -> int:
-    """Splits of the keys so that every thread has work, each split long enough to stream."""
-    threads = torch.get_num_threads()
-    wanted = -(-2 * threads // items)  # ceil: two items per thread evens out the load
-    return max(1, min(wanted, s // MIN_KEYS_PER_SPLIT))
