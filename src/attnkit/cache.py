@@ -145,7 +145,8 @@ class KVCache(nn.Module):
             ValueError: a shape that does not match the cache, a chunk longer than ``max_chunk``,
                 or more tokens than ``max_len``.
         """
-        keys, values = self.keys, self.values
+        # self.keys without the failed attribute lookup before nn.Module.__getattr__ (Python 3.11)
+        keys, values = self._buffers["keys"], self._buffers["values"]
         n = self._check_chunk(k, v, key_mask, keys)
         size = self.size
         if size + n > keys.shape[2]:  # only a windowed cache: move the kept keys to the front

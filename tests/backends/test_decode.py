@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from attnkit import CrossAttention, KVCache, MultiHeadAttention, attention
@@ -350,3 +351,15 @@ def test_projections_follow_autocast_tracing_and_a_replaced_forward():
         layer.forward = lambda inp: calls.append(1) or nn.Linear.forward(layer, inp)
         module(x)
     assert calls == [1]
+
+
+def test_a_bias_set_as_a_plain_tensor_is_used():
+    """project_all reads a plain nn.Linear's parameters from its _parameters dict: a bias deleted
+    and set again as a plain attribute lives outside it, and must still count."""
+    layer = nn.Linear(8, 4)
+    x = torch.randn(1, 1, 8)
+    with torch.no_grad():
+        bias = layer.bias + 1
+        del layer.bias
+        layer.bias = bias
+        torch.testing.assert_close(project(layer, x), F.linear(x, layer.weight, bias))

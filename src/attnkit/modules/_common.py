@@ -38,16 +38,25 @@ def project_all(layers: Sequence[nn.Linear], x: Tensor) -> list[Tensor]:
     decode kernel's matrix-vector product (:func:`attnkit.backends.decode.linear`), which streams the
     weights of all the layers in one pass on every thread; a layer that is not a plain ``nn.Linear``
     (a subclass, hooks, a ``forward`` of its own) is called as a module, and so are the others."""
-    plain = not (_module._global_forward_hooks or _module._global_forward_pre_hooks) and all(
-        type(layer) is nn.Linear
-        and not (layer._forward_hooks or layer._forward_pre_hooks or "forward" in vars(layer))
-        for layer in layers
-    )
-    if plain:
-        weights = [layer.weight for layer in layers]
-        biases = [layer.bias for layer in layers]
-        if decode.runs_linear(x, weights, biases):
-            return decode.linear(x, weights, biases)
+    if _module._global_forward_hooks or _module._global_forward_pre_hooks:
+        return [layer(x) for layer in layers]
+    weights, biases = [], []
+    for layer in layers:
+        state = vars(layer)
+        params = state["_parameters"]  # layer.weight, without nn.Module.__getattr__'s search
+        if (
+            type(layer) is not nn.Linear
+            or state["_forward_hooks"]
+            or state["_forward_pre_hooks"]
+            or "forward" in state
+            or "weight" not in params
+            or "bias" not in params
+        ):
+            return [layer(x) for layer in layers]
+        weights.append(params["weight"])
+        biases.append(params["bias"])
+    if decode.runs_linear(x, weights, biases):
+        return decode.linear(x, weights, biases)
     return [layer(x) for layer in layers]
 
 

