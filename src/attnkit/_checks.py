@@ -74,6 +74,20 @@ def check_same_dtype_device(tensors: dict[str, Tensor]) -> None:
 
 def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
     """Check the ``(b, h, t, d)`` / ``(b, h_kv, s, d)`` layout of the functional entry point."""
+    # Inputs that fit pass in one expression (this runs on every decoding step); others go
+    # through the checks below, which name what does not fit.
+    if (
+        isinstance(q, Tensor)
+        and isinstance(k, Tensor)
+        and isinstance(v, Tensor)
+        and q.dim() == k.dim() == v.dim() == 4
+        and q.is_floating_point()
+        and q.dtype == k.dtype == v.dtype
+        and q.device == k.device == v.device
+    ):
+        (b, h, _, d), (bk, h_kv, s, dk), (bv, h_v, sv, _) = q.shape, k.shape, v.shape
+        if b == bk == bv and d == dk and 0 < s == sv and 0 < h_kv == h_v and h % h_kv == 0:
+            return
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_tensor(x, name)
         check_rank(x, name, (4,), "(batch, heads, length, head_dim)")

@@ -43,8 +43,8 @@ def test_backward_stores_no_score_sized_tensor():
     ctx = out.grad_fn
     tensors = [x for x in vars(ctx).values() if isinstance(x, torch.Tensor)]
     plan = ctx.plan
-    tensors += [x for x in vars(plan.request).values() if isinstance(x, torch.Tensor)]
-    tensors += [x for x in vars(plan.request.masks).values() if isinstance(x, torch.Tensor)]
+    tensors += [x for x in plan.request if isinstance(x, torch.Tensor)]  # NamedTuples: their fields
+    tensors += [x for x in plan.request.masks if isinstance(x, torch.Tensor)]
     assert all(x.numel() < t * s for x in tensors)
     assert {tuple(x.shape) for x in ctx.saved_tensors} == {(1, 2, t, 8), (1, 1, s, 8), (1, 2, t)}
 

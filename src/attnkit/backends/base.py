@@ -11,9 +11,9 @@ from torch import Tensor
 from attnkit.masks import Masks
 
 
-@dataclass(frozen=True)
-class Request:
-    """Everything asked of a backend besides ``q``, ``k`` and ``v``, already checked.
+class Request(NamedTuple):
+    """Everything asked of a backend besides ``q``, ``k`` and ``v``, already checked (a NamedTuple:
+    built on every call, in half the time of a frozen dataclass).
 
     Attributes:
         masks: which keys each query may see (causal and window folded into ``masks.window``).
@@ -36,20 +36,30 @@ class Request:
     @property
     def options(self) -> frozenset[str]:
         """The options in use, named as the arguments of :func:`attnkit.functional.attention`."""
-        used = {
-            "attn_mask": self.masks.attn_mask is not None,
-            "attn_mask_grad": self.masks.attn_mask is not None
-            and self.masks.attn_mask.requires_grad,
-            "key_mask": self.masks.key_mask is not None,
-            "window": self.masks.window not in (None, (-1, 0)),
-            "causal": self.masks.window is not None and self.masks.window[1] == 0,
-            "softcap": self.softcap is not None,
-            "alibi_slopes": self.alibi_slopes is not None,
-            "dropout_p": self.dropout_p > 0,
-            "return_lse": self.return_lse,
-            "return_weights": self.return_weights,
-        }
-        return frozenset(name for name, on in used.items() if on)
+        window, key_mask, attn_mask = self.masks
+        used = []
+        if attn_mask is not None:
+            used.append("attn_mask")
+            if attn_mask.requires_grad:
+                used.append("attn_mask_grad")
+        if key_mask is not None:
+            used.append("key_mask")
+        if window is not None:
+            if window != (-1, 0):
+                used.append("window")
+            if window[1] == 0:
+                used.append("causal")
+        if self.softcap is not None:
+            used.append("softcap")
+        if self.alibi_slopes is not None:
+            used.append("alibi_slopes")
+        if self.dropout_p > 0:
+            used.append("dropout_p")
+        if self.return_lse:
+            used.append("return_lse")
+        if self.return_weights:
+            used.append("return_weights")
+        return frozenset(used)
 
 
 class AttentionOutput(NamedTuple):
