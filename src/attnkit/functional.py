@@ -101,5 +101,7 @@ def attention(
         return_weights=return_weights,
     )
     out, lse, weights = resolve_backend(backend, request, q, k, v).fn(q, k, v, request)
+    if not (return_lse or return_weights):
+        return out
     extras = [x for x, asked in ((lse, return_lse), (weights, return_weights)) if asked]
-    return (out, *extras) if extras else out
+    return (out, *extras)

@@ -128,8 +128,11 @@ def resolve_backend(name: str, request: Request, q: Tensor, k: Tensor, v: Tensor
             backend = BACKENDS[candidate]
             if not _can_run(backend, options, request, q, k, v):
                 continue
-            tiled_too = options <= BACKENDS["tiled"].supports
-            if candidate == "sdpa" and tiled_too and _tiled_beats_sdpa(request, q, k, v):
+            if (
+                candidate == "sdpa"
+                and options <= BACKENDS["tiled"].supports
+                and _tiled_beats_sdpa(request, q, k, v)
+            ):
                 return BACKENDS["tiled"]
             return backend
         raise AssertionError("the reference backend runs every request")  # pragma: no cover
