@@ -157,9 +157,8 @@ class KVCache(nn.Module):
                 self.real[:, :kept] = self.real[:, size - kept : size].clone()
             size = kept
         end = size + n
-        # Detached (when they carry a graph): the buffers must not join the autograd graph.
-        keys[:, :, size:end] = k.detach() if k.requires_grad else k
-        values[:, :, size:end] = v.detach() if v.requires_grad else v
+        keys[:, :, size:end] = k.detach()
+        values[:, :, size:end] = v.detach()
         if key_mask is not None and not self.padded:
             self.padded = not bool(key_mask.all())
         if self.padded:

@@ -363,3 +363,12 @@ def test_a_bias_set_as_a_plain_tensor_is_used():
         del layer.bias
         layer.bias = bias
         torch.testing.assert_close(project(layer, x), F.linear(x, layer.weight, bias))
+
+
+@pytest.mark.parametrize("backend", ["auto", "decode"])
+def test_an_empty_batch_or_no_query_gives_an_empty_output(backend):
+    k = v = torch.randn(0, 2, 2048, 64)
+    with torch.no_grad():
+        assert attention(torch.randn(0, 8, 1, 64), k, v, backend=backend).shape == (0, 8, 1, 64)
+        k = v = torch.randn(1, 2, 2048, 64)
+        assert attention(torch.randn(1, 8, 0, 64), k, v, backend=backend).shape == (1, 8, 0, 64)

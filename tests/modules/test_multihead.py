@@ -249,6 +249,17 @@ def test_traces_with_jit_trace(num_kv_heads):
         torch.testing.assert_close(traced(x), module(x))
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.trace:DeprecationWarning")
+@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")
+def test_a_module_traced_on_one_token_runs_on_five():
+    # No branch on the token count outside the masks: the head reshapes stay general.
+    module = MultiHeadAttention(16, 16, None, 0.0, 4, causal=False).eval()
+    with torch.no_grad():
+        traced = torch.jit.trace(module, torch.randn(1, 1, 16))
+        x = torch.randn(1, 5, 16)
+        torch.testing.assert_close(traced(x), module(x))
+
+
 def test_options_are_checked():
     with pytest.raises(ValueError, match="window must be >= 1, got 0"):
         MultiHeadAttention(8, 8, None, 0.0, 2, window=0)

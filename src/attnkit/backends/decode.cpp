@@ -337,7 +337,7 @@ std::vector<torch::Tensor> linear(torch::Tensor x, std::vector<torch::Tensor> we
 
 // Attention of q (b, h, t, d) over k, v (b, h_kv, s, d), query head i using key/value head
 // i / (h / h_kv); returns (b, h, t, d) in q's dtype. The keys are cut into splits so that every
-// thread has work, each split at least min_keys_per_split long so that it streams.
+// thread has work, but into no more than s / min_keys_per_split, so that each split streams.
 torch::Tensor decode(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                      const torch::Tensor& key_mask, double scale, int64_t min_keys_per_split) {
   TORCH_CHECK(q.dim() == 4 && q.stride(3) == 1 && q.scalar_type() == k.scalar_type(),
@@ -350,16 +350,18 @@ torch::Tensor decode(const torch::Tensor& q, const torch::Tensor& k, const torch
   TORCH_CHECK(b == k.size(0) && h_kv > 0 && h % h_kv == 0 && d == k.size(3),
               "decode: q (b, h, t, d) and k (b, h_kv, s, d) disagree on b or d, or h % h_kv != 0");
   const int64_t rows = (h / h_kv) * t;  // the query rows of one key/value head, side by side
-  TORCH_CHECK(rows <= kMaxRows && d <= kMaxDim && min_keys_per_split >= 1,
+  TORCH_CHECK(rows <= kMaxRows && d <= kMaxDim,
               "decode: at most 16 query rows per key/value head and head_dim 256");
+  TORCH_CHECK(min_keys_per_split >= 1, "decode: min_keys_per_split must be >= 1");
   TORCH_CHECK(key_mask.numel() == 0 || (key_mask.scalar_type() == torch::kBool &&
                                         key_mask.dim() == 2 && key_mask.stride(1) == 1),
               "decode: key_mask must be an empty tensor or a (b, s) bool tensor");
+  auto out = torch::empty({b, h_kv, rows, d},
+                         q.options().memory_format(at::MemoryFormat::Contiguous));
+  if (out.numel() == 0) return out.view({b, h, t, d});  // b, t or d is 0: nothing to compute
   const auto grouped = q.reshape({b, h_kv, rows, d});
   const int64_t wanted = (2 * at::get_num_threads() + b * h_kv - 1) / (b * h_kv);  // 2 per thread
   const int64_t splits = std::max<int64_t>(1, std::min(wanted, s / min_keys_per_split));
-  auto out = torch::empty({b, h_kv, rows, d},
-                         q.options().memory_format(at::MemoryFormat::Contiguous));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "decode", [&] {
     switch (d) {
       case 64: run<scalar_t, 64>(grouped, k, v, key_mask, scale, splits, out); break;

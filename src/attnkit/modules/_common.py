@@ -63,16 +63,12 @@ def project_all(layers: Sequence[nn.Linear], x: Tensor) -> list[Tensor]:
 def split_heads(x: Tensor, num_heads: int) -> Tensor:
     """``(b, t, h * d) -> (b, h, t, d)``."""
     b, t, e = x.shape
-    if t == 1:  # a decoding step: the same layout in one call instead of two
-        return x.view(b, num_heads, 1, e // num_heads)
     return x.view(b, t, num_heads, e // num_heads).transpose(1, 2)  # (b, t, h, d) -> (b, h, t, d)
 
 
 def merge_heads(x: Tensor) -> Tensor:
     """``(b, h, t, d) -> (b, t, h * d)``, the heads side by side."""
     b, h, t, d = x.shape
-    if t == 1:  # a decoding step: the same values in one call instead of two
-        return x.reshape(b, 1, h * d)
     return x.transpose(1, 2).reshape(b, t, h * d)  # (b, h, t, d) -> (b, t, h, d) -> (b, t, e)
 
 

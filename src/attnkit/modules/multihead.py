@@ -77,13 +77,13 @@ class ProjectedAttention(nn.Module):
         self.W_value = nn.Linear(d_kv, kv_width, bias=qkv_bias, **factory)
         self.out_proj = nn.Linear(d_out, d_out, bias=out_bias, **factory)
 
-    # The decoding step's path reads submodules and buffers from self._modules and self._buffers:
-    # on Python 3.11 self.W_query first fails as an attribute, raising and catching an
-    # AttributeError, before nn.Module.__getattr__ finds it (9 lookups were a tenth of a step's
-    # Python, measured in instructions).
+    # The projections are read from self._modules: on Python 3.11, self.W_query first fails as an
+    # attribute, raising and catching an AttributeError, before nn.Module.__getattr__ finds it
+    # (about 10k instructions a lookup; a decoding step made 9 such lookups, a tenth of its Python).
 
     def _project_queries(self, x: Tensor) -> Tensor:
-        return split_heads(project(self.W_query, x), self.num_heads)  # (b, t, e) -> (b, h, t, d)
+        # (b, t, e) -> (b, h, t, d)
+        return split_heads(project(self._modules["W_query"], x), self.num_heads)
 
     def _project(self, x: Tensor, memory: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Queries ``(b, h, t, d)`` from ``x`` ``(b, t, d_q)``; keys and values ``(b, h_kv, s, d)``
@@ -94,7 +94,7 @@ class ProjectedAttention(nn.Module):
             queries = split_heads(q, self.num_heads)  # (b, t, e) -> (b, h, t, d)
         else:
             queries = self._project_queries(x)
-            k, v = project_all((self.W_key, self.W_value), memory)
+            k, v = project_all((self._modules["W_key"], self._modules["W_value"]), memory)
         # (b, s, e) -> (b, h_kv, s, d)
         return queries, split_heads(k, self.num_kv_heads), split_heads(v, self.num_kv_heads)
 
@@ -295,7 +295,7 @@ class MultiHeadAttention(ProjectedAttention):
             need_weights=need_weights,
             average_weights=average_weights,
             window=self.window,
-            alibi_slopes=self._buffers["alibi_slopes"],
+            alibi_slopes=self.alibi_slopes,
             softcap=self.softcap,
         )
         return unbatch(result, unbatched)
