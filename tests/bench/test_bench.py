@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 
+import pytest
 import torch
 
 from attnkit.bench import BenchConfig, run
@@ -100,6 +101,15 @@ def test_decode_smoke_runs_end_to_end(tmp_path, capsys):
     assert {s["impl"] for s in steps} == {"attnkit", "torch-sdpa", "naive"}
     assert all(s["status"] == "ok" and s["median_ms"] > 0 and s["limit_ms"] > 0 for s in steps)
     assert record["info"]["read_bandwidth_gb_s"] > 0
+    fp32 = {
+        (s["length"], s["h_kv"]): s
+        for s in steps
+        if s["impl"] == "attnkit" and s["dtype"] == "fp32"
+    }
+    for s in steps:  # every dtype of a length and layout timed in the same rounds as attnkit fp32
+        base = fp32[s["length"], s["h_kv"]]
+        assert s["read_gb_s"] == base["read_gb_s"]
+        assert s["vs_fp32"] == pytest.approx(s["median_ms"] / base["median_ms"])
     memory = {row["layout"]: row["fraction"] for row in record["memory"]}
     assert memory["MHA fp32"] == 1.0 and memory["MHA bf16"] == 0.5
     assert memory["GQA 1 kv heads fp32"] == 0.5  # smoke: 2 query heads

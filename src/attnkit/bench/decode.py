@@ -4,11 +4,13 @@ Three measurements, in one run:
 
 - **step**: one query over a key/value cache of ``length`` positions, ``b x h`` query heads over
   ``h_kv`` key/value heads (MHA and GQA), attnkit next to torch SDPA and the naive formula on the same
-  :class:`~attnkit.KVCache` views, timed interleaved, each call after reading a 256 MiB buffer that
-  empties the CPU caches (as the other layers of a model do between two steps of one layer; without
-  it, whichever implementation runs second finds a small cache still in L3). The **limit** is the bytes of K and V one step
-  must read divided by the read bandwidth of ``x.sum()`` over a 1 GiB float32 tensor, timed in the
-  same interleaved rounds (on a shared machine the bandwidth drifts by a third between runs).
+  :class:`~attnkit.KVCache` views, every dtype of one length and layout timed in the same
+  interleaved rounds (so that "bf16 vs fp32" is a ratio of one run), each call after reading a
+  256 MiB buffer that empties the CPU caches (as the other layers of a model do between two steps
+  of one layer; without it, whichever implementation runs second finds a small cache still in L3).
+  The **limit** is the bytes of K and V one step must read divided by the read bandwidth of
+  ``x.sum()`` over a 1 GiB float32 tensor, timed in the same interleaved rounds (on a shared
+  machine the bandwidth drifts by a third between runs).
 - **cache memory**: bytes of each cache layout (GQA, sliding window, bf16) against the full fp32 MHA
   cache.
 - **generation**: tokens per second for ``new_tokens`` tokens after prompts of each length, through a
@@ -184,10 +186,11 @@ def _generation(config: DecodeConfig, prompt: int, progress: Progress) -> dict:
 
 def run_decode(config: DecodeConfig, progress_stream: TextIO | None = None) -> dict:
     """Every measurement of the module docstring; returns the JSON-ready record."""
-    rows = list(product(config.lengths, config.dtypes, config.kv_heads))
     rounds = config.warmups + config.repeats
+    calls_per_round = len(config.dtypes) * len(STEP_IMPLS) + 1  # and the bandwidth probe
     progress = Progress(
-        len(rows) * (len(STEP_IMPLS) + 1) * rounds + config.generation_rounds * len(config.prompts),
+        len(config.lengths) * len(config.kv_heads) * calls_per_round * rounds
+        + config.generation_rounds * len(config.prompts),
         progress_stream or sys.stderr,
     )
     big = torch.randn(config.bandwidth_bytes // 4)  # float32: x.sum() reads it once
@@ -197,20 +200,24 @@ def run_decode(config: DecodeConfig, progress_stream: TextIO | None = None) -> d
         scratch.sum()
 
     steps, bandwidths = [], []
-    for length, dtype, h_kv in rows:
-        setup = _step_calls(config, length, dtype, h_kv)
+    for length, h_kv in product(config.lengths, config.kv_heads):
+        # Every dtype in the same interleaved rounds: "vs attnkit fp32" is a ratio of one run.
+        setups = {dtype: _step_calls(config, length, dtype, h_kv) for dtype in config.dtypes}
         runs = []
-        for impl, call in [*setup["calls"].items(), ("read-bandwidth", big.sum)]:
-            case = Case(impl, length, dtype, True, "decode", f"h_kv={h_kv}", "decode", config.b)
-            runs.append((Result(case), call))
+        for dtype, setup in setups.items():
+            for impl, call in setup["calls"].items():
+                case = Case(impl, length, dtype, True, "decode", f"h_kv={h_kv}", "decode", config.b)
+                runs.append((Result(case), call))
+        bandwidth_case = Case("read-bandwidth", length, "fp32", True, "decode", "", "decode", 1)
+        runs.append((Result(bandwidth_case), big.sum))
         time_interleaved(runs, config.repeats, config.warmups, progress.step, before=flush)
-        by_impl = {result.case.impl: result for result, _ in runs}
-        bandwidth = big.nbytes / by_impl.pop("read-bandwidth").median_s
+        bandwidth = big.nbytes / runs.pop()[0].median_s
         bandwidths.append(bandwidth)
-        limit_s = setup["bytes"] / bandwidth
-        sdpa = by_impl["torch-sdpa"].median_s
-        for impl, result in by_impl.items():
-            t = result.median_s
+        results = {(r.case.dtype, r.case.impl): r for r, _ in runs}
+        fp32 = results["fp32", "attnkit"].median_s if "fp32" in setups else None
+        for (dtype, impl), result in results.items():
+            t, sdpa = result.median_s, results[dtype, "torch-sdpa"].median_s
+            limit_s = setups[dtype]["bytes"] / bandwidth
             steps.append(
                 {
                     "length": length,
@@ -224,15 +231,10 @@ def run_decode(config: DecodeConfig, progress_stream: TextIO | None = None) -> d
                     "limit_ms": limit_s * 1e3,
                     "vs_limit": t / limit_s if t else None,
                     "vs_sdpa": t / sdpa if t and sdpa else None,
+                    "vs_fp32": t / fp32 if t and fp32 else None,
                 }
             )
-        del setup, runs
-
-    fp32 = {(s["length"], s["h_kv"]): s["median_ms"] for s in steps if s["impl"] == "attnkit"
-            and s["dtype"] == "fp32"}  # fmt: skip
-    for s in steps:
-        base = fp32.get((s["length"], s["h_kv"]))
-        s["vs_fp32"] = s["median_ms"] / base if base and s["median_ms"] else None
+        del setups, runs
 
     generation = [_generation(config, prompt, progress) for prompt in config.prompts]
     return {
@@ -262,8 +264,9 @@ def markdown(record: dict) -> str:
         f"Machine: {m['cpu']}, {m['torch_threads']} torch threads, torch {m['torch']} "
         f"({m['cpu_capability']}); median of {info['repeats']} interleaved runs after "
         f"{info['warmups']} warm-ups. The limit: bytes of K and V / the read bandwidth of x.sum() "
-        f"over {info['bandwidth_bytes'] / 2**30:g} GiB fp32, timed in the same rounds as each row "
-        f"(median {info['read_bandwidth_gb_s']:.1f} GB/s).",
+        f"over {info['bandwidth_bytes'] / 2**30:g} GiB fp32, timed in the same rounds as the steps "
+        f"(median {info['read_bandwidth_gb_s']:.1f} GB/s). Each length and layout times every "
+        "dtype in one set of interleaved rounds.",
         "",
         "| decode step | implementation | median ms | limit ms | vs limit | vs torch-sdpa "
         "| vs attnkit fp32 |",
