@@ -372,3 +372,16 @@ def test_an_empty_batch_or_no_query_gives_an_empty_output(backend):
         assert attention(torch.randn(0, 8, 1, 64), k, v, backend=backend).shape == (0, 8, 1, 64)
         k = v = torch.randn(1, 2, 2048, 64)
         assert attention(torch.randn(1, 8, 0, 64), k, v, backend=backend).shape == (1, 8, 0, 64)
+
+
+def test_a_forward_patched_on_the_linear_class_is_called(monkeypatch):
+    module = MultiHeadAttention(16, 16, 8, 0.0, 2).eval()
+    x = torch.randn(1, 1, 16)
+    calls = []
+    linear_forward = nn.Linear.forward
+    monkeypatch.setattr(
+        nn.Linear, "forward", lambda self, inp: calls.append(1) or linear_forward(self, inp)
+    )
+    with torch.no_grad():
+        module(x)
+    assert len(calls) == 4  # the query, key, value and output projections

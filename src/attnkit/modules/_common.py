@@ -28,6 +28,9 @@ def as_batched(
     return (x.unsqueeze(0), True) if x.dim() == 2 else (x, False)
 
 
+_LINEAR_FORWARD = nn.Linear.forward
+
+
 def project(layer: nn.Linear, x: Tensor) -> Tensor:
     """``layer(x)``, through :func:`project_all`."""
     return project_all((layer,), x)[0]
@@ -38,7 +41,11 @@ def project_all(layers: Sequence[nn.Linear], x: Tensor) -> list[Tensor]:
     decode kernel's matrix-vector product (:func:`attnkit.backends.decode.linear`), which streams the
     weights of all the layers in one pass on every thread; a layer that is not a plain ``nn.Linear``
     (a subclass, hooks, a ``forward`` of its own) is called as a module, and so are the others."""
-    if _module._global_forward_hooks or _module._global_forward_pre_hooks:
+    if (
+        _module._global_forward_hooks
+        or _module._global_forward_pre_hooks
+        or nn.Linear.forward is not _LINEAR_FORWARD  # patched on the class since attnkit's import
+    ):
         return [layer(x) for layer in layers]
     weights, biases = [], []
     for layer in layers:
