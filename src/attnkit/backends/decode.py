@@ -68,7 +68,7 @@ def refuses(request: Request, q: Tensor, k: Tensor, v: Tensor) -> str | None:
 def decode(q: Tensor, k: Tensor, v: Tensor, request: Request) -> AttentionOutput:
     """Shapes ``q (b, h, t, d)``, ``k`` and ``v`` ``(b, h_kv, s, d)``, few query rows (see
     :func:`refuses`). The kernel groups the query heads of each key/value head and splits the keys
-    so that every thread has work, each split at least :data:`MIN_KEYS_PER_SPLIT` long."""
+    so that every thread has work, into no more than ``s //`` :data:`MIN_KEYS_PER_SPLIT` splits."""
     kernel = KERNEL.load()
     if kernel is None:
         raise RuntimeError(f"backend 'decode' is unavailable: {available()[1]}")
