@@ -94,3 +94,63 @@ def projected_attention_reference(
     out, _, weights = naive_attention(q, k, v, **options)
     merged = out.transpose(1, 2).reshape(b, t, -1)
     return linear("out_proj", merged), weights
+
+
+def selected_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    attn_mask: Tensor | None = None,
+    key_mask: Tensor | None = None,
+    causal: bool = False,
+    window: tuple[int, int] | None = None,
+    alibi_slopes: Tensor | None = None,
+    softcap: float | None = None,
+    scale: float | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """attnkit's rule for non-finite values, from its definition, one query row at a time, in
+    float64: a row *selects* the keys it may see (a key it may not see never enters its arithmetic);
+    a score made infinite or NaN by the inputs is NaN (never a mask); a NaN or +inf in a float mask
+    or a slope acts as a NaN score; a row with no key gives output 0, lse -inf and weights 0.
+
+    Returns (out, lse, weights) in float64. Tiny shapes only: it loops over every row."""
+    q, k, v = (x.detach().double() for x in (q, k, v))
+    b, h, t, d = q.shape
+    s, d_v = k.shape[-2], v.shape[-1]
+    groups = h // k.shape[1]
+    scale = d**-0.5 if scale is None else scale
+    sees = allowed_positions(t, s, causal, window).expand(b, h, t, s).clone()
+    if key_mask is not None:
+        sees &= key_mask[:, None, None, :]
+    bias = None
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        sees &= attn_mask
+    elif attn_mask is not None:
+        bias = attn_mask.double().expand(b, h, t, s)
+        sees &= bias != float("-inf")
+    out = torch.zeros(b, h, t, d_v, dtype=torch.float64)
+    lse = torch.full((b, h, t), float("-inf"), dtype=torch.float64)
+    weights = torch.zeros(b, h, t, s, dtype=torch.float64)
+    nan = float("nan")
+    for bi in range(b):
+        for hi in range(h):
+            for i in range(t):
+                keys = sees[bi, hi, i].nonzero().flatten()  # the selection
+                if keys.numel() == 0:
+                    continue
+                scores = k[bi, hi // groups, keys] @ q[bi, hi, i] * scale
+                scores = scores.where(torch.isfinite(scores), nan)
+                if softcap is not None:
+                    scores = softcap * torch.tanh(scores / softcap)
+                if alibi_slopes is not None:
+                    distance = (i + s - t - keys).abs().double()
+                    scores = scores - alibi_slopes.double()[hi] * distance
+                if bias is not None:
+                    scores = scores + bias[bi, hi, i, keys]
+                scores = scores.where(torch.isfinite(scores), nan)
+                w = torch.softmax(scores, dim=0)  # NaN everywhere if any score is NaN
+                out[bi, hi, i] = w @ v[bi, hi // groups, keys]
+                lse[bi, hi, i] = torch.logsumexp(scores, dim=0)
+                weights[bi, hi, i, keys] = w
+    return out, lse, weights

@@ -7,6 +7,8 @@ Every public entry point checks its arguments here, so that bad input raises a `
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -40,6 +42,12 @@ def check_probability(p: float, name: str = "dropout") -> float:
     if not 0.0 <= p < 1.0:
         raise ValueError(f"{name} must be in [0, 1), got {p}")
     return float(p)
+
+
+def check_module_dtype(dtype: object) -> None:
+    """A module's ``dtype=``: None (torch's default) or a floating-point dtype, as its weights need."""
+    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+        raise TypeError(f"dtype must be a floating-point torch.dtype or None, got {dtype!r}")
 
 
 def check_positive_int(value: object, name: str) -> None:
@@ -86,7 +94,7 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
         and q.device == k.device == v.device
     ):
         (b, h, _, d), (bk, h_kv, s, dk), (bv, h_v, sv, _) = q.shape, k.shape, v.shape
-        if b == bk == bv and d == dk and 0 < s == sv and 0 < h_kv == h_v and h % h_kv == 0:
+        if b == bk == bv and 0 < d == dk and 0 < s == sv and 0 < h_kv == h_v and h % h_kv == 0:
             return
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_tensor(x, name)
@@ -101,6 +109,8 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
         )
     if dk != d:
         raise ValueError(f"q and k must have the same head_dim, got q: {d} and k: {dk}")
+    if d == 0:
+        raise ValueError(f"q and k must have a head_dim of at least 1, got shape {_shape(q)}")
     if s != sv:
         raise ValueError(
             f"k and v must have the same length, got k: {s} and v: {sv} "
@@ -116,8 +126,21 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
         raise ValueError(f"k and v must hold at least one position, got shape {_shape(k)}")
 
 
-def check_key_mask(key_mask: Tensor, b: int, s: int) -> None:
-    """``key_mask`` is ``(b, s)`` bool, True for a real token (a key that may be attended)."""
+def check_flag(value: object, name: str) -> bool:
+    """A switch such as ``causal``: a bool, not anything truthy (``causal="no"`` would be True)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+    return value
+
+
+def check_same_device(x: Tensor, name: str, device: torch.device) -> None:
+    if x.device != device:
+        raise ValueError(f"{name} is on {x.device} but q is on {device}")
+
+
+def check_key_mask(key_mask: Tensor, b: int, s: int, device: torch.device | None = None) -> None:
+    """``key_mask`` is ``(b, s)`` bool, True for a real token (a key that may be attended), on
+    ``device`` when one is given."""
     check_tensor(key_mask, "key_mask")
     if key_mask.dtype != torch.bool:
         raise TypeError(
@@ -127,11 +150,15 @@ def check_key_mask(key_mask: Tensor, b: int, s: int) -> None:
         raise ValueError(
             f"key_mask must have shape (batch, key_length) = {(b, s)}, got {_shape(key_mask)}"
         )
+    if device is not None:
+        check_same_device(key_mask, "key_mask", device)
 
 
-def check_attn_mask(attn_mask: Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+def check_attn_mask(
+    attn_mask: Tensor, dtype: torch.dtype, shape: tuple[int, ...], device: torch.device
+) -> None:
     """``attn_mask`` is bool (True = may attend) or a float of the query's dtype, added to scores,
-    and must broadcast to ``shape`` = ``(b, h, t, s)``."""
+    must broadcast to ``shape`` = ``(b, h, t, s)`` and be on the query's ``device``."""
     check_tensor(attn_mask, "attn_mask")
     if attn_mask.dtype != torch.bool and attn_mask.dtype != dtype:
         raise TypeError(
@@ -146,6 +173,7 @@ def check_attn_mask(attn_mask: Tensor, dtype: torch.dtype, shape: tuple[int, ...
             f"attn_mask of shape {_shape(attn_mask)} does not broadcast to "
             f"(batch, heads, query_length, key_length) = {shape}"
         )
+    check_same_device(attn_mask, "attn_mask", device)
 
 
 def check_features(x: Tensor, name: str, expected: int, expected_name: str) -> None:
@@ -193,10 +221,13 @@ def check_window(window: object) -> tuple[int, int] | None:
 
 
 def check_positive_number(value: object, name: str) -> float:
+    """A finite number > 0 (an infinite scale or softcap has no finite scores to give)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number, got {type(value).__name__}")
     if not value > 0:
         raise ValueError(f"{name} must be > 0, got {value}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
     return float(value)
 
 
@@ -208,6 +239,5 @@ def check_alibi_slopes(slopes: object, num_heads: int, device: torch.device) -> 
         raise ValueError(
             f"alibi_slopes must have shape (heads,) = ({num_heads},), got {_shape(slopes)}"
         )
-    if slopes.device != device:
-        raise ValueError(f"alibi_slopes is on {slopes.device} but q is on {device}")
+    check_same_device(slopes, "alibi_slopes", device)
     return slopes

@@ -84,17 +84,41 @@ class KVCache(nn.Module):
         self.register_buffer("real", real, False)
         padding_seen = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.register_buffer("padding_seen", padding_seen, False)
+        # Tokens seen, as a tensor: under torch.compile the counters cannot be Python ints (each new
+        # value would compile anew), so a compiled step reads and advances this one instead.
+        self.register_buffer("filled", torch.zeros((), dtype=torch.long, device=device), False)
         self.padded = False
         self.reset()
 
     def reset(self) -> None:
         """Forget every token (the buffers are kept, not zeroed)."""
-        self.size = 0  # keys held, in slots [0, size) of the buffers
-        self.position = 0  # tokens seen: the position of the next token
+        self._size = 0  # keys held, in slots [0, size) of the buffers
+        self._position = 0  # tokens seen: the position of the next token
+        self.filled.zero_()
+        self._ints_behind = False  # compiled steps advanced `filled` but not the ints
         if self.padded:
             self.real.fill_(True)
             self.padding_seen.zero_()
         self.padded = False  # some key since the last reset was padding
+
+    @property
+    def size(self) -> int:
+        """Keys held, in slots ``[0, size)`` of the buffers."""
+        if self.__dict__["_ints_behind"]:
+            self._catch_up()
+        return self.__dict__["_size"]
+
+    @property
+    def position(self) -> int:
+        """Tokens seen: the position of the next token (where rotary embeddings continue)."""
+        if self.__dict__["_ints_behind"]:
+            self._catch_up()
+        return self.__dict__["_position"]
+
+    def _catch_up(self) -> None:
+        """The ints after compiled steps, which advanced only ``filled``."""
+        seen = int(self.filled)
+        self.__dict__.update(_size=seen, _position=seen, _ints_behind=False)
 
     @property
     def capacity(self) -> int:
@@ -119,9 +143,16 @@ class KVCache(nn.Module):
         """Every held key and value, ``(b, h_kv, size, d)`` views in position order."""
         return self.keys[:, :, : self.size], self.values[:, :, : self.size]
 
+    def next_slots(self, n: int) -> Tensor:
+        """``(n,)`` the buffer slots of the next ``n`` tokens, from the tensor ``filled`` (for a
+        compiled step; a cache without window keeps token ``i`` in slot ``i``)."""
+        return self._buffers["filled"] + torch.arange(n, device=self.keys.device)
+
     def next_positions(self, n: int, key_mask: Tensor | None = None) -> Tensor:
         """Positions of the next ``n`` tokens, for rotary embeddings: ``(n,)`` when every row is
         unpadded, else ``(b, n)`` counting each row's real tokens only (padding gets position 0)."""
+        if torch.compiler.is_compiling():  # from tensors: the ints would compile anew each step
+            return token_positions(n, key_mask, self.filled - self.padding_seen)
         if not self.padded and key_mask is None:
             return torch.arange(self.position, self.position + n, device=self.keys.device)
         return token_positions(n, key_mask, self.row_positions, self.keys.device)
@@ -167,12 +198,68 @@ class KVCache(nn.Module):
                 self.padding_seen += n - key_mask.sum(dim=1)
         # Plain ints: straight into the instance dict, past nn.Module.__setattr__'s search of its
         # parameters, buffers and submodules (3.5 us of a 36 us update).
-        self.__dict__.update(size=end, position=self.position + n)
+        position = self.__dict__["_position"] + n
+        self.__dict__.update(_size=end, _position=position)
+        self._buffers["filled"].fill_(position)
         start = 0 if self.window is None else max(0, end - (self.window - 1 + n))
         return keys[:, :, start:end], values[:, :, start:end]
 
+    def update_static(
+        self, k: Tensor, v: Tensor, *, key_mask: Tensor | None = None
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """:meth:`update` for a step under ``torch.compile``, where no Python int may change from one
+        token to the next (each value would compile anew): the chunk goes to the slots that the
+        tensor ``filled`` points at, and the whole buffers come back, with the mask of the slots
+        that hold a real key. The step then sees ``capacity`` keys, the empty ones masked, so its
+        shapes never change: it compiles once.
+
+        Returns:
+            ``(keys, values, real)``: ``(b, h_kv, capacity, d)`` buffers and ``(b, capacity)`` bool,
+            True where a slot holds a real (filled, unpadded) key.
+
+        Raises:
+            ValueError: a windowed cache (its buffers shift, which a static shape cannot).
+        """
+        if self.window is not None:
+            raise ValueError(
+                "a windowed KVCache cannot decode under torch.compile (its buffers shift as tokens "
+                "arrive); build the cache with window=None"
+            )
+        keys, values = self._buffers["keys"], self._buffers["values"]
+        n = self._check_chunk_shape(k, v, key_mask, keys)
+        filled = self._buffers["filled"]
+        slots = filled + torch.arange(n, device=keys.device)  # (n,)
+        keys.index_copy_(2, slots, k.detach())
+        values.index_copy_(2, slots, v.detach())
+        real = self._buffers["real"]
+        if key_mask is not None:
+            real.index_copy_(1, slots, key_mask)
+            self.padding_seen += n - key_mask.sum(dim=1)
+            self.padded = True
+        filled.add_(n)
+        self._ints_behind = True  # written, never read here: no recompile
+        held = torch.arange(self.capacity, device=keys.device) < filled  # (capacity,)
+        return keys, values, real & held
+
     def _check_chunk(self, k: Tensor, v: Tensor, key_mask: Tensor | None, keys: Tensor) -> int:
-        """The chunk's length ``n``, once ``k``, ``v`` and ``key_mask`` fit the cache."""
+        """The chunk's length ``n``, once ``k``, ``v`` and ``key_mask`` fit the cache and its room."""
+        n = self._check_chunk_shape(k, v, key_mask, keys)
+        if n > self.max_chunk:
+            raise ValueError(
+                f"a chunk of {n} tokens is longer than max_chunk ({self.max_chunk}); split it or "
+                "build the cache with a larger max_chunk"
+            )
+        if self.position + n > self.max_len:
+            raise ValueError(
+                f"the cache is full: {self.position} tokens seen + {n} new > max_len "
+                f"({self.max_len}); call reset() or build a larger cache"
+            )
+        return n
+
+    def _check_chunk_shape(
+        self, k: Tensor, v: Tensor, key_mask: Tensor | None, keys: Tensor
+    ) -> int:
+        """The chunk's length ``n``, once ``k``, ``v`` and ``key_mask`` fit the cache's buffers."""
         fits = (
             isinstance(k, Tensor)
             and isinstance(v, Tensor)
@@ -197,9 +284,13 @@ class KVCache(nn.Module):
                         f"{tuple(x.shape)}"
                     )
                 if x.dtype != keys.dtype:
+                    advice = (
+                        f"build the cache with dtype={x.dtype}"
+                        if x.is_floating_point()
+                        else "keys and values have a floating-point dtype"
+                    )
                     raise TypeError(
-                        f"{name} has dtype {x.dtype} but the cache holds {keys.dtype}; build the "
-                        f"cache with dtype={x.dtype}"
+                        f"{name} has dtype {x.dtype} but the cache holds {keys.dtype}; {advice}"
                     )
                 if x.device != keys.device:
                     raise ValueError(f"{name} is on {x.device} but the cache is on {keys.device}")
@@ -209,16 +300,6 @@ class KVCache(nn.Module):
         n = k.shape[2]
         if n < 1:
             raise ValueError("k and v must hold at least one token, got 0")
-        if n > self.max_chunk:
-            raise ValueError(
-                f"a chunk of {n} tokens is longer than max_chunk ({self.max_chunk}); split it or "
-                "build the cache with a larger max_chunk"
-            )
-        if self.position + n > self.max_len:
-            raise ValueError(
-                f"the cache is full: {self.position} tokens seen + {n} new > max_len "
-                f"({self.max_len}); call reset() or build a larger cache"
-            )
         if key_mask is not None:
             _checks.check_key_mask(key_mask, self.batch_size, n)
         return n

@@ -22,7 +22,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from attnkit import _checks
-from attnkit.backends import Request, resolve_backend
+from attnkit.backends import BACKENDS, BackendChoice, Request, choose_backend
 from attnkit.masks import Masks, merge_window
 
 
@@ -80,16 +80,112 @@ def attention(
         >>> attention(q, k, v, causal=True).shape
         torch.Size([2, 8, 5, 64])
     """
+    request = _request(
+        q,
+        k,
+        v,
+        attn_mask,
+        key_mask,
+        causal,
+        window,
+        alibi_slopes,
+        softcap,
+        scale,
+        dropout_p,
+        return_lse,
+        return_weights,
+    )
+    out, lse, weights = BACKENDS[choose_backend(backend, request, q, k, v).backend].fn(
+        q, k, v, request
+    )
+    if not (return_lse or return_weights):
+        return out
+    extras = [x for x, asked in ((lse, return_lse), (weights, return_weights)) if asked]
+    return (out, *extras)
+
+
+def which_backend(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    attn_mask: Tensor | None = None,
+    key_mask: Tensor | None = None,
+    causal: bool = False,
+    window: tuple[int, int] | None = None,
+    alibi_slopes: Tensor | None = None,
+    softcap: float | None = None,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    return_lse: bool = False,
+    return_weights: bool = False,
+    backend: str = "auto",
+) -> BackendChoice:
+    """What :func:`attention` would run for these arguments, without running it: the backend, the
+    path inside it (its C++ kernel or its PyTorch loop) and why. The same checks run, and the same
+    errors are raised, as in :func:`attention`; the answer depends on the tensors' dtype, device and
+    ``requires_grad``, on grad mode and on transforms in effect, as the call's would.
+
+    Returns:
+        A :class:`~attnkit.backends.BackendChoice` ``(backend, path, reason)``.
+
+    Example:
+        >>> q = k = v = torch.randn(1, 8, 128, 64)
+        >>> which_backend(q, k, v, causal=True).backend
+        'sdpa'
+        >>> which_backend(q, k, v, softcap=30.0).backend  # SDPA has no soft-capping
+        'tiled'
+    """
+    request = _request(
+        q,
+        k,
+        v,
+        attn_mask,
+        key_mask,
+        causal,
+        window,
+        alibi_slopes,
+        softcap,
+        scale,
+        dropout_p,
+        return_lse,
+        return_weights,
+    )
+    return choose_backend(backend, request, q, k, v)
+
+
+def _request(
+    q,
+    k,
+    v,
+    attn_mask,
+    key_mask,
+    causal,
+    window,
+    alibi_slopes,
+    softcap,
+    scale,
+    dropout_p,
+    return_lse,
+    return_weights,
+) -> Request:
+    """Check the arguments of :func:`attention` and gather them into a :class:`Request`."""
     _checks.check_qkv(q, k, v)
     b, h, t, _ = q.shape
     s = k.shape[-2]
     if key_mask is not None:
-        _checks.check_key_mask(key_mask, b, s)
+        _checks.check_key_mask(key_mask, b, s, q.device)
     if attn_mask is not None:
-        _checks.check_attn_mask(attn_mask, q.dtype, (b, h, t, s))
+        _checks.check_attn_mask(attn_mask, q.dtype, (b, h, t, s), q.device)
     if alibi_slopes is not None:
         _checks.check_alibi_slopes(alibi_slopes, h, q.device)
-    request = Request(
+    for flag, name in (
+        (causal, "causal"),
+        (return_lse, "return_lse"),
+        (return_weights, "return_weights"),
+    ):
+        _checks.check_flag(flag, name)
+    return Request(
         masks=Masks(merge_window(causal, _checks.check_window(window), t, s), key_mask, attn_mask),
         scale=q.shape[-1] ** -0.5
         if scale is None
@@ -100,8 +196,3 @@ def attention(
         return_lse=return_lse,
         return_weights=return_weights,
     )
-    out, lse, weights = resolve_backend(backend, request, q, k, v).fn(q, k, v, request)
-    if not (return_lse or return_weights):
-        return out
-    extras = [x for x, asked in ((lse, return_lse), (weights, return_weights)) if asked]
-    return (out, *extras)

@@ -1,8 +1,9 @@
 """One mask convention for all of attnkit.
 
 Boolean masks mean **True = may attend** (the convention of ``torch.nn.functional.
-scaled_dot_product_attention``). A float ``attn_mask`` is *added* to the scores; a key is allowed where
-it is greater than ``-inf``. ``key_mask`` is ``(b, s)``, True for a real token and False for padding.
+scaled_dot_product_attention``). A float ``attn_mask`` is *added* to the scores; a key is allowed
+wherever it is not ``-inf`` (a NaN entry is a NaN score, not a mask). ``key_mask`` is ``(b, s)``,
+True for a real token and False for padding.
 
 Queries and keys are aligned **bottom-right**: query ``i`` of ``t`` sits at absolute position
 ``p(i) = i + s - t``, so the last query is level with the last key. This is what a decoder needs when
@@ -51,16 +52,19 @@ def window_mask(
     device: torch.device | None = None,
     rows: slice = slice(None),
     cols: slice = slice(None),
+    query_slots: Tensor | None = None,
 ) -> Tensor:
     """``(t, s)`` bool, True where ``p(i) - left <= j <= p(i) + right``; -1 means unbounded.
 
     ``window=(-1, 0)`` is the causal mask; ``(W - 1, 0)`` a causal sliding window of ``W`` keys.
-    ``rows``/``cols`` build only that block, in ``O(block)`` memory.
+    ``rows``/``cols`` build only that block, in ``O(block)`` memory. ``query_slots`` ``(t,)`` gives
+    the queries' positions ``p(i)`` explicitly, instead of bottom-right (a compiled decoding step,
+    whose keys are a whole cache buffer, filled or not).
     """
     left, right = window
-    q_pos = query_positions(t, s, device)[rows]
+    q_pos = query_positions(t, s, device) if query_slots is None else query_slots
     k_pos = torch.arange(s, device=device)[cols]
-    distance = q_pos[:, None] - k_pos  # p(i) - j, (rows, cols)
+    distance = q_pos[rows, None] - k_pos  # p(i) - j, (rows, cols)
     allowed = torch.ones(distance.shape, dtype=torch.bool, device=device)
     if left >= 0:
         allowed &= distance <= left
@@ -69,9 +73,11 @@ def window_mask(
     return allowed
 
 
-def alibi_bias(slopes: Tensor, t: int, s: int) -> Tensor:
-    """``(h, t, s)`` ALiBi bias ``-slope * |p(i) - j|`` (Press et al., 2022), in the slopes' dtype."""
-    distance = query_positions(t, s, slopes.device)[:, None] - torch.arange(s, device=slopes.device)
+def alibi_bias(slopes: Tensor, t: int, s: int, *, query_slots: Tensor | None = None) -> Tensor:
+    """``(h, t, s)`` ALiBi bias ``-slope * |p(i) - j|`` (Press et al., 2022), in the slopes' dtype;
+    ``query_slots`` as in :func:`window_mask`."""
+    q_pos = query_positions(t, s, slopes.device) if query_slots is None else query_slots
+    distance = q_pos[:, None] - torch.arange(s, device=slopes.device)
     return -slopes[:, None, None] * distance.abs().to(slopes.dtype)  # (h, 1, 1) * (t, s)
 
 
@@ -112,6 +118,15 @@ def merge_window(
     return None if (left, right) == (-1, -1) else (left, right)
 
 
+def zero_padding(x: Tensor, key_mask: Tensor | None) -> Tensor:
+    """``x`` ``(b, h_kv, s, d)`` (keys or values) with the padding that ``key_mask`` ``(b, s)`` marks
+    set to 0: padding may hold anything (``torch.empty``, NaN), and a masked key's weight of 0 times
+    a NaN would still be NaN, in the output or in the gradients."""
+    if key_mask is None:
+        return x
+    return x.masked_fill(~key_mask[:, None, :, None], 0.0)  # (b, s) -> (b, 1, s, 1)
+
+
 class Masks(NamedTuple):
     """Everything that decides which keys a query may see, kept structured until a backend needs it.
     (A NamedTuple rather than a frozen dataclass: built on every call, in half the time.)
@@ -123,8 +138,8 @@ class Masks(NamedTuple):
         window: ``(left, right)`` in positions around ``p(i)``, -1 unbounded, causal folded in; None
             when no positional limit applies.
         key_mask: ``(b, s)`` bool, True for a real token, or None.
-        attn_mask: bool (True = may attend) or float (added to scores), broadcastable to
-            ``(b, h, t, s)``, or None.
+        attn_mask: bool (True = may attend) or float (added to scores; ``-inf`` masks),
+            broadcastable to ``(b, h, t, s)``, or None.
     """
 
     window: tuple[int, int] | None = None
@@ -165,7 +180,7 @@ class Masks(NamedTuple):
             combine(self.key_mask[:, None, None, cols])  # (b, s) -> (b, 1, 1, s)
         if self.attn_mask is not None:
             m = self.attn_mask
-            m = m if m.dtype == torch.bool else m > float("-inf")
+            m = m if m.dtype == torch.bool else m != float("-inf")  # NaN: allowed, a NaN score
             combine(_block(m, rows, cols))
         return allowed
 

@@ -13,6 +13,7 @@ import torch
 
 from attnkit import attention
 from attnkit.backends import _native, tiled
+from attnkit.functional import which_backend
 from oracle import naive_attention
 
 
@@ -39,14 +40,13 @@ def test_backward_stores_no_score_sized_tensor():
     assert shapes, "the hook saw nothing: the test would pass vacuously"
     assert all(t not in shape[-2:] or s not in shape[-2:] for shape in shapes), shapes
 
-    # ctx attributes: the plan holds the request; no tensor in it is (t, s)-sized
+    # ctx attributes: the spec holds no tensor; the masks and slopes are saved inputs (None here)
     ctx = out.grad_fn
     tensors = [x for x in vars(ctx).values() if isinstance(x, torch.Tensor)]
-    plan = ctx.plan
-    tensors += [x for x in plan.request if isinstance(x, torch.Tensor)]  # NamedTuples: their fields
-    tensors += [x for x in plan.request.masks if isinstance(x, torch.Tensor)]
+    tensors += [x for x in ctx.spec if isinstance(x, torch.Tensor)]  # a NamedTuple: its fields
     assert all(x.numel() < t * s for x in tensors)
-    assert {tuple(x.shape) for x in ctx.saved_tensors} == {(1, 2, t, 8), (1, 1, s, 8), (1, 2, t)}
+    saved = {tuple(x.shape) for x in ctx.saved_tensors if x is not None}
+    assert saved == {(1, 2, t, 8), (1, 1, s, 8), (1, 2, t)}
 
 
 def count_blocks(monkeypatch, **options):
@@ -112,10 +112,12 @@ def test_weights_leave_the_output_bit_identical():
     torch.testing.assert_close(weights.sum(-1), torch.ones(1, 2, 23))
 
 
-def test_lse_is_returned_without_gradient():
+def test_lse_is_float32_and_carries_gradients():
     q, k, v = qkv()
     _, lse = attention(q, k, v, return_lse=True, backend="tiled")
-    assert lse.dtype == torch.float32 and not lse.requires_grad
+    assert lse.dtype == torch.float32 and lse.requires_grad
+    with torch.no_grad():
+        assert not attention(q, k, v, return_lse=True, backend="tiled")[1].requires_grad
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -195,15 +197,21 @@ def forward_backward(dtype=torch.float32, **options):
     return lambda: attention(q, k, v, backend="tiled", **options).sum().backward()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_cpp_kernel_runs_where_the_products_are_float32(dtype):
-    ran = paths_taken(forward_backward(dtype, causal=True, softcap=4.0))
-    assert ran == ["attnkit::tiled_native_backward", "attnkit::tiled_native_forward"]
-
-
-def test_the_loop_runs_in_float64():
-    ran = paths_taken(forward_backward(torch.float64, causal=True))
-    assert ran == ["attnkit::tiled_loop_backward", "attnkit::tiled_loop_forward"]
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_which_backend_names_the_path_that_runs(dtype):
+    """The path depends on the CPU (half-precision products where it has them, float32 in the C++
+    kernel elsewhere): the test asks which_backend, then checks that this path is the one taken."""
+    q, k, v = qkv(h=4, h_kv=2, t=23, s=31, dtype=dtype)
+    choice = which_backend(q, k, v, backend="tiled", causal=True, softcap=4.0)
+    ran = paths_taken(
+        lambda: attention(q, k, v, backend="tiled", causal=True, softcap=4.0).sum().backward()
+    )
+    path = choice.path
+    assert ran == [f"attnkit::tiled_{path}_backward", f"attnkit::tiled_{path}_forward"]
+    if dtype == torch.float32:
+        assert path == "native"  # the kernel builds on every CPU the tests run on
+    if dtype == torch.float64:
+        assert path == "loop"  # the C++ kernel computes in float32
 
 
 def test_a_kernel_that_cannot_be_built_falls_back_to_the_loop_with_a_warning(monkeypatch):

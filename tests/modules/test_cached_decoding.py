@@ -65,10 +65,11 @@ def test_decoding_equals_the_full_forward(config, schedule, cache_window):
 def test_weights_with_a_cache_are_the_rows_of_the_full_weights():
     module = make(CONFIGS["gqa"])
     x = torch.randn(1, 6, D_IN)
-    _, full = module(x, need_weights=True)
-    cache = cache_for(module, batch_size=1)
-    module(x[:, :4], cache=cache)
-    _, step = module(x[:, 4:5], cache=cache, need_weights=True)
+    with torch.no_grad():
+        _, full = module(x, need_weights=True)
+        cache = cache_for(module, batch_size=1)
+        module(x[:, :4], cache=cache)
+        _, step = module(x[:, 4:5], cache=cache, need_weights=True)
     torch.testing.assert_close(step[:, 0], full[:, 4, :5])
 
 
@@ -111,7 +112,8 @@ def test_a_ragged_batch_decodes_like_each_prompt_alone(config):
 def test_leading_padding_queries_give_zeros_not_nan():
     module = make(CONFIGS["rope"])
     key_mask = torch.tensor([[False, False, True]])
-    out = module(torch.randn(1, 3, D_IN), cache=cache_for(module, 1), key_mask=key_mask)
+    with torch.no_grad():
+        out = module(torch.randn(1, 3, D_IN), cache=cache_for(module, 1), key_mask=key_mask)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out[0, 0], module.out_proj.bias)  # zero context -> the bias alone
 
@@ -135,14 +137,16 @@ def test_cross_attention_computes_the_memory_once_and_reuses_it():
     key_mask[:, 0] = True
     full = cross(x, memory, key_mask=key_mask)
     cache = KVCache(2, 4, 9, cross.head_dim)
-    steps = [cross(x[:, :2], memory, cache=cache, key_mask=key_mask)]
-    steps += [cross(x[:, i : i + 1], cache=cache) for i in range(2, 6)]
+    with torch.no_grad():
+        steps = [cross(x[:, :2], memory, cache=cache, key_mask=key_mask)]
+        steps += [cross(x[:, i : i + 1], cache=cache) for i in range(2, 6)]
     torch.testing.assert_close(torch.cat(steps, dim=1), full)
     assert cache.size == 9  # the memory's keys, once
-    with pytest.raises(ValueError, match=r"memory is required \(the first call with an empty"):
-        cross(x, cache=KVCache(2, 4, 9, cross.head_dim))
-    with pytest.raises(ValueError, match="cache without window"):
-        cross(x, memory, cache=KVCache(2, 4, 9, cross.head_dim, window=3))
+    with torch.no_grad():
+        with pytest.raises(ValueError, match=r"memory is required \(the first call with an emp"):
+            cross(x, cache=KVCache(2, 4, 9, cross.head_dim))
+        with pytest.raises(ValueError, match="cache without window"):
+            cross(x, memory, cache=KVCache(2, 4, 9, cross.head_dim, window=3))
 
 
 @pytest.mark.parametrize(
@@ -166,7 +170,7 @@ def test_module_cache_errors(module_kwargs, cache_args, error, message):
     module = MultiHeadAttention(D_IN, D_OUT, 8, 0.0, 4, **module_kwargs)
     window = cache_args[4] if len(cache_args) > 4 else None
     cache = KVCache(*cache_args[:4], window=window)
-    with pytest.raises(error, match=message):
+    with pytest.raises(error, match=message), torch.no_grad():
         module(torch.randn(2, 6, D_IN), cache=cache)
         module(torch.randn(2, 4, D_IN), cache=cache)
 
@@ -176,8 +180,9 @@ def test_module_cache_type_and_dtype_errors():
     with pytest.raises(TypeError, match=r"cache must be an attnkit\.KVCache, got dict"):
         module(torch.randn(1, 2, D_IN), cache={})
     cache = KVCache(1, 4, 8, 8, dtype=torch.bfloat16)
-    with pytest.raises(
-        TypeError, match=r"dtype torch\.float32 but the cache holds torch\.bfloat16"
+    with (
+        pytest.raises(TypeError, match=r"dtype torch\.float32 but the cache holds torch\.bfloat16"),
+        torch.no_grad(),
     ):
         module(torch.randn(1, 2, D_IN), cache=cache)
 

@@ -37,11 +37,13 @@ back silently.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
 from attnkit.backends import decode, reference, sdpa, tiled
-from attnkit.backends.base import AttentionOutput, Backend, BackendFn, Request
+from attnkit.backends.base import AttentionOutput, Backend, BackendFn, Request, wants_grad
 
 _MASKS = frozenset({"causal", "window", "attn_mask", "key_mask", "alibi_slopes"})
 _EXTRAS = frozenset({"softcap", "return_lse", "return_weights"})
@@ -50,8 +52,8 @@ BACKENDS: dict[str, Backend] = {
     "reference": Backend(
         "reference", reference.reference, _MASKS | _EXTRAS | {"dropout_p", "attn_mask_grad"}
     ),
-    "sdpa": Backend("sdpa", sdpa.sdpa, _MASKS | {"dropout_p", "attn_mask_grad"}),
-    "tiled": Backend("tiled", tiled.tiled, _MASKS | _EXTRAS),
+    "sdpa": Backend("sdpa", sdpa.sdpa, _MASKS | {"dropout_p", "attn_mask_grad"}, sdpa.refuses),
+    "tiled": Backend("tiled", tiled.tiled, _MASKS | _EXTRAS, tiled.refuses),
     "decode": Backend("decode", decode.decode, frozenset({"key_mask"}), decode.refuses),
 }
 
@@ -79,62 +81,100 @@ DENSE_MASK_LIMIT = 2**24
 NATIVE_MIN_SCORES = 256 * 256
 
 
-def _tiled_beats_sdpa(request: Request, q: Tensor, k: Tensor, v: Tensor) -> bool:
-    """Whether SDPA would waste work or memory where the tiled kernel would not."""
+def _tiled_beats_sdpa(request: Request, q: Tensor, k: Tensor, v: Tensor) -> str | None:
+    """Why SDPA would waste work or memory where the tiled kernel would not (None if it would not)."""
     _, h, t, _ = q.shape
     s = k.shape[-2]
     half = q.dtype in (torch.bfloat16, torch.float16)
-    wants_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
-    if half and wants_grad and not tiled._fast_half_matmul(q.dtype, q.device):
-        return True
+    if half and wants_grad(q, k, v) and not tiled._fast_half_matmul(q.dtype, q.device):
+        return f"SDPA's {q.dtype} backward is slow on a CPU without fast half-precision products"
     window = request.masks.window
     limited = window is not None and window != (-1, 0)  # a window, not just causal
     if limited:
         left, right = window
         visible = (left if left >= 0 else s) + (right if right >= 0 else s) + 1
         if 4 * visible <= s:  # SDPA computes every score, the tiled kernel about visible / s
-            return True
+            return f"the window shows each query at most {visible} of {s} keys"
     dense = limited or request.alibi_slopes is not None or (window == (-1, 0) and t != s)
     if not dense:
-        return False
+        return None
     mask_elements = t * s * (h if request.alibi_slopes is not None else 1)
     if mask_elements > DENSE_MASK_LIMIT:
-        return True
-    return t * s >= NATIVE_MIN_SCORES and tiled.runs_native(q)
+        return f"SDPA would need a dense mask of {mask_elements} elements"
+    if t * s >= NATIVE_MIN_SCORES and tiled.runs_native(q):
+        return "the C++ kernel applies the positional mask that SDPA would read from memory"
+    return None
 
 
-def _can_run(
-    backend: Backend, options: frozenset[str], request: Request, q: Tensor, k: Tensor, v: Tensor
-) -> bool:
-    if not options <= backend.supports:
-        return False
-    if backend.name == "decode" and k.shape[-2] < DECODE_MIN_KEYS.get(q.dtype, 512):
-        return False
-    if backend.refuses is not None and backend.refuses(request, q, k, v) is not None:
-        return False
-    return backend.name != "decode" or decode.available()[0]  # the first call builds the kernel
+def _why_not(backend: Backend, options: frozenset[str], request: Request, q, k, v) -> str | None:
+    """Why ``auto`` passes over ``backend`` for this call (None if it can run it)."""
+    missing = options - backend.supports
+    if missing:
+        return f"does not support {', '.join(sorted(missing))}"
+    if backend.refuses is not None:
+        reason = backend.refuses(request, q, k, v)
+        if reason is not None:
+            return f"cannot run {reason}"
+    if backend.name == "decode":
+        s, least = k.shape[-2], DECODE_MIN_KEYS.get(q.dtype, 512)
+        if s < least and request.masks.key_mask is None:  # SDPA would copy padded k and v
+            return f"{s} keys: SDPA is as fast below {least}"
+        usable, reason = decode.available()  # the first call builds the kernel
+        if not usable:
+            return f"is unavailable: {reason}"
+    return None
 
 
-def resolve_backend(name: str, request: Request, q: Tensor, k: Tensor, v: Tensor) -> Backend:
-    """The backend that will run ``request`` on ``q``, ``k``, ``v``: ``name`` itself, or for
-    "auto" the fastest capable one.
+class BackendChoice(NamedTuple):
+    """What :func:`attnkit.functional.which_backend` reports.
+
+    Attributes:
+        backend: the name of the backend that runs, a key of :data:`BACKENDS`.
+        path: the code inside it: ``"native"`` (its C++ kernel) or ``"loop"`` (its PyTorch loop)
+            for ``tiled``; ``"native"`` for ``decode``; ``"torch"`` for ``sdpa`` (torch's own
+            kernel); ``"float64"`` for ``reference``.
+        reason: why, in a sentence.
+    """
+
+    backend: str
+    path: str
+    reason: str
+
+
+def _path(backend: Backend, q: Tensor) -> str:
+    if backend.name == "tiled":
+        runs_native = not torch.compiler.is_compiling() and tiled.runs_native(q)
+        return "native" if runs_native else "loop"
+    return {"decode": "native", "sdpa": "torch", "reference": "float64"}[backend.name]
+
+
+def choose_backend(name: str, request: Request, q: Tensor, k: Tensor, v: Tensor) -> BackendChoice:
+    """The backend that will run ``request`` on ``q``, ``k``, ``v``, with its path and why: ``name``
+    itself, or for "auto" the fastest capable one.
 
     Raises:
         ValueError: ``name`` is unknown, or the named backend cannot do an option in use.
     """
     if name == "auto":
         options = request.options  # a property: computed once here
+        passed = []
         for candidate in AUTO_ORDER:
             backend = BACKENDS[candidate]
-            if not _can_run(backend, options, request, q, k, v):
+            why_not = _why_not(backend, options, request, q, k, v)
+            if why_not is not None:
+                passed.append(f"{candidate} {why_not}")
                 continue
-            if (
-                candidate == "sdpa"
-                and options <= BACKENDS["tiled"].supports
-                and _tiled_beats_sdpa(request, q, k, v)
-            ):
-                return BACKENDS["tiled"]
-            return backend
+            reason = "the fastest backend for this call"
+            if candidate == "sdpa" and options <= BACKENDS["tiled"].supports:
+                faster = _tiled_beats_sdpa(request, q, k, v)
+                if (
+                    faster is not None
+                    and _why_not(BACKENDS["tiled"], options, request, q, k, v) is None
+                ):
+                    backend, reason = BACKENDS["tiled"], f"faster than sdpa here: {faster}"
+            if passed:
+                reason += " (" + "; ".join(passed) + ")"
+            return BackendChoice(backend.name, _path(backend, q), reason)
         raise AssertionError("the reference backend runs every request")  # pragma: no cover
     if name not in BACKENDS:
         choices = ", ".join(repr(n) for n in ("auto", *BACKENDS))
@@ -154,7 +194,12 @@ def resolve_backend(name: str, request: Request, q: Tensor, k: Tensor, v: Tensor
         usable, reason = decode.available()
         if not usable:
             raise ValueError(f"backend 'decode' is unavailable: {reason}; use backend='auto'")
-    return backend
+    return BackendChoice(name, _path(backend, q), "named by the caller")
+
+
+def resolve_backend(name: str, request: Request, q: Tensor, k: Tensor, v: Tensor) -> Backend:
+    """The backend that will run ``request`` (see :func:`choose_backend`)."""
+    return BACKENDS[choose_backend(name, request, q, k, v).backend]
 
 
 __all__ = [
@@ -164,7 +209,9 @@ __all__ = [
     "DENSE_MASK_LIMIT",
     "AttentionOutput",
     "Backend",
+    "BackendChoice",
     "BackendFn",
     "Request",
+    "choose_backend",
     "resolve_backend",
 ]

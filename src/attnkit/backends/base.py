@@ -6,6 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import torch
 from torch import Tensor
 
 from attnkit.masks import Masks
@@ -83,3 +84,15 @@ class Backend:
     fn: BackendFn
     supports: frozenset[str]
     refuses: RefusesFn | None = None
+
+
+def forward_ad_active() -> bool:
+    """Whether forward-mode AD may reach this call: inside ``torch.autograd.forward_ad.dual_level``,
+    ``torch.func.jvp`` or ``jacfwd`` (both set a forward-AD level). Backends without a jvp rule are
+    then refused, before they would fail inside torch."""
+    return torch.autograd.forward_ad._current_level >= 0
+
+
+def wants_grad(*tensors: Tensor | None) -> bool:
+    """Whether autograd will record this call: grad mode is on and some tensor requires grad."""
+    return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors)

@@ -11,6 +11,11 @@
 //
 // Layout: q (b, h_kv, rows, d), k, v (b, h_kv, s, d), all of one dtype with the last dim contiguous
 // (views of a cache buffer are fine); key_mask (b, s) bool or empty (all real).
+//
+// Non-finite values follow attnkit's rule (reference.py): a padding key (key_mask False) is never
+// read into a result, whatever it holds; a row with a real key whose score is not finite (NaN or
+// infinite q or k) is NaN; a non-finite value reaches the rows that see its key. Built with
+// -ffast-math but -fno-finite-math-only, so that the checks for NaN and infinity stay.
 
 #include <torch/extension.h>
 
@@ -30,6 +35,8 @@ constexpr int64_t kBlock = 64;     // keys scored together before one softmax up
 constexpr int64_t kMaxRows = 16;   // query rows per key/value head
 constexpr int64_t kMaxDim = 256;
 constexpr int64_t kPrefetchBytes = 8192;  // how far ahead of its use a row is asked for
+
+inline bool finite(float x) { return std::fabs(x) <= FLT_MAX; }
 
 // exp(x) for x <= 0 that the compiler vectorises: 2^n * p(f) with x log2(e) = n + f, |f| <= 1/2 and
 // p of degree 6 (relative error below 2e-7); 0 below -87, where float32 would underflow.
@@ -97,16 +104,20 @@ void attend_split(const float* q, int64_t rows_given, int64_t dim, const T* k, c
   alignas(64) float acc[kMaxRows][kMaxDim];
   alignas(64) float buffer[4][kMaxDim];  // rows of a half-precision cache, as float32
   float m[kMaxRows], l[kMaxRows];
+  bool bad[kMaxRows];  // a real key's score was NaN or infinite: the row's output is NaN
   for (int64_t r = 0; r < rows; ++r) {
     m[r] = -FLT_MAX;  // no real key yet
     l[r] = 0.f;
+    bad[r] = false;
     std::fill(acc[r], acc[r] + d, 0.f);
   }
   for (int64_t j0 = begin; j0 < end; j0 += kBlock) {
     const int64_t n = std::min(kBlock, end - j0);
-    if (real != nullptr && std::none_of(real + j0, real + j0 + n, [](bool r) { return r; })) {
+    const auto is_real = [](bool r) { return r; };
+    if (real != nullptr && std::none_of(real + j0, real + j0 + n, is_real)) {
       continue;  // the block adds nothing: neither its keys nor its values are read
     }
+    const bool all_real = real == nullptr || std::all_of(real + j0, real + j0 + n, is_real);
     int64_t j = 0;
     for (; j + 4 <= n; j += 4) {  // four keys at a time: four independent chains of FMAs
       const float* key[4];
@@ -135,11 +146,19 @@ void attend_split(const float* q, int64_t rows_given, int64_t dim, const T* k, c
         scores[r][j] = dot;
       }
     }
-    if (real != nullptr) {
+    if (!all_real) {
       for (int64_t j = 0; j < n; ++j) {
         if (!real[j0 + j]) {
           for (int64_t r = 0; r < rows; ++r) scores[r][j] = -FLT_MAX;
         }
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) {  // a padding key's -FLT_MAX is finite: only real keys count
+      bool all_finite = true;
+      for (int64_t j = 0; j < n; ++j) all_finite = all_finite && finite(scores[r][j]);
+      if (!all_finite) {
+        bad[r] = true;
+        std::fill(scores[r], scores[r] + n, -FLT_MAX);  // weight 0 here: the row ends as NaN
       }
     }
     for (int64_t r = 0; r < rows; ++r) {
@@ -160,6 +179,16 @@ void attend_split(const float* q, int64_t rows_given, int64_t dim, const T* k, c
       }
     }
     j = 0;
+    if (!all_real) {  // selection, not multiplication: 0 * a padding value's NaN would be NaN
+      for (; j < n; ++j) {
+        if (!real[j0 + j]) continue;
+        const float* value = as_float<T, D>(v + (j0 + j) * stride_s, buffer[0], d);
+        for (int64_t r = 0; r < rows; ++r) {
+          const float p = scores[r][j];
+          for (int64_t c = 0; c < d; ++c) acc[r][c] += p * value[c];
+        }
+      }
+    }
     for (; j + 4 <= n; j += 4) {  // four values at a time: one load and store of acc per four
       const float* value[4];
       four_rows<T, D>(v, j0 + j, stride_s, d, buffer, value);
@@ -182,7 +211,7 @@ void attend_split(const float* q, int64_t rows_given, int64_t dim, const T* k, c
   }
   for (int64_t r = 0; r < rows; ++r) {
     max_out[r] = m[r];
-    sum_out[r] = l[r];
+    sum_out[r] = bad[r] ? NAN : l[r];  // NaN marks the row for the merge
     std::copy(acc[r], acc[r] + d, out + r * d);
   }
 }
@@ -230,15 +259,17 @@ void run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
       }
       float total = 0.f;
       float merged[kMaxDim] = {};
+      bool bad = false;
       for (int64_t sp = 0; sp < splits; ++sp) {
         const int64_t at = (bh * splits + sp) * rows + r;
-        if (part_sum[at] == 0.f) continue;
+        bad = bad || part_sum[at] != part_sum[at];
+        if (part_sum[at] == 0.f || bad) continue;
         const float factor = std::exp(part_max[at] - overall);
         total += part_sum[at] * factor;
         const float* po = part_out.data() + at * d;
         for (int64_t c = 0; c < d; ++c) merged[c] += po[c] * factor;
       }
-      const float inverse = total > 0.f ? 1.f / total : 0.f;
+      const float inverse = bad ? NAN : total > 0.f ? 1.f / total : 0.f;
       T* o = op + (bh * rows + r) * d;
       for (int64_t c = 0; c < d; ++c) o[c] = static_cast<T>(merged[c] * inverse);
     }

@@ -27,7 +27,7 @@ from torch import Tensor
 from torch.overrides import has_torch_function
 
 from attnkit.backends._native import Kernel
-from attnkit.backends.base import AttentionOutput, Request
+from attnkit.backends.base import AttentionOutput, Request, forward_ad_active
 
 MAX_ROWS = 16  # query rows per key/value head (GQA group size x queries)
 MAX_HEAD_DIM = 256
@@ -35,7 +35,7 @@ MIN_KEYS_PER_SPLIT = 1024  # the shortest split of the keys that a thread stream
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _NO_MASK = torch.empty(0, dtype=torch.bool)
 
-KERNEL = Kernel("decode.cpp", ("-O3", "-ffast-math"))
+KERNEL = Kernel("decode.cpp", ("-O3", "-ffast-math", "-fno-finite-math-only"))
 
 
 def available() -> tuple[bool, str | None]:
@@ -50,6 +50,12 @@ def refuses(request: Request, q: Tensor, k: Tensor, v: Tensor) -> str | None:
     rows = t * (h // k.shape[1])
     if not q.is_cpu:
         return f"tensors on {q.device.type} (the decode kernel is CPU-only)"
+    if torch.jit.is_tracing() or torch.compiler.is_compiling():
+        return "under torch.jit.trace or torch.compile (neither can see into the C++ kernel)"
+    if torch._C._are_functorch_transforms_active() or forward_ad_active():
+        return (
+            "under a torch.func transform or forward-mode AD (the C++ kernel takes plain tensors)"
+        )
     if q.dtype not in _DTYPES:
         return f"dtype {q.dtype} (the decode kernel takes float32, bfloat16 or float16)"
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):

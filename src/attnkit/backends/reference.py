@@ -1,8 +1,10 @@
 """The reference backend: attention written out as the equations, every intermediate materialised.
 
 It is the single source of truth inside attnkit (like flash-attn's ``attention_ref``): it supports
-every option, returns weights and the log-sum-exp, and runs in float64. It is also the slowest path
-and needs ``O(t * s)`` memory per head.
+every option, returns weights and the log-sum-exp, and computes in float64 whatever the input dtype
+(the results are cast back). It is also the slowest path and needs ``O(t * s)`` memory per head.
+Every operation is an ordinary differentiable torch operation, so gradients of any order, forward-mode
+AD, ``torch.func`` transforms and ``torch.jit.trace`` work through it.
 """
 
 from __future__ import annotations
@@ -12,11 +14,20 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnkit.backends.base import AttentionOutput, Request
-from attnkit.masks import alibi_bias
+from attnkit.masks import alibi_bias, zero_padding
+
+_NAN = float("nan")
+
+
+def nan_unless_finite(scores: Tensor) -> Tensor:
+    """A score made infinite or NaN by the inputs is NaN, never a mask: ``-inf`` would silently drop
+    a key, ``+inf`` take all the weight. Only the masks make a key invisible."""
+    return scores.where(torch.isfinite(scores), _NAN)
 
 
 def masked_softmax(scores: Tensor, allowed: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """Softmax over the last dim that gives zeros, not NaN, for a row with no allowed entry.
+    """Softmax over the allowed entries of the last dim: zeros, not NaN, for a row with no allowed
+    entry; masked entries get weight 0 even in a row that a NaN score makes NaN.
 
     Args:
         scores: ``(..., s)``; ``-inf`` entries count as masked.
@@ -36,39 +47,85 @@ def masked_softmax(scores: Tensor, allowed: Tensor | None = None) -> tuple[Tenso
     empty = row_sum == 0
     safe_sum = row_sum.masked_fill(empty, 1.0)
     weights = exp_scores / safe_sum
+    if allowed is not None:  # a NaN row: exp(-inf - nan) is NaN at the masked entries too
+        weights = weights.masked_fill(~allowed, 0.0)
     lse = (row_max + safe_sum.log()).masked_fill(empty, float("-inf")).squeeze(-1)
     return weights, lse
+
+
+def weighted_values(weights: Tensor, values: Tensor, allowed: Tensor | None) -> Tensor:
+    """``weights @ values`` ``(..., t, s) x (..., s, d_v)``, where a value only reaches the rows
+    that see its key: a masked key's weight is 0, but 0 times a NaN or infinite value would still be
+    NaN. A non-finite value reaches the columns it is in, of every row that sees its key."""
+    if allowed is None:
+        return weights @ values
+    finite = torch.isfinite(values)
+    context = weights @ values.where(finite, 0.0)
+    touched = allowed.to(values.dtype) @ (~finite).to(values.dtype)  # (..., t, d_v): > 0 if seen
+    return context.masked_fill(touched > 0, _NAN)
 
 
 def reference(q: Tensor, k: Tensor, v: Tensor, request: Request) -> AttentionOutput:
     """Materialised attention; shapes ``q (b, h, t, d)``, ``k (b, h_kv, s, d)``, ``v (b, h_kv, s, d_v)``.
 
-    Scores and softmax statistics are computed in float32 for half-precision inputs (float64 for
-    float64); the weights are cast back to the input dtype before they multiply ``v``.
+    Computed in float64; the output and weights come back in the input dtype, the lse in float32
+    (float64 for float64 inputs), as on every backend.
     """
     t, s = q.shape[-2], k.shape[-2]
+    f64 = torch.float64
     groups = (
         q.shape[1] // k.shape[1]
-    )  # query heads per key/value head (GQA); head i uses kv i // groups
-    keys = k.repeat_interleave(groups, dim=1)  # (b, h_kv, s, d) -> (b, h, s, d)
-    values = v.repeat_interleave(groups, dim=1)  # (b, h_kv, s, d_v) -> (b, h, s, d_v)
-    stats_dtype = torch.promote_types(q.dtype, torch.float32)
+    )  # query heads per key/value head (GQA): head i uses i // groups
+    key_mask = request.masks.key_mask
+    queries = q.to(f64)
+    keys, values = (zero_padding(x.to(f64), key_mask) for x in (k, v))
+    keys = keys.repeat_interleave(groups, dim=1)  # (b, h_kv, s, d) -> (b, h, s, d)
+    values = values.repeat_interleave(groups, dim=1)  # (b, h_kv, s, d_v) -> (b, h, s, d_v)
 
-    attn_scores = (q @ keys.transpose(-2, -1)).to(stats_dtype)  # (b, h, t, d) x (b, h, d, s)
-    attn_scores = attn_scores * request.scale  # -> (b, h, t, s)
-    if request.softcap is not None:
+    attn_scores = queries @ keys.transpose(-2, -1)  # (b, h, t, d) x (b, h, d, s) -> (b, h, t, s)
+    attn_scores = attn_scores * request.scale
+    if request.softcap is not None:  # tanh(inf) = 1 would hide an infinite input
+        attn_scores = nan_unless_finite(attn_scores)
         attn_scores = request.softcap * torch.tanh(attn_scores / request.softcap)
     if request.alibi_slopes is not None:
-        attn_scores = attn_scores + alibi_bias(request.alibi_slopes.to(stats_dtype), t, s)
+        attn_scores = attn_scores + alibi_bias(request.alibi_slopes.to(f64), t, s)
     bias = request.masks.bias()
     if bias is not None:
-        attn_scores = attn_scores + bias.to(stats_dtype)
+        attn_scores = attn_scores + bias.to(f64)
+    attn_scores = nan_unless_finite(attn_scores)  # a -inf bias still masks: allowed() says so
 
-    attn_weights, lse = masked_softmax(attn_scores, request.masks.allowed(t, s, q.device))
+    allowed = request.masks.allowed(t, s, q.device)
+    attn_weights, lse = masked_softmax(attn_scores, allowed)
     dropped = F.dropout(attn_weights, request.dropout_p) if request.dropout_p else attn_weights
-    context = dropped.to(v.dtype) @ values  # (b, h, t, s) x (b, h, s, d_v) -> (b, h, t, d_v)
+    context = weighted_values(dropped, values, allowed)  # (b, h, t, s) x (b, h, s, d_v)
+    stats_dtype = torch.promote_types(q.dtype, torch.float32)
     return AttentionOutput(
-        out=context,
-        lse=lse if request.return_lse else None,
+        out=context.to(v.dtype),
+        lse=lse.to(stats_dtype) if request.return_lse else None,
         weights=attn_weights.to(q.dtype) if request.return_weights else None,
     )
+
+
+def differentiable_grads(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    request: Request,
+    dout: Tensor | None,
+    dlse: Tensor | None,
+    wanted: tuple[bool, ...],
+) -> list[Tensor | None]:
+    """The gradients of q, k, v and the ALiBi slopes (those ``wanted``) given the output's and the
+    lse's (None: unused), as functions of the inputs: for the backward of a fused kernel run with
+    ``create_graph=True``. This backend recomputes the call and autograd differentiates that, so
+    the second derivatives are exact, at this backend's ``O(t s)`` memory."""
+    out, lse, _ = reference(q, k, v, request._replace(return_lse=dlse is not None))
+    outputs, cotangents = [], []
+    for output, grad in ((out, dout), (lse, dlse)):
+        if grad is not None:
+            outputs.append(output)
+            cotangents.append(grad.to(output.dtype))
+    inputs = [x for x, w in zip((q, k, v, request.alibi_slopes), wanted) if w]
+    grads = torch.autograd.grad(outputs, inputs, cotangents, create_graph=True, allow_unused=True)
+    found = iter(grads)
+    return [next(found) if w else None for w in wanted]

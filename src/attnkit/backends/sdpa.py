@@ -4,21 +4,37 @@ torch's ``is_causal=True`` aligns the mask top-left, attnkit bottom-right (see :
 the two agree only when ``t == s``, so ``is_causal`` is used only then and an explicit mask otherwise.
 ALiBi becomes a float mask added to the scores. SDPA has no soft-capping and returns neither weights
 nor the log-sum-exp: asking for those raises in the dispatcher.
+
+Three things around the call keep it to attnkit's rules:
+
+- Padding (``key_mask`` False) is zeroed in k and v first: a masked key's weight of 0 times a NaN in
+  its value would still be NaN.
+- torch's fused CPU kernel treats a row whose scores are all NaN or ``-inf`` as a row with no key and
+  returns zeros; attnkit's rule makes a row NaN as soon as a key it sees has a non-finite score
+  (:func:`nonfinite_rows`).
+- torch's fused kernels have no double backward. Where one ran and a gradient is wanted, the output
+  passes through :class:`_TwiceDifferentiable`: the identity, whose backward with
+  ``create_graph=True`` differentiates the reference backend's recomputation instead.
 """
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from attnkit.backends.base import AttentionOutput, Request
-from attnkit.masks import alibi_bias
+from attnkit.backends.base import AttentionOutput, Request, forward_ad_active, wants_grad
+from attnkit.backends.reference import differentiable_grads
+from attnkit.masks import Masks, alibi_bias, zero_padding
+
+_NAN = float("nan")
 
 
 def sdpa(q: Tensor, k: Tensor, v: Tensor, request: Request) -> AttentionOutput:
     """Shapes ``q (b, h, t, d)``, ``k (b, h_kv, s, d)``, ``v (b, h_kv, s, d_v)``."""
     t, s = q.shape[-2], k.shape[-2]
     masks = request.masks
+    keys, values = zero_padding(k, masks.key_mask), zero_padding(v, masks.key_mask)
     is_causal = masks.is_causal_only and t == s and request.alibi_slopes is None
     allowed = None if is_causal else masks.allowed(t, s, q.device)
     attn_mask = allowed
@@ -31,15 +47,111 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, request: Request) -> AttentionOutput:
 
     out = F.scaled_dot_product_attention(
         q,
-        k,
-        v,
+        keys,
+        values,
         attn_mask=attn_mask,
         dropout_p=request.dropout_p,
         is_causal=is_causal,
         scale=request.scale,
         enable_gqa=bool(q.shape[1] != k.shape[1]),  # bool: under jit.trace the sizes are tensors
     )
+    bad_rows = nonfinite_rows(q, keys, allowed, is_causal, masks.bias(), request.alibi_slopes)
+    out = out.masked_fill(bad_rows, _NAN)
     if allowed is not None:
         # Rows with no allowed key are zero by construction, whatever the kernel on this device does.
         out = out.masked_fill(~allowed.any(dim=-1, keepdim=True), 0.0)
+    if _fused(out) and wants_grad(q, k, v, request.alibi_slopes):
+        out = _TwiceDifferentiable.apply(
+            out, q, k, v, request.alibi_slopes, masks.attn_mask, masks.key_mask, request
+        )
     return AttentionOutput(out)
+
+
+def nonfinite_rows(
+    q: Tensor,
+    k: Tensor,
+    allowed: Tensor | None,
+    is_causal: bool,
+    bias: Tensor | None,
+    slopes: Tensor | None,
+) -> Tensor:
+    """``(b, h, t, 1)`` True for the rows that see a key whose score is not finite: a NaN or infinite
+    query row, or key row, a NaN or +inf entry of the float mask ``bias``, or a non-finite ALiBi
+    slope (whose ``-inf`` terms SDPA would take for a mask). attnkit makes those rows NaN; SDPA's
+    fused CPU kernel returns zeros for a row whose every score is NaN or ``-inf``, and drops a key
+    whose score is ``-inf``. (Values need nothing: SDPA multiplies them, so they spread.)
+
+    One pass over q and k and, with a dense mask, over the mask: ``O((t + s) d + t s)`` next to the
+    kernel's ``O(t s d)``. No data-dependent branch, so ``torch.compile`` and ``vmap`` stay whole."""
+    h, h_kv = q.shape[1], k.shape[1]
+    bad_q = ~torch.isfinite(q).all(dim=-1, keepdim=True)  # (b, h, t, 1)
+    bad_k = ~torch.isfinite(k).all(dim=-1)  # (b, h_kv, s)
+    bad_k = bad_k.repeat_interleave(h // h_kv, dim=1)  # (b, h, s): query head i uses kv i // g
+    if is_causal:  # t == s: query i sees keys 0..i
+        sees_bad = (bad_k.cumsum(dim=-1) > 0)[..., None]
+    elif allowed is None:
+        sees_bad = bad_k.any(dim=-1)[:, :, None, None]
+    else:  # (.., t, s) x (b, h, s, 1): the number of bad keys a row sees
+        sees_bad = allowed.to(q.dtype) @ bad_k[..., None].to(q.dtype) > 0
+    bad = bad_q | sees_bad
+    if bias is not None:  # NaN or +inf added to a score a row sees (-inf masks)
+        bad_bias = torch.isnan(bias) | torch.isposinf(bias)
+        if allowed is not None:
+            bad_bias = bad_bias & allowed
+        bad = bad | bad_bias.any(dim=-1, keepdim=True)
+    if slopes is not None:
+        bad = bad | ~torch.isfinite(slopes)[:, None, None]  # (h, 1, 1)
+    return bad
+
+
+def _fused(out: Tensor) -> bool:
+    """Whether one of torch's fused kernels made ``out`` (they have no double backward), rather than
+    the composite one of ordinary operations (which torch's CPU dispatch picks for dropout or a mask
+    that needs a gradient). Not under a transform, tracing or compilation, which differentiate
+    SDPA themselves."""
+    if torch.jit.is_tracing() or torch.compiler.is_compiling():
+        return False
+    if torch._C._are_functorch_transforms_active():
+        return False
+    node = out.grad_fn
+    while node is not None and type(node).__name__ == "MaskedFillBackward0":
+        node = node.next_functions[0][0]
+    return node is not None and type(node).__name__.startswith("ScaledDotProduct")
+
+
+class _TwiceDifferentiable(torch.autograd.Function):
+    """The identity on SDPA's output. A plain backward passes the gradient on to torch's fused
+    backward; a backward with ``create_graph=True`` returns, for q, k, v and the slopes, the
+    gradients of the reference backend's recomputation, which autograd can differentiate again (at
+    the reference's ``O(t s)`` memory for that call)."""
+
+    @staticmethod
+    def forward(ctx, out, q, k, v, alibi_slopes, attn_mask, key_mask, request: Request):
+        ctx.save_for_backward(q, k, v, alibi_slopes, attn_mask, key_mask)
+        # The request without its tensors, which are saved above
+        ctx.request = request._replace(masks=Masks(request.masks.window), alibi_slopes=None)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, dout):
+        if not torch.is_grad_enabled():  # a first-order backward: torch's own kernel
+            return dout, None, None, None, None, None, None, None
+        if ctx.request.dropout_p > 0:
+            raise ValueError(
+                "backend 'sdpa' cannot differentiate twice through dropout: torch's fused kernel "
+                "drew a dropout mask that a recomputation cannot repeat; use dropout_p=0, or "
+                "backend='reference', for a backward with create_graph=True"
+            )
+        q, k, v, slopes, attn_mask, key_mask = ctx.saved_tensors
+        masks = Masks(ctx.request.masks.window, key_mask, attn_mask)
+        request = ctx.request._replace(masks=masks, alibi_slopes=slopes)
+        wanted = ctx.needs_input_grad[1:5]
+        grads = differentiable_grads(q, k, v, request, dout, None, wanted)
+        return None, *grads, None, None, None
+
+
+def refuses(request: Request, q: Tensor, k: Tensor, v: Tensor) -> str | None:
+    """Why SDPA cannot run this call (None if it can)."""
+    if forward_ad_active():
+        return "forward-mode AD (torch.func.jvp, jacfwd, forward_ad): torch's fused kernels have no jvp rule"
+    return None

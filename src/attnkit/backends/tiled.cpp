@@ -49,8 +49,16 @@ inline float exp_nonpositive(float x) {
   std::memcpy(&bits, &p, sizeof bits);
   bits += static_cast<int32_t>(n) * (1 << 23);
   std::memcpy(&p, &bits, sizeof p);
-  return x < -87.f ? 0.f : p;
+  return x < -87.f ? 0.f : (x == x ? p : x);  // NaN stays NaN
 }
+
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+
+inline bool finite(float x) { return std::fabs(x) <= std::numeric_limits<float>::max(); }
+
+// A score made infinite or NaN by the inputs is NaN: only a mask gives -inf (attnkit's rule for
+// non-finite values, see reference.py).
+inline float nan_unless_finite(float x) { return finite(x) ? x : kNaN; }
 
 // tanh(x), vectorisable: an odd Taylor polynomial near 0 (where 1 - e^{-2|x|} would cancel), else
 // (1 - e) / (1 + e) with e = e^{-2|x|}.
@@ -63,23 +71,33 @@ inline float tanh_fast(float x) {
   return std::copysign(a < 0.125f ? near : far, x);
 }
 
-// The largest of x[0 .. n), -inf for n = 0. GCC does not vectorise a running max of floats without
-// -ffinite-math-only (which -inf masking forbids), so eight lanes are kept in a vector of the
-// compiler's own (generic vectors: one AVX register here, pairs of SSE ones elsewhere).
+// The largest of x[0 .. n), -inf for n = 0, NaN if any is NaN. GCC does not vectorise a running max
+// of floats without -ffinite-math-only (which -inf masking forbids), so eight lanes are kept in a
+// vector of the compiler's own (generic vectors: one AVX register here, pairs of SSE ones elsewhere).
 typedef float Float8 __attribute__((vector_size(32)));
+typedef int32_t Int8 __attribute__((vector_size(32)));
 
 inline float row_max(const float* x, int64_t n) {
   Float8 lanes = {kNegInf, kNegInf, kNegInf, kNegInf, kNegInf, kNegInf, kNegInf, kNegInf};
+  Int8 nan = {};
   int64_t j = 0;
   for (; j + 8 <= n; j += 8) {
     Float8 chunk;
     std::memcpy(&chunk, x + j, sizeof chunk);
     lanes = chunk > lanes ? chunk : lanes;
+    nan |= chunk != chunk;
   }
   float top = kNegInf;
-  for (; j < n; ++j) top = x[j] > top ? x[j] : top;
-  for (int u = 0; u < 8; ++u) top = lanes[u] > top ? lanes[u] : top;
-  return top;
+  bool any_nan = false;
+  for (; j < n; ++j) {
+    top = x[j] > top ? x[j] : top;
+    any_nan |= x[j] != x[j];
+  }
+  for (int u = 0; u < 8; ++u) {
+    top = lanes[u] > top ? lanes[u] : top;
+    any_nan |= nan[u] != 0;
+  }
+  return any_nan ? kNaN : top;
 }
 
 // A (b, h, t, s) view with any strides (0 where broadcast), or none.
@@ -128,8 +146,8 @@ struct Scoring {
   }
 
   // Row `row` (query i of head `head`, keys j0 .. j0 + n) of raw scores becomes the masked scores
-  // in place, -inf where not allowed; `capped` (if softcap) gets tanh(u / softcap), for the
-  // backward.
+  // in place, -inf where not allowed and NaN where the inputs made a score non-finite; `capped`
+  // (if softcap) gets tanh(u / softcap), for the backward.
   // Returns false when no key of the row is allowed by position (the row is then all -inf).
   bool apply(float* row, float* capped, int64_t batch, int64_t head, int64_t i, int64_t j0,
              int64_t n) const {
@@ -144,7 +162,7 @@ struct Scoring {
       const float c = softcap, inv = 1.f / softcap;
 #pragma omp simd
       for (int64_t j = a; j < z; ++j) {
-        const float th = tanh_fast(row[j] * inv);
+        const float th = tanh_fast(nan_unless_finite(row[j]) * inv);  // tanh(inf) would hide it
         capped[j] = th;
         row[j] = c * th;
       }
@@ -155,13 +173,20 @@ struct Scoring {
 #pragma omp simd
       for (int64_t j = a; j < z; ++j) row[j] -= slope * std::fabs(p - static_cast<float>(j));
     }
-    if (const float* b = bias.row(batch, head, i)) {
+#pragma omp simd
+    for (int64_t j = a; j < z; ++j) row[j] = nan_unless_finite(row[j]);
+    if (const float* b = bias.row(batch, head, i)) {  // -inf masks; NaN or +inf make a NaN score
       b += j0 * bias.ss;
       if (bias.ss == 1) {
 #pragma omp simd
-        for (int64_t j = a; j < z; ++j) row[j] += b[j];
+        for (int64_t j = a; j < z; ++j) {
+          row[j] = b[j] == kNegInf ? kNegInf : nan_unless_finite(row[j] + b[j]);
+        }
       } else {
-        for (int64_t j = a; j < z; ++j) row[j] += b[j * bias.ss];
+        for (int64_t j = a; j < z; ++j) {
+          const float m = b[j * bias.ss];
+          row[j] = m == kNegInf ? kNegInf : nan_unless_finite(row[j] + m);
+        }
       }
     }
     if (const bool* m = allowed.row(batch, head, i)) {
@@ -209,6 +234,21 @@ Scoring make_scoring(int64_t b, int64_t h, int64_t t, int64_t s, const torch::Te
   sc.key_mask = key_mask.numel() ? key_mask.data_ptr<bool>() : nullptr;
   sc.key_mask_stride = key_mask.numel() ? key_mask.stride(0) : 0;
   return sc;
+}
+
+// Which of `rows` rows of `width` floats hold a NaN or an infinity (one flag a row), on every thread.
+std::vector<char> nonfinite_rows(const float* x, int64_t rows, int64_t width) {
+  std::vector<char> flags(rows);
+  at::parallel_for(0, rows, 256, [&](int64_t first, int64_t last) {
+    for (int64_t i = first; i < last; ++i) {
+      bool all_finite = true;
+      const float* row = x + i * width;
+#pragma omp simd reduction(&& : all_finite)
+      for (int64_t c = 0; c < width; ++c) all_finite = all_finite && finite(row[c]);
+      flags[i] = !all_finite;
+    }
+  });
+  return flags;
 }
 
 void check_operands(std::initializer_list<const torch::Tensor*> tensors) {
@@ -265,10 +305,15 @@ std::tuple<torch::Tensor, torch::Tensor> forward(
   const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
   float *op = out.data_ptr<float>(), *lp = lse.data_ptr<float>();
 
+  const std::vector<char> bad = nonfinite_rows(vp, b * h_kv * s, dv);
+
   at::parallel_for(0, b * h * q_blocks, 1, [&](int64_t first, int64_t last) {
     c10::InferenceMode no_autograd;  // the block products' views need no autograd bookkeeping
     std::vector<float> scores(block_q * block_k), capped(block_k), acc(block_q * dv);
     std::vector<float> m(block_q), l(block_q);
+    std::vector<char> poisoned(block_q);  // a NaN score met: the row's output and lse are NaN
+    std::vector<float> clean;             // a value block with its non-finite entries zeroed
+    std::vector<char> touched;            // (bq, dv): a row sees a non-finite value in that column
     for (int64_t item = first; item < last; ++item) {
       const int64_t qb = zigzag(item % q_blocks, q_blocks), bh = item / q_blocks;
       const int64_t batch = bh / h, head = bh % h, kv = batch * h_kv + head / groups;
@@ -279,16 +324,30 @@ std::tuple<torch::Tensor, torch::Tensor> forward(
       std::fill(m.begin(), m.begin() + bq, kNegInf);
       std::fill(l.begin(), l.begin() + bq, 0.f);
       std::fill(acc.begin(), acc.begin() + bq * dv, 0.f);
+      std::fill(poisoned.begin(), poisoned.begin() + bq, 0);
+      touched.clear();
       const auto [lo, hi] = sc.block_range(i0, i1);
       for (int64_t j0 = lo; j0 < hi; j0 += block_k) {
         const int64_t n = std::min(block_k, hi - j0);
         float* sp = scores.data();
+        const char* bad_keys = bad.data() + kv * s + j0;  // keys whose value row is not finite
+        const bool clean_block = std::none_of(bad_keys, bad_keys + n, [](char x) { return x; });
         gemm(false, true, bq, n, d, q_blk, d, k_head + j0 * d, d, sp, n, false);  // S = Q K^T
         for (int64_t r = 0; r < bq; ++r) {
           float* row = sp + r * n;
           sc.apply(row, capped.data(), batch, head, i0 + r, j0, n);
-          const float top = std::max(m[r], row_max(row, n));
-          if (top == kNegInf) {  // nothing allowed so far: the row adds nothing
+          if (!clean_block) {  // selection, not multiplication: only the keys a row sees touch it
+            touched.resize(bq * dv);
+            for (int64_t j = 0; j < n; ++j) {
+              if (!bad_keys[j] || row[j] == kNegInf) continue;
+              const float* value = v_head + (j0 + j) * dv;
+              for (int64_t c = 0; c < dv; ++c) touched[r * dv + c] |= !finite(value[c]);
+            }
+          }
+          const float block_top = row_max(row, n);
+          poisoned[r] |= block_top != block_top;
+          const float top = std::max(m[r], block_top);
+          if (top == kNegInf || poisoned[r]) {  // nothing allowed so far, or NaN: adds nothing
             std::fill(row, row + n, 0.f);
             continue;
           }
@@ -308,32 +367,43 @@ std::tuple<torch::Tensor, torch::Tensor> forward(
             for (int64_t c = 0; c < dv; ++c) a[c] *= shrink;
           }
         }
-        gemm(false, false, bq, dv, n, sp, n, v_head + j0 * dv, dv, acc.data(), dv, true);  // += P V
+        const float* values = v_head + j0 * dv;
+        if (!clean_block) {  // a masked key's weight is 0, and 0 * NaN would still be NaN
+          clean.resize(n * dv);
+          for (int64_t i = 0; i < n * dv; ++i) clean[i] = finite(values[i]) ? values[i] : 0.f;
+          values = clean.data();
+        }
+        gemm(false, false, bq, dv, n, sp, n, values, dv, acc.data(), dv, true);  // += P V
       }
       for (int64_t r = 0; r < bq; ++r) {
         float* o = op + (bh * t + i0 + r) * dv;
         const float* a = acc.data() + r * dv;
-        const bool empty = l[r] == 0.f;
-        const float inverse = empty ? 0.f : 1.f / l[r];
+        const bool empty = l[r] == 0.f && !poisoned[r];
+        const float inverse = poisoned[r] ? kNaN : empty ? 0.f : 1.f / l[r];
         for (int64_t c = 0; c < dv; ++c) o[c] = a[c] * inverse;
-        lp[bh * t + i0 + r] = empty ? kNegInf : m[r] + std::log(l[r]);
+        if (!touched.empty()) {
+          for (int64_t c = 0; c < dv; ++c) o[c] = touched[r * dv + c] ? kNaN : o[c];
+        }
+        lp[bh * t + i0 + r] = poisoned[r] ? kNaN : empty ? kNegInf : m[r] + std::log(l[r]);
       }
     }
   });
   return {out, lse};
 }
 
-// Gradients w.r.t. the pre-scaled q, k and v. `delta` (b, h, t) is rowsum(dout * out); `lse` has 0
+// Gradients w.r.t. the pre-scaled q, k, v and (if `alibi_grad`) the ALiBi slopes. `delta` (b, h, t)
+// is rowsum(dout * out) minus the lse's gradient (d lse_i / d S_ij = P_ij); `lse` has 0
 // for the rows with no allowed key (their probabilities are 0 anyway). Work is split by key/value
 // head, and when there are fewer of those than threads, by key blocks too (every `split`-th block,
 // so that causal work spreads evenly): each item owns dK and dV of its key blocks, so no two
 // threads write the same rows. dQ, which every key block adds to, goes to one buffer per part,
-// summed at the end (extra memory: split x dq, with split <= threads / (b h_kv)).
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> backward(
+// summed at the end (extra memory: split x dq, with split <= threads / (b h_kv)); the slopes'
+// gradient likewise goes to one (b, h) buffer per part.
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> backward(
     torch::Tensor dout, torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor lse,
     torch::Tensor delta, torch::Tensor bias, torch::Tensor allowed, torch::Tensor key_mask,
     torch::Tensor alibi, double softcap, int64_t left, int64_t right, int64_t block_q,
-    int64_t block_k) {
+    int64_t block_k, bool alibi_grad) {
   check_operands({&dout, &q, &k, &v});
   const int64_t b = q.size(0), h = q.size(1), t = q.size(2), d = q.size(3);
   const int64_t h_kv = k.size(1), s = k.size(2), dv = v.size(3);
@@ -350,7 +420,10 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> backward(
   const int64_t q_blocks = (t + block_q - 1) / block_q, k_blocks = (s + block_k - 1) / block_k;
   const int64_t split =
       std::max<int64_t>(1, std::min(k_blocks, at::get_num_threads() / (b * h_kv)));
+  TORCH_CHECK(!alibi_grad || sc.alibi != nullptr, "tiled: alibi_grad without ALiBi slopes");
   auto dq_parts = torch::zeros({split, b, h, t, d}, q.options());
+  auto dalibi_parts = torch::zeros({alibi_grad ? split : 0, b, h}, q.options());
+  float* dap = dalibi_parts.data_ptr<float>();
   auto dk = torch::zeros_like(k);
   auto dvv = torch::zeros_like(v);
   const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
@@ -402,6 +475,15 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> backward(
               const float di = dlp[bh * t + i0 + r];
 #pragma omp simd
               for (int64_t j = 0; j < n; ++j) dr[j] = pr[j] * (dr[j] - di);  // dS = P (dP - D)
+              if (alibi_grad) {  // score -= slope |p(i) - j|, after the soft-cap
+                const float p = static_cast<float>(i0 + r + s - t - j0);
+                float dslope = 0.f;
+#pragma omp simd reduction(+ : dslope)
+                for (int64_t j = 0; j < n; ++j) {
+                  dslope -= dr[j] * std::fabs(p - static_cast<float>(j));
+                }
+                dap[(part * b + batch) * h + head] += dslope;
+              }
               if (capping) {
                 const float* th = capped.data() + r * n;
 #pragma omp simd
@@ -415,10 +497,11 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> backward(
       }
     }
   });
-  return {split == 1 ? dq_parts[0] : dq_parts.sum(0), dk, dvv};
+  auto dalibi = alibi_grad ? dalibi_parts.sum({0, 1}) : dalibi_parts;
+  return {split == 1 ? dq_parts[0] : dq_parts.sum(0), dk, dvv, dalibi};
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &forward, "Tiled attention forward: (out, lse)");
-  m.def("backward", &backward, "Tiled attention backward: (dq, dk, dv)");
+  m.def("backward", &backward, "Tiled attention backward: (dq, dk, dv, dalibi)");
 }

@@ -17,6 +17,12 @@ key range its positions can see, and blocks lying wholly inside the window skip 
 Grouped-query attention costs nothing extra: the ``g = h / h_kv`` query heads that share a key/value
 head are stacked into one ``(g * block_q)``-row block, so each key block is multiplied once.
 
+Gradients reach every input and every output: the lse (its gradient enters the backward as
+``D_i - dlse_i``), the weights (recomputed from the lse, differentiably when they need a gradient)
+and learnable ALiBi slopes. A backward run with ``create_graph=True`` (a gradient penalty) instead
+differentiates the reference backend's materialised recomputation, so second derivatives are exact,
+at the reference's ``O(t * s)`` memory for that call.
+
 Precision: softmax statistics and accumulators are float32 (float64 for float64 inputs). The matrix
 products run in the input dtype where the hardware has fast half-precision products (CUDA, or CPUs
 with AVX512-BF16/AMX); elsewhere half-precision blocks are multiplied in float32, which is both faster
@@ -32,17 +38,21 @@ import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from types import ModuleType
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from attnkit.backends._native import Kernel
-from attnkit.backends.base import AttentionOutput, Request
+from attnkit.backends.base import AttentionOutput, Request, forward_ad_active
+from attnkit.backends.reference import differentiable_grads, nan_unless_finite
+from attnkit.masks import Masks, zero_padding
 
 BLOCK_Q = 256  # query rows per block
 BLOCK_K = 512  # keys per block: a (12 heads, 256, 512) fp32 score block is 6 MB, cache-resident
 
 _NEG_INF = float("-inf")
+_NAN = float("nan")
 
 
 def _fast_half_matmul(dtype: torch.dtype, device: torch.device) -> bool:
@@ -68,6 +78,17 @@ def _by_group(m: Tensor, h_kv: int, groups: int) -> Tensor:
     return m.unsqueeze(2) if m.shape[1] == 1 else m.unflatten(1, (h_kv, groups))
 
 
+class _Spec(NamedTuple):
+    """The part of a call that is not a tensor. The tensors (masks, slopes) are arguments of the
+    autograd function in their own right, so that gradients and ``vmap`` see them."""
+
+    window: tuple[int, int] | None
+    scale: float
+    softcap: float | None
+    block_q: int
+    block_k: int
+
+
 @dataclass(frozen=True)
 class _Plan:
     """What one call needs, shared by the forward, the backward and the weights."""
@@ -82,6 +103,21 @@ class _Plan:
     stats_dtype: torch.dtype  # dtype of scores, softmax statistics and accumulators
     block_q: int
     block_k: int
+
+    @staticmethod
+    def of(q: Tensor, k: Tensor, request: Request, block_q: int, block_k: int) -> _Plan:
+        return _Plan(
+            request=request,
+            b=q.shape[0],
+            h_kv=k.shape[1],
+            groups=q.shape[1] // k.shape[1],
+            t=q.shape[2],
+            s=k.shape[2],
+            matmul_dtype=_matmul_dtype(q.dtype, q.device),
+            stats_dtype=torch.promote_types(q.dtype, torch.float32),
+            block_q=block_q,
+            block_k=block_k,
+        )
 
     def query_blocks(self) -> Iterator[tuple[int, int]]:
         for i0 in range(0, self.t, self.block_q):
@@ -98,28 +134,34 @@ class _Plan:
             inside = (left < 0 or j0 >= last - left) and (right < 0 or j1 - 1 <= first + right)
             yield j0, j1, not inside
 
+    def distance(self, i0: int, i1: int, j0: int, j1: int, device: torch.device) -> Tensor:
+        """``|p(i) - j|`` over the block, ``(bq, bk)`` in ``stats_dtype`` (ALiBi's distances)."""
+        factory = {"device": device, "dtype": self.stats_dtype}
+        q_pos = torch.arange(i0, i1, **factory) + (self.s - self.t)  # p(i)
+        return (q_pos[:, None] - torch.arange(j0, j1, **factory)).abs_()
+
     def scores(
         self, q_blk: Tensor, k_blk: Tensor, i0: int, i1: int, j0: int, j1: int, window: bool
     ) -> tuple[Tensor, Tensor | None]:
         """The masked scores of one block, ``(b, h_kv, g, bq, bk)`` in ``stats_dtype``, and
-        ``tanh(u / softcap)`` (for the backward) when soft-capping."""
+        ``tanh(u / softcap)`` (for the backward) when soft-capping. A score made non-finite by the
+        inputs is NaN; only a mask gives -inf (see :func:`~attnkit.backends.reference.nan_unless_finite`)."""
         req = self.request
         b, h_kv, g = self.b, self.h_kv, self.groups
         raw = torch.matmul(q_blk, k_blk.transpose(-2, -1))  # (b, h_kv, g*bq, d) x (b, h_kv, d, bk)
         scores = raw.to(self.stats_dtype).view(b, h_kv, g, i1 - i0, j1 - j0)
         capped = None
         if req.softcap is not None:
-            capped = torch.tanh(scores / req.softcap)
+            capped = torch.tanh(nan_unless_finite(scores) / req.softcap)
             scores = capped * req.softcap
         if req.alibi_slopes is not None:
             neg_slopes = -req.alibi_slopes.to(self.stats_dtype).view(h_kv, g, 1, 1)
-            factory = {"device": q_blk.device, "dtype": self.stats_dtype}
-            q_pos = torch.arange(i0, i1, **factory) + (self.s - self.t)  # p(i)
-            distance = (q_pos[:, None] - torch.arange(j0, j1, **factory)).abs_()  # (bq, bk)
+            distance = self.distance(i0, i1, j0, j1, q_blk.device)  # (bq, bk)
             scores = scores.addcmul_(neg_slopes, distance)  # one pass: score -= slope |p(i) - j|
         bias = req.masks.bias(slice(i0, i1), slice(j0, j1))
         if bias is not None:
             scores = scores + _by_group(bias.to(self.stats_dtype), h_kv, g)
+        scores = nan_unless_finite(scores)  # a -inf bias still masks: allowed() below says so
         allowed = req.masks.allowed(
             self.t, self.s, q_blk.device, slice(i0, i1), slice(j0, j1), with_window=window
         )
@@ -147,10 +189,17 @@ def _add_matmul(acc: Tensor, a: Tensor, b: Tensor) -> None:
 
 def _forward(q5: Tensor, k: Tensor, v: Tensor, plan: _Plan) -> tuple[Tensor, Tensor]:
     """``q5`` ``(b, h_kv, g, t, d)`` pre-scaled, in the matmul dtype; returns the output
-    ``(b, h_kv, g, t, d_v)`` in ``stats_dtype`` and lse ``(b, h_kv, g, t)``."""
+    ``(b, h_kv, g, t, d_v)`` in ``stats_dtype`` and lse ``(b, h_kv, g, t)``. A row with a NaN score
+    gets a NaN max, which spreads through its sum and output."""
     b, h_kv, g, t, _ = q5.shape
     out = q5.new_empty(b, h_kv, g, t, v.shape[-1], dtype=plan.stats_dtype)
     lse = q5.new_empty(b, h_kv, g, t, dtype=plan.stats_dtype)
+    # Where a block masks keys, its products take the values with their non-finite entries zeroed
+    # (a masked key's weight is 0, and 0 * NaN is NaN) and `touched` counts, per row and column,
+    # the non-finite values the row does see.
+    finite = torch.isfinite(v)
+    clean_v, bad_v = v.where(finite, 0.0), (~finite).to(plan.matmul_dtype)
+    masked_blocks = plan.request.masks.attn_mask is not None  # key_mask padding is zero already
     for i0, i1 in plan.query_blocks():
         bq = i1 - i0
         q_blk = plan.grouped_rows(q5, i0, i1)  # (b, h_kv, g*bq, d)
@@ -158,8 +207,15 @@ def _forward(q5: Tensor, k: Tensor, v: Tensor, plan: _Plan) -> tuple[Tensor, Ten
         row_sum = q5.new_zeros((b, h_kv, g, bq, 1), dtype=plan.stats_dtype)  # l
         acc = q5.new_zeros((b, h_kv, g, bq, v.shape[-1]), dtype=plan.stats_dtype)  # sum_j p_j v_j
         acc_3d = acc.view(b * h_kv, g * bq, -1)  # the same memory, for baddbmm
+        touched = torch.zeros_like(acc)  # (b, h_kv, g, bq, d_v)
+        touched_3d = touched.view(b * h_kv, g * bq, -1)
         for j0, j1, window in plan.key_blocks(i0, i1):
             scores, _ = plan.scores(q_blk, k[:, :, j0:j1], i0, i1, j0, j1, window)
+            values = v
+            if window or masked_blocks:
+                values = clean_v
+                seen = (scores != _NEG_INF).view(b * h_kv, g * bq, -1).to(plan.matmul_dtype)
+                _add_matmul(touched_3d, seen, _flat(bad_v[:, :, j0:j1]))
             new_max = torch.maximum(row_max, scores.amax(dim=-1, keepdim=True))
             shift = new_max.masked_fill(new_max == _NEG_INF, 0.0)  # a row with no key yet: 0
             probs = scores.sub_(shift).exp_()  # (b, h_kv, g, bq, bk), unnormalised
@@ -167,25 +223,34 @@ def _forward(q5: Tensor, k: Tensor, v: Tensor, plan: _Plan) -> tuple[Tensor, Ten
             row_sum.mul_(rescale).add_(probs.sum(dim=-1, keepdim=True))
             acc.mul_(rescale)
             p_3d = probs.view(b * h_kv, g * bq, -1).to(plan.matmul_dtype)
-            _add_matmul(acc_3d, p_3d, _flat(v[:, :, j0:j1]))  # += P V
+            _add_matmul(acc_3d, p_3d, _flat(values[:, :, j0:j1]))  # += P V
             row_max = new_max  # stays -inf until the row meets a key
         empty = row_sum == 0  # no allowed key: output 0, lse -inf
-        out[:, :, :, i0:i1] = acc / row_sum.masked_fill(empty, 1.0)
+        out[:, :, :, i0:i1] = (acc / row_sum.masked_fill(empty, 1.0)).masked_fill(touched > 0, _NAN)
         lse[:, :, :, i0:i1] = (row_max + row_sum.log()).masked_fill(empty, _NEG_INF).squeeze(-1)
     return out, lse
 
 
 def _backward(
-    dout5: Tensor, q5: Tensor, k: Tensor, v: Tensor, out5: Tensor, lse: Tensor, plan: _Plan
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients of q (w.r.t. the pre-scaled q), k and v, in ``stats_dtype``."""
+    dout5: Tensor,
+    q5: Tensor,
+    k: Tensor,
+    v: Tensor,
+    lse: Tensor,
+    delta: Tensor,
+    plan: _Plan,
+    *,
+    slopes_grad: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """Gradients of q (w.r.t. the pre-scaled q), k, v and the ALiBi slopes (if ``slopes_grad``), in
+    ``stats_dtype``. ``delta`` ``(b, h_kv, g, t)`` is ``D_i = dO_i . O_i - dlse_i``."""
     b, h_kv, g, _t, d = q5.shape
-    delta = (dout5.to(plan.stats_dtype) * out5).sum(dim=-1)  # D_i = dO_i . O_i, (b, h_kv, g, t)
     lse = lse.masked_fill(lse == _NEG_INF, 0.0)  # empty rows: their scores are -inf, exp() = 0
     # Contiguous accumulators: the per-block slices below must be views, not copies.
     dq5 = q5.new_zeros(q5.shape, dtype=plan.stats_dtype)
     dk = k.new_zeros(k.shape, dtype=plan.stats_dtype)
     dv = v.new_zeros(v.shape, dtype=plan.stats_dtype)
+    dslopes = q5.new_zeros((h_kv, g), dtype=plan.stats_dtype) if slopes_grad else None
     dout5 = dout5.to(plan.matmul_dtype)
     for i0, i1 in plan.query_blocks():
         bq = i1 - i0
@@ -204,13 +269,16 @@ def _backward(
             dprobs = torch.bmm(do_3d, _flat(v_blk).transpose(-2, -1))  # dP = dO V^T
             # dS = P (dP - D), in place over dP
             dscores = dprobs.to(plan.stats_dtype).view(probs.shape).sub_(delta_blk).mul_(probs)
+            if dslopes is not None:  # score -= slope |p(i) - j|, added after the soft-cap
+                distance = plan.distance(i0, i1, j0, j1, q5.device)
+                dslopes.sub_((dscores * distance).sum(dim=(0, 3, 4)))
             if capped is not None:
                 dscores.mul_(1.0 - capped * capped)  # d(c tanh(u / c)) / du
             ds_3d = dscores.view(b * h_kv, g * bq, -1).to(plan.matmul_dtype)
             _add_matmul(dq_blk, ds_3d, _flat(k_blk))  # dQ += dS K
             _add_matmul(_flat(dk[:, :, j0:j1]), ds_3d.transpose(-2, -1), q_3d)  # dK += dS^T Q
         dq5[:, :, :, i0:i1] = dq_blk.view(b, h_kv, g, bq, d)
-    return dq5, dk, dv
+    return dq5, dk, dv, None if dslopes is None else dslopes.view(-1)
 
 
 def _marked(name: str) -> contextlib.AbstractContextManager:
@@ -221,11 +289,20 @@ def _marked(name: str) -> contextlib.AbstractContextManager:
     return torch.profiler.record_function(name)
 
 
+def _request(spec: _Spec, slopes: Tensor | None, attn_mask: Tensor | None, key_mask: Tensor | None):
+    masks = Masks(spec.window, key_mask, attn_mask)
+    return Request(masks=masks, scale=spec.scale, softcap=spec.softcap, alibi_slopes=slopes)
+
+
 class _TiledAttention(torch.autograd.Function):
-    """Saves only q, k, v, the output and the lse; the plan holds no tensor the kernel made."""
+    """``(out, lse)`` of one call. Saves only q, k, v, the masks, the output and the lse.
+
+    Written with ``setup_context`` and a ``vmap`` rule, so that ``torch.func.grad`` and ``vmap``
+    run it; forward-mode AD is refused before it gets here (no jvp rule)."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, plan: _Plan) -> tuple[Tensor, Tensor]:
+    def forward(q, k, v, alibi_slopes, attn_mask, key_mask, spec: _Spec):
+        plan = _Plan.of(q, k, _request(spec, alibi_slopes, attn_mask, key_mask), *spec[-2:])
         kernel = _native_kernel(q.device, plan.matmul_dtype)
         if kernel is not None:
             out, lse = _native_forward(kernel, q, k, v, plan)
@@ -233,35 +310,94 @@ class _TiledAttention(torch.autograd.Function):
             with _marked("attnkit::tiled_loop_forward"):
                 q5 = _prescaled(q, plan)
                 out, lse = _forward(q5, _operand(k, plan), _operand(v, plan), plan)
-        out = out.view((*q.shape[:-1], v.shape[-1])).to(q.dtype)
-        lse = lse.view(q.shape[:-1])
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.plan = plan
-        ctx.mark_non_differentiable(lse)
-        return out, lse
+        return out.view((*q.shape[:-1], v.shape[-1])).to(q.dtype), lse.view(q.shape[:-1])
 
     @staticmethod
-    def backward(ctx, dout: Tensor, _dlse: Tensor | None):
-        q, k, v, out, lse = ctx.saved_tensors
-        plan: _Plan = ctx.plan
+    def setup_context(ctx, inputs, output):
+        q, k, v, alibi_slopes, attn_mask, key_mask, spec = inputs
+        out, lse = output
+        ctx.save_for_backward(q, k, v, alibi_slopes, attn_mask, key_mask, out, lse)
+        ctx.spec = spec
+        ctx.set_materialize_grads(False)  # an unused lse (or output) gets None, not zeros
+
+    @staticmethod
+    def backward(ctx, dout: Tensor | None, dlse: Tensor | None):
+        q, k, v, slopes, attn_mask, key_mask, out, lse = ctx.saved_tensors
+        wanted = ctx.needs_input_grad[:4]
+        if torch.is_grad_enabled():  # create_graph=True: the gradients must be differentiable
+            request = _request(ctx.spec, slopes, attn_mask, key_mask)
+            grads = differentiable_grads(q, k, v, request, dout, dlse, wanted)
+            return *grads, None, None, None
+        plan = _Plan.of(q, k, _request(ctx.spec, slopes, attn_mask, key_mask), *ctx.spec[-2:])
+        if dout is None:
+            dout = torch.zeros_like(out)
+        delta = (dout.to(plan.stats_dtype) * out.to(plan.stats_dtype)).sum(dim=-1)  # dO_i . O_i
+        if dlse is not None:  # d lse_i / d S_ij = P_ij: the lse's gradient joins D
+            delta = delta - dlse.to(plan.stats_dtype)
         b, h, t, d = q.shape
         kernel = _native_kernel(q.device, plan.matmul_dtype)
         if kernel is not None:
-            dq, dk, dv = _native_backward(kernel, dout, q, k, v, out, lse, plan)
+            dq, dk, dv, dslopes = _native_backward(
+                kernel, dout, q, k, v, lse, delta, plan, wanted[3]
+            )
         else:
             grouped = (plan.b, plan.h_kv, plan.groups, t)
             with _marked("attnkit::tiled_loop_backward"):
-                dq, dk, dv = _backward(
+                dq, dk, dv, dslopes = _backward(
                     dout.reshape(*grouped, -1),
                     _prescaled(q, plan),
                     _operand(k, plan),
                     _operand(v, plan),
-                    out.to(plan.stats_dtype).view(*grouped, -1),
                     lse.view(grouped),
+                    delta.view(grouped),
                     plan,
+                    slopes_grad=wanted[3],
                 )
         dq = (dq * plan.request.scale).view(b, h, t, d)  # the scores used q * scale
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+        dslopes = None if dslopes is None else dslopes.to(slopes.dtype)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dslopes, None, None, None
+
+    @staticmethod
+    def vmap(info, in_dims, q, k, v, alibi_slopes, attn_mask, key_mask, spec):
+        """``vmap`` over the call: the mapped dim joins the batch dim (one kernel call), except for
+        per-example ALiBi slopes, which are per head: then one call per example."""
+        size = info.batch_size
+        dims = in_dims[:6]
+        args = (q, k, v, alibi_slopes, attn_mask, key_mask)
+        if dims[3] is not None:
+            results = [
+                _TiledAttention.apply(
+                    *(x if dim is None else x.select(dim, i) for x, dim in zip(args, dims)), spec
+                )
+                for i in range(size)
+            ]
+            return tuple(torch.stack(r) for r in zip(*results)), (0, 0)
+        q, k, v = (_fold_batch(x, dim, size) for x, dim in zip((q, k, v), dims))
+        b = q.shape[0] // size
+        if key_mask is not None:
+            key_mask = _fold_batch(key_mask, dims[5], size)
+        if attn_mask is not None:
+            attn_mask = _fold_mask(attn_mask, dims[4], size, b)
+        out, lse = _TiledAttention.apply(q, k, v, alibi_slopes, attn_mask, key_mask, spec)
+        return (out.unflatten(0, (size, b)), lse.unflatten(0, (size, b))), (0, 0)
+
+
+def _fold_batch(x: Tensor, dim: int | None, size: int) -> Tensor:
+    """``x`` ``(b, ...)`` with a vmapped dim at ``dim`` (None: shared) -> ``(size * b, ...)``."""
+    x = x.expand(size, *x.shape) if dim is None else x.movedim(dim, 0)
+    return x.flatten(0, 1)
+
+
+def _fold_mask(mask: Tensor, dim: int | None, size: int, b: int) -> Tensor:
+    """An attn_mask broadcastable to ``(b, h, t, s)``, vmapped at ``dim`` -> broadcastable to
+    ``(size * b, h, t, s)``."""
+    if dim is None:
+        if mask.dim() < 4 or mask.shape[0] == 1:  # the same for every batch row: broadcasts as is
+            return mask
+        return _fold_batch(mask, None, size)
+    mask = mask.movedim(dim, 0)
+    mask = mask.view(size, *[1] * (5 - mask.dim()), *mask.shape[1:])  # (size, b or 1, h, t, s)
+    return mask.expand(size, b, *mask.shape[2:]).flatten(0, 1)
 
 
 # The C++ kernel (tiled.cpp): the same algorithm with each block's score work fused. It runs where
@@ -286,6 +422,19 @@ def runs_native(q: Tensor) -> bool:
     if torch.is_autocast_enabled(q.device.type):
         dtype = torch.get_autocast_dtype(q.device.type)
     return _native_kernel(q.device, _matmul_dtype(dtype, q.device)) is not None
+
+
+def refuses(request: Request, q: Tensor, k: Tensor, v: Tensor) -> str | None:
+    """Why the tiled backend cannot run this call (None if it can)."""
+    if torch.jit.is_tracing():
+        return (
+            "under torch.jit.trace (its block loop would be frozen into the trace at these lengths)"
+        )
+    if forward_ad_active():
+        return (
+            "forward-mode AD (torch.func.jvp, jacfwd, forward_ad): the tiled kernel has no jvp rule"
+        )
+    return None
 
 
 def _native_options(plan: _Plan) -> tuple:
@@ -325,19 +474,29 @@ def _native_backward(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    out: Tensor,
     lse: Tensor,
+    delta: Tensor,
     plan: _Plan,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients of the pre-scaled q, of k and of v, float32."""
+    slopes_grad: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """Gradients of the pre-scaled q, of k, of v and of the slopes (if ``slopes_grad``), float32."""
     dout = dout.to(torch.float32).contiguous()
-    delta = (dout * out.to(torch.float32)).sum(dim=-1)  # D_i = dO_i . O_i
     lse = lse.masked_fill(lse == _NEG_INF, 0.0).contiguous()
     q, k, v = _native_operands(q, k, v, plan)
     with _marked("attnkit::tiled_native_backward"):
-        return kernel.backward(
-            dout, q, k, v, lse, delta, *_native_options(plan), plan.block_q, plan.block_k
+        dq, dk, dv, dslopes = kernel.backward(
+            dout,
+            q,
+            k,
+            v,
+            lse,
+            delta.contiguous(),
+            *_native_options(plan),
+            plan.block_q,
+            plan.block_k,
+            slopes_grad,
         )
+    return dq, dk, dv, dslopes if slopes_grad else None
 
 
 def _operand(x: Tensor, plan: _Plan) -> Tensor:
@@ -352,26 +511,36 @@ def _prescaled(q: Tensor, plan: _Plan) -> Tensor:
 
 
 def _weights(q: Tensor, k: Tensor, lse: Tensor, plan: _Plan) -> Tensor:
-    """The softmax weights ``(b, h, t, s)`` from the lse, block by block (no gradient)."""
+    """The softmax weights ``(b, h, t, s)`` from the lse: block by block without gradients; where
+    q, k, the slopes or the lse need one, as one block of ordinary differentiable operations (the
+    weights are ``t x s`` anyway), whose gradient reaches the lse's and through it the kernel's."""
     b, h, t, _ = q.shape
-    weights = q.new_zeros(b, plan.h_kv, plan.groups, t, plan.s)
+    differentiable = torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad for x in (q, k, lse, plan.request.alibi_slopes)
+    )
     q5, k = _prescaled(q, plan), _operand(k, plan)
     lse = lse.view(plan.b, plan.h_kv, plan.groups, t)
     lse = lse.masked_fill(lse == _NEG_INF, 0.0)
-    for i0, i1 in plan.query_blocks():
-        q_blk = plan.grouped_rows(q5, i0, i1)
-        for j0, j1, window in plan.key_blocks(i0, i1):
-            scores, _ = plan.scores(q_blk, k[:, :, j0:j1], i0, i1, j0, j1, window)
-            probs = scores.sub_(lse[:, :, :, i0:i1, None]).exp_()
-            weights[:, :, :, i0:i1, j0:j1] = probs
+    if differentiable:
+        scores, _ = plan.scores(plan.grouped_rows(q5, 0, t), k, 0, t, 0, plan.s, True)
+        probs = (scores - lse[..., None]).exp().masked_fill(scores == _NEG_INF, 0.0)
+        return probs.view(b, h, t, plan.s)
+    weights = q.new_zeros(b, plan.h_kv, plan.groups, t, plan.s)
+    with torch.no_grad():
+        for i0, i1 in plan.query_blocks():
+            q_blk = plan.grouped_rows(q5, i0, i1)
+            for j0, j1, window in plan.key_blocks(i0, i1):
+                scores, _ = plan.scores(q_blk, k[:, :, j0:j1], i0, i1, j0, j1, window)
+                masked = scores == _NEG_INF  # 0 even in a row that a NaN score makes NaN
+                probs = scores.sub_(lse[:, :, :, i0:i1, None]).exp_().masked_fill_(masked, 0.0)
+                weights[:, :, :, i0:i1, j0:j1] = probs
     return weights.view(b, h, t, plan.s)
 
 
 def tiled(q: Tensor, k: Tensor, v: Tensor, request: Request) -> AttentionOutput:
     """Shapes ``q (b, h, t, d)``, ``k (b, h_kv, s, d)``, ``v (b, h_kv, s, d_v)``.
 
-    The lse is returned for inspection and merging; no gradient flows through it, nor through the
-    weights, which are recomputed from it after the pass (the output is the same bit for bit).
+    The weights are recomputed from the lse after the pass (the output is the same bit for bit).
     Under autocast, the inputs are cast to the autocast dtype and the kernel runs on them as such.
     """
     device = q.device.type
@@ -379,23 +548,14 @@ def tiled(q: Tensor, k: Tensor, v: Tensor, request: Request) -> AttentionOutput:
         dtype = torch.get_autocast_dtype(device)
         q, k, v = (x.to(dtype) for x in (q, k, v))
     with torch.autocast(device, enabled=False):
-        b, h, t, _ = q.shape
-        stats_dtype = torch.promote_types(q.dtype, torch.float32)
-        plan = _Plan(
-            request=request,
-            b=b,
-            h_kv=k.shape[1],
-            groups=h // k.shape[1],
-            t=t,
-            s=k.shape[-2],
-            matmul_dtype=_matmul_dtype(q.dtype, q.device),
-            stats_dtype=stats_dtype,
-            block_q=BLOCK_Q,
-            block_k=BLOCK_K,
+        masks = request.masks
+        k, v = zero_padding(k, masks.key_mask), zero_padding(v, masks.key_mask)
+        spec = _Spec(masks.window, request.scale, request.softcap, BLOCK_Q, BLOCK_K)
+        out, lse = _TiledAttention.apply(
+            q, k, v, request.alibi_slopes, masks.attn_mask, masks.key_mask, spec
         )
-        out, lse = _TiledAttention.apply(q, k, v, plan)
         weights = None
         if request.return_weights:
-            with torch.no_grad():
-                weights = _weights(q, k, lse, plan).to(q.dtype)
+            plan = _Plan.of(q, k, request, BLOCK_Q, BLOCK_K)
+            weights = _weights(q, k, lse, plan).to(q.dtype)
     return AttentionOutput(out, lse if request.return_lse else None, weights)

@@ -100,12 +100,15 @@ class CrossAttention(ProjectedAttention):
             ``(b, t, d_out)``, or ``(output, weights)``.
         """
         x, unbatched = as_batched(x, "x", self.d_q, "d_q", self.W_query.weight)
+        _checks.check_flag(need_weights, "need_weights")
+        _checks.check_flag(average_weights, "average_weights")
         if cache is not None:
-            self._check_cache(cache, x.shape[0])
+            self._check_cache(cache, x)
             if cache.window is not None:
                 raise ValueError(
                     "cross-attention reads the whole memory: use a cache without window"
                 )
+            self._check_decoding(x, memory)
         if cache is not None and cache.size:
             queries = self._project_queries(x)
             keys, values = cache.get()
@@ -122,7 +125,7 @@ class CrossAttention(ProjectedAttention):
             queries, keys, values = self._project(x, memory)
             if cache is not None:
                 if key_mask is not None:
-                    _checks.check_key_mask(key_mask, *memory.shape[:2])
+                    _checks.check_key_mask(key_mask, *memory.shape[:2], x.device)
                 keys, values = cache.update(keys, values, key_mask=key_mask)
         result = self._attend(
             queries,
@@ -165,6 +168,7 @@ class AdditiveAttention(nn.Module):
         super().__init__()
         for value, name in ((d_query, "d_query"), (d_key, "d_key"), (d_hidden, "d_hidden")):
             _checks.check_positive_int(value, name)
+        _checks.check_module_dtype(dtype)
         factory = {"device": device, "dtype": dtype}
         self.d_query, self.d_key = d_query, d_key
         self.W_query = nn.Linear(d_query, d_hidden, bias=False, **factory)
@@ -203,7 +207,7 @@ class AdditiveAttention(nn.Module):
                 f"in b and s, got {tuple(query.shape)}, {tuple(keys.shape)}, {tuple(values.shape)}"
             )
         if key_mask is not None:
-            _checks.check_key_mask(key_mask, b, s)
+            _checks.check_key_mask(key_mask, b, s, query.device)
 
         steps = query.dim() == 3
         projected_query = self.W_query(query).unsqueeze(

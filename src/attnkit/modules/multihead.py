@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from attnkit import _checks
 from attnkit.cache import KVCache, token_positions
 from attnkit.functional import attention
-from attnkit.masks import alibi_slopes
+from attnkit.masks import alibi_bias, alibi_slopes, window_mask
 from attnkit.modules._common import (
     as_batched,
     merge_heads,
@@ -64,6 +64,9 @@ class ProjectedAttention(nn.Module):
             _checks.check_positive_int(value, name)
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         _checks.check_positive_int(num_kv_heads, "num_kv_heads")
+        _checks.check_module_dtype(dtype)
+        _checks.check_flag(qkv_bias, "qkv_bias")
+        _checks.check_flag(out_bias, "out_bias")
         _checks.check_divisible(d_out, "d_out", num_heads, "num_heads")
         _checks.check_divisible(num_heads, "num_heads", num_kv_heads, "num_kv_heads")
         self.d_q, self.d_kv, self.d_out = d_q, d_kv, d_out
@@ -131,14 +134,32 @@ class ProjectedAttention(nn.Module):
             return out
         return out, weights.mean(dim=1) if average_weights else weights  # (b, t, s) | (b, h, t, s)
 
-    def _check_cache(self, cache: KVCache, batch_size: int) -> None:
+    def _check_cache(self, cache: KVCache, x: Tensor) -> None:
         if not isinstance(cache, KVCache):
             raise TypeError(f"cache must be an attnkit.KVCache, got {type(cache).__name__}")
         got = (cache.batch_size, cache.num_kv_heads, cache.head_dim)
-        want = (batch_size, self.num_kv_heads, self.head_dim)
+        want = (x.shape[0], self.num_kv_heads, self.head_dim)
         if got != want:
             raise ValueError(
                 f"cache has (batch_size, num_kv_heads, head_dim) = {got}, but this call needs {want}"
+            )
+
+    def _check_decoding(self, x: Tensor, memory: Tensor | None = None) -> None:
+        """A cache is for inference, outside tracing: say so before torch fails obscurely."""
+        if torch.jit.is_tracing():
+            raise ValueError(
+                "a KVCache cannot be traced with torch.jit.trace: the trace would freeze the "
+                "cache's position at the traced call; trace the module without a cache, or use "
+                "torch.compile for cached decoding"
+            )
+        inputs = (x,) if memory is None else (x, memory)
+        if torch.is_grad_enabled() and any(
+            t.requires_grad for t in (*inputs, *self.parameters()) if isinstance(t, Tensor)
+        ):
+            raise ValueError(
+                "a KVCache stores keys and values without gradients, and overwrites what a "
+                "backward would need: decode under torch.no_grad() or torch.inference_mode(), "
+                "or train without a cache"
             )
 
 
@@ -218,7 +239,8 @@ class MultiHeadAttention(ProjectedAttention):
         if context_length is not None:
             _checks.check_positive_int(context_length, "context_length")
         self.context_length = context_length
-        self.causal = causal
+        self.causal = _checks.check_flag(causal, "causal")
+        _checks.check_flag(alibi, "alibi")
         self.window = module_window(window, causal)
         self.softcap = module_softcap(softcap)
         slopes = alibi_slopes(num_heads).to(device) if alibi else None
@@ -264,16 +286,22 @@ class MultiHeadAttention(ProjectedAttention):
             ``(b, t, d_out)``, or ``(output, weights)``.
         """
         x, unbatched = as_batched(x, "x", self.d_q, "d_in", self._modules["W_query"].weight)
+        _checks.check_flag(need_weights, "need_weights")
+        _checks.check_flag(average_weights, "average_weights")
         b, t, _ = x.shape
         if unbatched and key_mask is not None and key_mask.dim() == 1:
             key_mask = key_mask.unsqueeze(0)
         if key_mask is not None:
-            _checks.check_key_mask(key_mask, b, t)
+            _checks.check_key_mask(key_mask, b, t, x.device)
+        compiling = torch.compiler.is_compiling()
         if cache is None:
             _checks.check_context_length(t, self.context_length)
         else:
-            self._check_cache(cache, b)
-            _checks.check_context_length(cache.position + t, self.context_length, "cache + x")
+            self._check_cache(cache, x)
+            if compiling:
+                self._check_compiled_step(attn_mask, need_weights)
+            else:  # the position is a Python int, which a compiled step must not read
+                _checks.check_context_length(cache.position + t, self.context_length, "cache + x")
         queries, keys, values = self._project(x, x)
         if self.rope is not None:
             positions = (
@@ -282,6 +310,8 @@ class MultiHeadAttention(ProjectedAttention):
                 else cache.next_positions(t, key_mask)
             )
             queries, keys = self.rope(queries, positions), self.rope(keys, positions)
+        if cache is not None and compiling:
+            return unbatch(self._compiled_step(queries, keys, values, cache, key_mask), unbatched)
         if cache is not None:
             keys, values = cache.update(keys, values, key_mask=key_mask)
             key_mask = None if cache.key_mask is None else cache.key_mask[:, -keys.shape[2] :]
@@ -300,8 +330,46 @@ class MultiHeadAttention(ProjectedAttention):
         )
         return unbatch(result, unbatched)
 
-    def _check_cache(self, cache: KVCache, batch_size: int) -> None:
-        super()._check_cache(cache, batch_size)
+    def _compiled_step(
+        self, queries: Tensor, keys: Tensor, values: Tensor, cache: KVCache, key_mask: Tensor | None
+    ) -> Tensor:
+        """A cached step under ``torch.compile``. No Python int may change from one token to the
+        next (each value would compile anew), so the step attends over the cache's whole buffers
+        (:meth:`KVCache.update_static`), with the empty slots and the positions masked from the
+        ``(t,)`` slots of the queries: its shapes never change and it compiles once."""
+        t = queries.shape[2]
+        slots = cache.next_slots(t)  # where this chunk goes: the queries' positions
+        keys, values, real = cache.update_static(keys, values, key_mask=key_mask)
+        capacity = keys.shape[2]
+        window = (-1, 0) if self.window is None else self.window  # a cached module is causal
+        allowed = window_mask(t, capacity, window, device=keys.device, query_slots=slots)
+        attn_mask = allowed & real[:, None, None, :]  # (t, C) & (b, 1, 1, C) -> (b, 1, t, C)
+        if self.alibi_slopes is not None:
+            bias = alibi_bias(self.alibi_slopes, t, capacity, query_slots=slots)  # (h, t, C)
+            attn_mask = bias.to(queries.dtype).masked_fill(~attn_mask, float("-inf"))
+        return self._attend(
+            queries,
+            keys,
+            values,
+            causal=False,
+            key_mask=None,
+            attn_mask=attn_mask,
+            need_weights=False,
+            average_weights=False,
+            softcap=self.softcap,
+        )
+
+    @staticmethod
+    def _check_compiled_step(attn_mask: Tensor | None, need_weights: bool) -> None:
+        for used, name in ((attn_mask is not None, "attn_mask"), (need_weights, "need_weights")):
+            if used:
+                raise ValueError(
+                    f"{name} cannot be used with a KVCache under torch.compile: a compiled step "
+                    "attends over the cache's whole buffer, whose length is not the keys held"
+                )
+
+    def _check_cache(self, cache: KVCache, x: Tensor) -> None:
+        super()._check_cache(cache, x)
         if not self.causal:
             raise ValueError(
                 "a KV cache needs a causal module: with causal=False earlier tokens would have "
@@ -313,6 +381,7 @@ class MultiHeadAttention(ProjectedAttention):
                 f"the cache keeps a window of {cache.window} positions but this module needs "
                 f"{needed}; build the cache with window=None or a larger window"
             )
+        self._check_decoding(x)
 
     @classmethod
     def from_torch(cls, m: nn.MultiheadAttention) -> MultiHeadAttention:

@@ -65,6 +65,7 @@ class SelfAttention(nn.Module):
         super().__init__()
         _checks.check_positive_int(d_in, "d_in")
         _checks.check_positive_int(d_out, "d_out")
+        _checks.check_module_dtype(dtype)
         factory = {"device": device, "dtype": dtype}
         self.d_in, self.d_out = d_in, d_out
         self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias, **factory)
@@ -134,6 +135,7 @@ class SelfAttention(nn.Module):
         Returns:
             The context ``(b, t, d_out)``, or ``(context, weights)``.
         """
+        _checks.check_flag(need_weights, "need_weights")
         queries, keys, values, unbatched = self._project(x)
         result = self._attend(queries, keys, values, need_weights)
         out, weights = result if need_weights else (result, None)

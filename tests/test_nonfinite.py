@@ -1,0 +1,248 @@
+"""One rule for NaN and infinity on every backend, defined by the selection oracle (tests/oracle.py):
+a row takes only the keys it sees; a score made non-finite by the inputs is NaN, never a mask; a NaN
+or +inf in a float mask or an ALiBi slope is a NaN score; a row with no key gives 0 whatever its
+query; padding (key_mask False) never reaches a result, on any backend; keys hidden by causal or
+window masks never reach a result in attnkit's own kernels (reference, tiled, decode)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from attnkit import attention
+from attnkit.backends import BACKENDS, tiled
+from attnkit.functional import which_backend
+from oracle import selected_attention
+
+NAN, INF = float("nan"), float("inf")
+# Every path a call can take: the tiled backend's C++ kernel and its PyTorch loop separately.
+PATHS = ["reference", "sdpa", "tiled", "tiled:loop", "decode"]
+GENERAL = ["reference", "tiled", "tiled:loop", "sdpa"]  # every path with masks and modifiers
+OWN_GENERAL = ["reference", "tiled", "tiled:loop"]  # attnkit's own kernels among them
+
+
+def run(path, q, k, v, monkeypatch, **options):
+    """``attention`` on one path, with lse and weights where the backend returns them."""
+    name = "tiled" if path == "tiled:loop" else path
+    full = {"return_lse", "return_weights"} <= BACKENDS[name].supports
+    with monkeypatch.context() as patch:
+        if path == "tiled:loop":
+            patch.setattr(tiled, "_native_kernel", lambda device, dtype: None)
+        with torch.no_grad():
+            result = attention(
+                q, k, v, backend=name, return_lse=full, return_weights=full, **options
+            )
+    return result if full else (result, None, None)
+
+
+def assert_same(got, expected):
+    """The same finite/non-finite pattern, and the same values where finite (float32 tolerances)."""
+    expected = expected.to(got.dtype)
+    finite = torch.isfinite(expected)
+    assert torch.equal(torch.isfinite(got), finite), (got, expected)
+    torch.testing.assert_close(got[finite], expected[finite])
+
+
+def qkv(b=1, h=2, h_kv=1, t=4, s=6, d=8):
+    return torch.randn(b, h, t, d), torch.randn(b, h_kv, s, d), torch.randn(b, h_kv, s, d)
+
+
+def check(path, q, k, v, monkeypatch, **options):
+    out, lse, weights = run(path, q, k, v, monkeypatch, **options)
+    out64, lse64, weights64 = selected_attention(q, k, v, **options)
+    assert_same(out, out64)
+    if lse is not None:
+        assert_same(lse, lse64)
+        assert_same(weights, weights64)
+    return out
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("value", [NAN, INF, -INF])
+def test_a_non_finite_query_makes_its_row_nan_not_zero(path, value, monkeypatch):
+    q, k, v = qkv(t=1)
+    q[0, 1, 0, 3] = value
+    out = check(path, q, k, v, monkeypatch)
+    assert torch.isnan(out[0, 1]).all() and torch.isfinite(out[0, 0]).all()
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("value", [NAN, INF, -INF])
+def test_a_non_finite_key_reaches_every_row_that_sees_it(path, value, monkeypatch):
+    q, k, v = qkv(t=1)
+    k[0, 0, 2, 5] = value  # -inf too: a computed -inf score is NaN, never a mask
+    out = check(path, q, k, v, monkeypatch)
+    assert torch.isnan(out).all()
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_non_finite_value_reaches_its_column_of_every_row_that_sees_it(path, monkeypatch):
+    q, k, v = qkv(t=1)
+    v[0, 0, 4, 2] = INF
+    out = check(path, q, k, v, monkeypatch)
+    assert (~torch.isfinite(out[..., 2])).all() and torch.isfinite(out[..., [0, 1, 3]]).all()
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("value", [NAN, INF, -INF])
+def test_padding_is_inert_on_every_backend(path, value, monkeypatch):
+    """Padding may hold anything (torch.empty): it never reaches a result, nor a gradient."""
+    q, k, v = qkv(b=2, t=1, s=70)  # more than one of the decode kernel's 64-key blocks
+    key_mask = torch.ones(2, 70, dtype=torch.bool)
+    key_mask[0, [3, 65]] = False
+    key_mask[1, :] = False  # a row of nothing but padding: zeros
+    for x in (k, v):
+        x[0, 0, [3, 65]] = value
+        x[1] = value
+    out = check(path, q, k, v, monkeypatch, key_mask=key_mask)
+    assert torch.isfinite(out).all() and torch.equal(out[1], torch.zeros_like(out[1]))
+    if path in ("decode", "tiled:loop"):
+        return
+    inputs = [x.clone().requires_grad_() for x in (q, k, v)]
+    name = "tiled" if path == "tiled:loop" else path
+    out = attention(*inputs, key_mask=key_mask, backend=name)
+    grads = torch.autograd.grad(out.sum(), inputs)
+    assert all(torch.isfinite(g).all() for g in grads)
+    assert torch.equal(grads[1][0, 0, [3, 65]], torch.zeros(2, 8))  # padding gets no gradient
+
+
+@pytest.mark.parametrize("path", OWN_GENERAL)
+@pytest.mark.parametrize("value", [NAN, INF])
+def test_keys_hidden_by_causal_or_window_masks_are_inert_in_attnkits_kernels(
+    path, value, monkeypatch
+):
+    q, k, v = qkv(t=12, s=12)
+    k[0, 0, 9], v[0, 0, 9] = value, value  # seen by queries 9.. (causal), 9..11 (window)
+    for options in ({"causal": True}, {"window": (2, 0)}, {"window": (1, 1)}):
+        out = check(path, q, k, v, monkeypatch, **options)
+        assert torch.isfinite(out[..., :8, :]).all()
+
+
+@pytest.mark.parametrize("path", GENERAL)
+def test_a_row_with_no_key_gives_zeros_whatever_its_query(path, monkeypatch):
+    q, k, v = qkv(t=3, s=5)
+    q[..., 0, :] = NAN
+    mask = torch.ones(3, 5, dtype=torch.bool)
+    mask[0] = False
+    out = check(path, q, k, v, monkeypatch, attn_mask=mask)
+    assert torch.equal(out[..., 0, :], torch.zeros(1, 2, 8))
+
+
+@pytest.mark.parametrize("path", GENERAL)
+@pytest.mark.parametrize("value", [NAN, INF])
+def test_nan_or_inf_in_a_float_mask_is_a_nan_score(path, value, monkeypatch):
+    q, k, v = qkv(t=3, s=5)
+    bias = torch.zeros(3, 5)
+    bias[1, 2] = value
+    bias[2, :] = -INF  # -inf still masks: row 2 sees nothing
+    bias[2, 4] = value  # ...but NaN or +inf is a score, and a NaN one
+    out = check(path, q, k, v, monkeypatch, attn_mask=bias)
+    assert torch.isfinite(out[..., 0, :]).all()
+    assert torch.isnan(out[..., 1:, :]).all()
+
+
+@pytest.mark.parametrize("path", GENERAL)
+@pytest.mark.parametrize("value", [NAN, INF, -INF])
+def test_a_non_finite_alibi_slope_makes_its_head_nan(path, value, monkeypatch):
+    q, k, v = qkv(h=2, t=3, s=5)
+    slopes = torch.tensor([0.5, value])
+    out = check(path, q, k, v, monkeypatch, alibi_slopes=slopes, causal=True)
+    assert torch.isfinite(out[0, 0]).all() and torch.isnan(out[0, 1]).all()
+
+
+@pytest.mark.parametrize("path", OWN_GENERAL)
+def test_softcap_does_not_hide_an_infinite_score(path, monkeypatch):
+    """tanh(inf) = 1: without the rule an infinite query would pass as a capped score."""
+    q, k, v = qkv(t=2)
+    q[0, 0, 1, 0] = INF
+    out = check(path, q, k, v, monkeypatch, softcap=5.0)
+    assert torch.isnan(out[0, 0, 1]).all() and torch.isfinite(out[0, 0, 0]).all()
+
+
+def test_reference_computes_in_float64_where_fp16_would_overflow():
+    q = torch.full((1, 1, 2, 4), 200.0, dtype=torch.float16)
+    k = torch.full((1, 1, 3, 4), 200.0, dtype=torch.float16)  # q . k = 160000 > 65504
+    v = torch.randn(1, 1, 3, 4, dtype=torch.float16)
+    out, lse = attention(q, k, v, scale=1.0, return_lse=True, backend="reference")
+    assert out.dtype == torch.float16 and lse.dtype == torch.float32
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    torch.testing.assert_close(out, v.mean(dim=2, keepdim=True).expand(1, 1, 2, 4))
+    torch.testing.assert_close(lse, torch.full((1, 1, 2), 160000 + torch.log(torch.tensor(3.0))))
+
+
+KINDS = ["q", "k", "v", "key_mask padding", "float mask", "slope"]
+
+
+@given(
+    b=st.integers(1, 2),
+    h_kv=st.integers(1, 2),
+    groups=st.integers(1, 2),
+    t=st.integers(1, 9),
+    s=st.integers(1, 15),
+    causal=st.booleans(),
+    window=st.none() | st.tuples(st.integers(-1, 4), st.integers(-1, 4)),
+    softcap=st.none() | st.just(3.0),
+    mask_kind=st.sampled_from(["none", "key_mask", "bool", "float"]),
+    alibi=st.booleans(),
+    places=st.lists(
+        st.tuples(st.sampled_from(KINDS), st.sampled_from([NAN, INF, -INF]), st.integers(0, 10**6)),
+        min_size=1,
+        max_size=3,
+    ),
+)
+def test_property_every_backend_follows_the_one_rule(
+    b, h_kv, groups, t, s, causal, window, softcap, mask_kind, alibi, places
+):
+    """Random options, non-finite values at random places: every path that can run the call gives
+    the oracle's finite/non-finite pattern and, where finite, its values. SDPA is held to the rule
+    everywhere but one place the rule leaves to attnkit's own kernels: a non-finite key or value
+    that a causal, window or attn_mask hides from some query."""
+    h = h_kv * groups
+    q, k, v = qkv(b, h, h_kv, t, s, 8)
+    options = {"causal": causal, "window": window, "softcap": softcap}
+    if mask_kind == "key_mask":
+        options["key_mask"] = torch.rand(b, s) > 0.3
+    elif mask_kind == "bool":
+        options["attn_mask"] = torch.rand(b, 1, t, s) > 0.3
+    elif mask_kind == "float":
+        bias = torch.randn(1, h, t, s)
+        bias[torch.rand(1, h, t, s) < 0.3] = -INF
+        options["attn_mask"] = bias
+    if alibi:
+        options["alibi_slopes"] = torch.rand(h)
+    hidden_key_or_value = False
+    for kind, value, seed in places:
+        if kind in ("q", "k", "v"):
+            x = {"q": q, "k": k, "v": v}[kind]
+            x.view(-1)[seed % x.numel()] = value
+            hidden_key_or_value |= kind in ("k", "v")
+        elif kind == "key_mask padding" and "key_mask" in options:
+            row, key = seed % b, seed // b % s
+            options["key_mask"][row, key] = False
+            k[row, :, key], v[row, :, key] = value, value
+        elif kind == "float mask" and mask_kind == "float" and value != -INF:
+            options["attn_mask"].view(-1)[seed % options["attn_mask"].numel()] = value
+        elif kind == "slope" and alibi:
+            options["alibi_slopes"][seed % h] = value
+    expected = selected_attention(q, k, v, **options)
+    hides = causal or window is not None or mask_kind in ("bool", "float")
+    monkeypatch = pytest.MonkeyPatch()  # hypothesis runs many examples per function-scoped fixture
+    try:
+        for path in PATHS:
+            name = "tiled" if path == "tiled:loop" else path
+            try:
+                with torch.no_grad():
+                    which_backend(q, k, v, backend=name, **options)
+            except ValueError:  # an option this backend does not have, or tensors it cannot run
+                continue
+            if name == "sdpa" and hidden_key_or_value and hides:
+                continue
+            out, lse, weights = run(path, q, k, v, monkeypatch, **options)
+            assert_same(out, expected[0])
+            if lse is not None:
+                assert_same(lse, expected[1])
+                assert_same(weights, expected[2])
+    finally:
+        monkeypatch.undo()
