@@ -121,6 +121,11 @@ def test_token_positions_count_real_tokens_from_each_rows_start():
             ValueError,
             "v is on meta but the cache is on cpu",
         ),
+        (  # not "build the cache with dtype=torch.int32", which the constructor refuses
+            lambda: chunks(2, 2, 1, 4, 0, torch.int32),
+            TypeError,
+            r"dtype torch\.int32 but the cache holds torch\.float32; keys and values have a floating",
+        ),
         (lambda: chunks(2, 2, 0, 4, 0), ValueError, "at least one token, got 0"),
         (lambda: chunks(2, 2, 7, 4, 0), ValueError, r"7 tokens is longer than max_chunk \(6\)"),
         (lambda: ("k", torch.zeros(1)), TypeError, "k must be a torch.Tensor, got str"),

@@ -47,7 +47,8 @@ def test_explain_random_embeddings(capsys):
         (["explain", "--text", "   "], "the text is empty"),
         (["explain", "--text", "a", "--embeddings", "/no/such/file.json"], "cannot read embeddings file"),
         (["explain", "--dim", "3"], "--dim gives random embeddings for --text; add --text"),
-        (["explain", "--text", "a", "--dim", "0"], "--dim must be >= 1, got 0"),
+        (["explain", "--text", "a", "--dim", "0"], "--dim must be between 1 and 4096"),
+        (["explain", "--text", "a", "--dim", "10000000000"], "got 10000000000"),  # was 1.8 GB
         (["explain", "--normalize", "max"], "argument --normalize: invalid choice: 'max'"),
         (["explain", "--bogus"], "unrecognized arguments: --bogus"),
         ([], "the following arguments are required: COMMAND"),
@@ -71,6 +72,24 @@ def test_bad_embeddings_file_content(tmp_path, capsys):
     path.write_text('{"a": [1, 2], "b": [3]}')
     assert main(["explain", "--text", "a b", "--embeddings", str(path)]) == 2
     assert "unequal lengths" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ('{"a": [NaN, 1], "b": [1, 2]}', "not a finite float32 number"),
+        ('{"a": [Infinity, 1], "b": [1, 2]}', "not a finite float32 number"),
+        ('{"a": [1e39, 1], "b": [1, 2]}', "not a finite float32 number"),  # overflows float32
+        ('{"a": [1' + "0" * 400 + ', 1], "b": [1, 2]}', "not a finite float32 number"),
+        ('{"a": [1e30, 1], "b": [1, 2]}', "dot products overflow float32"),
+    ],
+)
+def test_embeddings_that_would_give_nan_tables_are_refused(tmp_path, capsys, content, message):
+    path = tmp_path / "emb.json"
+    path.write_text(content)
+    assert main(["explain", "--embeddings", str(path)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and message in captured.err and "nan" not in captured.err
 
 
 def test_console_script_runs_without_traceback():

@@ -147,3 +147,34 @@ def test_alibi_slopes_on_another_device():
     q, k, v = qkv(h=2)
     with pytest.raises(ValueError, match="alibi_slopes is on meta but q is on cpu"):
         attention(q, k, v, alibi_slopes=torch.ones(2, device="meta"))
+
+
+@pytest.mark.parametrize("name", ["key_mask", "attn_mask"])
+def test_masks_on_another_device_than_q(name):
+    q, k, v = qkv()
+    mask = torch.ones(1, 4, dtype=torch.bool, device="meta")
+    with pytest.raises(ValueError, match=rf"{name} is on meta but q is on cpu"):
+        attention(q, k, v, **{name: mask})
+
+
+def test_head_dim_zero():
+    q, k, v = qkv(d=0)  # was a ZeroDivisionError from the default scale
+    with pytest.raises(ValueError, match=r"q and k must have a head_dim of at least 1"):
+        attention(q, k, v)
+
+
+@pytest.mark.parametrize(
+    ("name", "value"), [("causal", "yes"), ("return_lse", "x"), ("return_weights", 1)]
+)
+def test_switches_must_be_bools(name, value):
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match=rf"{name} must be a bool, got"):
+        attention(q, k, v, **{name: value})
+
+
+@pytest.mark.parametrize("name", ["scale", "softcap"])
+@pytest.mark.parametrize("value", [float("inf"), float("nan")])
+def test_scale_and_softcap_must_be_finite(name, value):
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=rf"{name} must be"):
+        attention(q, k, v, **{name: value})

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from attnkit.models import Encoding
 
 MAX_COLUMNS = 8  # wider embeddings are cut to their first columns in the tables
+MAX_DIM = 4096  # random embeddings wider than this serve no walkthrough, and cost memory
 
 
 @dataclass(frozen=True)
@@ -47,8 +48,10 @@ class Example:
     def random(cls, text: str, dim: int, seed: int) -> Example:
         """Whitespace tokens with random embeddings in [0, 1); a repeated token keeps its vector."""
         tokens = _split(text)
-        if dim < 1:
-            raise ValueError(f"--dim must be >= 1, got {dim}")
+        if not 1 <= dim <= MAX_DIM:
+            raise ValueError(
+                f"--dim must be between 1 and {MAX_DIM} (a walkthrough to read), got {dim}"
+            )
         vocab = list(dict.fromkeys(tokens))
         generator = torch.Generator().manual_seed(seed)
         table = torch.rand(len(vocab), dim, generator=generator)
@@ -85,6 +88,12 @@ class Example:
             raise ValueError(
                 f"embeddings in {path} have unequal lengths {sorted(widths)}; all must be equal"
             )
+        for token, vec in table.items():
+            if not all(_fits_float32(x) for x in vec):
+                raise ValueError(
+                    f"the embedding of {token!r} in {path} holds a value that is not a finite "
+                    f"float32 number (NaN, Infinity, or beyond ±{_FLOAT32_MAX:.4g})"
+                )
         tokens = tuple(table) if text is None else _split(text)
         missing = [tok for tok in tokens if tok not in table]
         if missing:
@@ -96,6 +105,16 @@ class Example:
         if token not in self.tokens:
             raise ValueError(f"query token {token!r} is not in the text {list(self.tokens)}")
         return self.tokens.index(token)
+
+
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def _fits_float32(x: float) -> bool:
+    try:
+        return abs(float(x)) <= _FLOAT32_MAX  # False for NaN; OverflowError for a huge int
+    except OverflowError:
+        return False
 
 
 def _split(text: str) -> tuple[str, ...]:
@@ -155,6 +174,11 @@ def explain(
     if not 0 <= query_index < len(tokens):
         raise ValueError(f"--query-index must be in [0, {len(tokens) - 1}], got {query_index}")
     result = simple_self_attention(x, normalize=normalize, causal=causal)
+    if not torch.isfinite(result.scores).all():
+        raise ValueError(
+            f"the embeddings' dot products overflow float32 (largest |value| "
+            f"{x.abs().max().item():.3g}): scale the embeddings down"
+        )
     query = tokens[query_index]
     scores, weights = result.scores[query_index], result.weights[query_index]
     how = "softmax" if normalize == "softmax" else "score / sum of scores"

@@ -7,6 +7,7 @@ import torch
 
 from attnkit import attention
 from attnkit.backends import AUTO_ORDER, BACKENDS, Request, resolve_backend, tiled
+from attnkit.functional import which_backend
 from attnkit.masks import Masks
 
 
@@ -134,3 +135,59 @@ def test_auto_takes_the_cpp_kernel_over_sdpa_with_a_dense_positional_mask(masks,
     assert resolve_backend("auto", wanted, *qkv(dtype=torch.float64)).name == "sdpa"  # the loop
     plain = Request(masks=Masks(), scale=1.0)
     assert resolve_backend("auto", plain, *SHAPES).name == "sdpa"  # no mask: SDPA is as fast
+
+
+def test_which_backend_reports_what_attention_runs(monkeypatch):
+    """The public answer agrees with the backend that runs, for calls that reach each backend."""
+    ran = []
+    for name, backend in list(BACKENDS.items()):
+        spy = backend.__class__(
+            name,
+            lambda *a, fn=backend.fn, name=name: ran.append(name) or fn(*a),
+            backend.supports,
+            backend.refuses,
+        )
+        monkeypatch.setitem(BACKENDS, name, spy)
+    q, k, v = torch.randn(1, 4, 1, 8), torch.randn(1, 2, 1024, 8), torch.randn(1, 2, 1024, 8)
+    calls = [
+        ({}, (q, k, v)),  # one query over a long cache: decode
+        ({"causal": True}, (k, k, k)),
+        ({"softcap": 5.0}, (k, k, k)),
+        ({"dropout_p": 0.1, "return_weights": True}, (k, k, k)),
+    ]
+    for options, tensors in calls:
+        with torch.no_grad():
+            choice = which_backend(*tensors, **options)
+            attention(*tensors, **options)
+        assert ran.pop() == choice.backend
+    with torch.no_grad():
+        picked = [which_backend(*t, **o).backend for o, t in calls]
+    assert picked == ["decode", "sdpa", "tiled", "reference"]
+
+
+def test_which_backend_says_why():
+    q = k = v = torch.randn(1, 2, 16, 8)
+    choice = which_backend(q, k, v, softcap=5.0)
+    assert choice == (choice.backend, choice.path, choice.reason)  # a NamedTuple
+    assert choice.backend == "tiled" and "sdpa does not support softcap" in choice.reason
+    assert which_backend(q, k, v, softcap=5.0, backend="reference") == (
+        "reference",
+        "float64",
+        "named by the caller",
+    )
+    assert which_backend(q.double(), k.double(), v.double(), softcap=5.0).path == "loop"
+    with pytest.raises(ValueError, match="backend 'sdpa' does not support softcap"):
+        which_backend(q, k, v, softcap=5.0, backend="sdpa")
+
+
+def test_which_backend_follows_transforms_and_tracing():
+    q = k = v = torch.randn(1, 2, 16, 8)
+
+    def traced(q):
+        assert which_backend(q, k, v, softcap=5.0).backend == "reference"  # tiled cannot trace
+        return q
+
+    torch.jit.trace(traced, q, check_trace=False)  # the check reruns it untraced
+    with torch.autograd.forward_ad.dual_level():
+        dual = torch.autograd.forward_ad.make_dual(q, torch.ones_like(q))
+        assert which_backend(dual, k, v).backend == "reference"  # only it has a jvp rule

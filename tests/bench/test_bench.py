@@ -28,6 +28,12 @@ def test_smoke_runs_end_to_end(tmp_path, capsys):
         assert r["status"] == "ok" or r["status"].startswith("n/a"), r
         if r["status"] == "ok":
             assert r["median_ms"] > 0 and r["peak_mib"] is not None and r["gflops"] > 0
+    for r in records:  # which_backend names what ran attnkit's cases: tiled is tiled
+        if r["impl"] == "attnkit-tiled" and r["status"] == "ok":
+            assert r["runs"].split()[0] == "tiled" and r["runs"].split()[1] in ("native", "loop")
+            assert f"attnkit-tiled ({r['runs']})" in out
+        elif not r["impl"].startswith("attnkit-") or r["group"] == "module":
+            assert r["runs"] is None
     sdpa = [r for r in records if r["impl"] == "torch-sdpa" and r["status"] == "ok"]
     assert all(r["vs_baseline"] == 1.0 for r in sdpa)
     assert data["info"]["machine"]["torch"] == torch.__version__
@@ -100,6 +106,10 @@ def test_decode_smoke_runs_end_to_end(tmp_path, capsys):
     steps = record["steps"]
     assert {s["impl"] for s in steps} == {"attnkit", "torch-sdpa", "naive"}
     assert all(s["status"] == "ok" and s["median_ms"] > 0 and s["limit_ms"] > 0 for s in steps)
+    for s in steps:  # which backend ran attnkit's step, as which_backend reports it
+        assert (s["runs"] is None) == (s["impl"] != "attnkit")
+        if s["runs"] is not None:
+            assert f"attnkit ({s['runs']})" in out
     assert record["info"]["read_bandwidth_gb_s"] > 0
     fp32 = {
         (s["length"], s["h_kv"]): s

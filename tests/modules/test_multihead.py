@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from attnkit import MultiHeadAttention, alibi_slopes
+from attnkit import KVCache, MultiHeadAttention, alibi_slopes
 from oracle import projected_attention_reference
 
 # (b, t, d_in, d_out, num_heads, num_kv_heads)
@@ -267,3 +267,26 @@ def test_options_are_checked():
         MultiHeadAttention(8, 8, None, 0.0, 2, softcap=-1)
     with pytest.raises(ValueError, match=r"softcap has no counterpart in nn\.MultiheadAttention"):
         MultiHeadAttention(8, 8, None, 0.0, 2, causal=False, softcap=3.0).to_torch()
+
+
+def test_module_dtype_and_switches_are_checked():
+    with pytest.raises(
+        TypeError, match=r"dtype must be a floating-point torch.dtype or None, got torch.int32"
+    ):
+        MultiHeadAttention(8, 8, None, 0.0, 2, dtype=torch.int32)
+    with pytest.raises(TypeError, match="causal must be a bool, got str 'yes'"):
+        MultiHeadAttention(8, 8, None, 0.0, 2, causal="yes")
+    module = MultiHeadAttention(8, 8, None, 0.0, 2)
+    with pytest.raises(TypeError, match="need_weights must be a bool"):
+        module(torch.randn(1, 3, 8), need_weights="no")
+
+
+def test_a_cache_with_gradients_raises_before_backward_would():
+    """Was torch's in-place-modification error at backward, after a forward that had silently
+    detached the cached keys."""
+    module = MultiHeadAttention(8, 8, 16, 0.0, 2)
+    cache = KVCache(1, 2, 16, 4)
+    with pytest.raises(ValueError, match=r"decode under torch\.no_grad\(\)"):
+        module(torch.randn(1, 3, 8), cache=cache)
+    with torch.no_grad():
+        assert module(torch.randn(1, 3, 8), cache=cache).shape == (1, 3, 8)

@@ -18,7 +18,7 @@ from typing import ClassVar, TextIO
 from attnkit._progress import Progress
 from attnkit.backends import decode, tiled
 from attnkit.bench.measure import Result, matmul_gflops, probe_memory, time_interleaved
-from attnkit.bench.peers import KERNEL_IMPLS, MODULE_IMPLS, Case, prepare, supported
+from attnkit.bench.peers import KERNEL_IMPLS, MODULE_IMPLS, Case, prepare, runs, supported
 from attnkit.bench.report import machine, write
 
 
@@ -111,6 +111,7 @@ def run(config: BenchConfig, progress_stream: TextIO | None = None) -> tuple[lis
     for case in cases:
         reason = supported(case)
         result = Result(case, status=reason) if reason else probe_memory(case, config.timeout_s)
+        result.runs = None if reason else runs(case)
         results.append(result)
         progress.step(f"memory {case.label} N={case.n} {case.dtype} {case.mode}")
 

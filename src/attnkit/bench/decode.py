@@ -40,6 +40,7 @@ from attnkit._progress import Progress
 from attnkit.bench.measure import Result, time_interleaved
 from attnkit.bench.peers import Case
 from attnkit.bench.report import machine
+from attnkit.functional import which_backend
 
 STEP_IMPLS = ("attnkit", "torch-sdpa", "naive")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -105,7 +106,8 @@ def _step_calls(config: DecodeConfig, length: int, dtype: str, h_kv: int) -> dic
         "torch-sdpa": lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa),
         "naive": lambda: _naive_step(q, k, v),
     }
-    return {"calls": calls, "bytes": k.nbytes + v.nbytes}
+    choice = which_backend(q, k, v, causal=True)
+    return {"calls": calls, "bytes": k.nbytes + v.nbytes, "runs": f"{choice.backend} {choice.path}"}
 
 
 def _memory_rows(config: DecodeConfig) -> list[dict]:
@@ -225,6 +227,7 @@ def run_decode(config: DecodeConfig, progress_stream: TextIO | None = None) -> d
                     "h": config.h,
                     "h_kv": h_kv,
                     "impl": impl,
+                    "runs": setups[dtype]["runs"] if impl == "attnkit" else None,
                     "status": result.status,
                     "read_gb_s": bandwidth / 1e9,
                     "median_ms": t * 1e3 if t else None,
@@ -275,8 +278,9 @@ def markdown(record: dict) -> str:
     for s in record["steps"]:
         kind = "MHA" if s["h_kv"] == s["h"] else f"GQA {s['h']}/{s['h_kv']}"
         time_ms = _fmt(s["median_ms"], ".2f") if s["status"] == "ok" else s["status"]
+        impl = s["impl"] if s.get("runs") is None else f"{s['impl']} ({s['runs']})"
         lines.append(
-            f"| {s['length']} keys {s['dtype']} {kind} | {s['impl']} | {time_ms} "
+            f"| {s['length']} keys {s['dtype']} {kind} | {impl} | {time_ms} "
             f"| {s['limit_ms']:.2f} | {_fmt(s['vs_limit'], '.2f')} | {_fmt(s['vs_sdpa'], '.2f')} "
             f"| {_fmt(s['vs_fp32'], '.2f')} |"
         )

@@ -36,6 +36,7 @@ class Result:
     peak_mib: float | None = None
     first_call_s: float | None = None
     times: list[float] = field(default_factory=list)
+    runs: str | None = None  # for attnkit's cases: the backend and path that ran
 
     @property
     def median_s(self) -> float | None:

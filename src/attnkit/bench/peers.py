@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import attnkit
-from attnkit.functional import attention
+from attnkit.functional import attention, which_backend
 
 KERNEL_IMPLS = (
     "naive",
@@ -200,6 +200,22 @@ def _module_fn(case: Case) -> tuple[Callable[[Tensor], Tensor], torch.nn.Module]
     ours = attnkit.MultiHeadAttention.from_torch(torch_mha).eval()
     ours.causal = case.causal
     return ours, ours
+
+
+def runs(case: Case) -> str | None:
+    """For an attnkit kernel case, the backend and path that run it, as
+    :func:`attnkit.functional.which_backend` reports them (e.g. ``"tiled native"``); else None."""
+    if case.group == "module" or not case.impl.startswith("attnkit-"):
+        return None
+    grad = case.mode == "fwd+bwd"
+    q, k, v = (
+        torch.empty(case.b, case.h, case.n, case.d, dtype=case.torch_dtype, requires_grad=grad)
+        for _ in range(3)
+    )
+    backend = case.impl.removeprefix("attnkit-")
+    with torch.set_grad_enabled(grad):
+        choice = which_backend(q, k, v, causal=case.causal, backend=backend, **_score_options(case))
+    return f"{choice.backend} {choice.path}"
 
 
 def prepare(case: Case) -> Callable[[], object]:

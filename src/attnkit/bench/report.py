@@ -66,9 +66,16 @@ def rows(results: list[Result], matmul: dict[str, tuple[int, float]]) -> list[di
                     "gflops": gflops,
                     "pct_matmul": 100 * gflops / peak if gflops and peak else None,
                     "peak_mib": r.peak_mib,
+                    "runs": r.runs,
                 }
             )
     return table
+
+
+def _impl(record: dict) -> str:
+    """The implementation, and for attnkit's the backend and path that ran (``auto → tiled native``)."""
+    runs = record.get("runs")
+    return record["impl"] if runs is None else f"{record['impl']} ({runs})"
 
 
 def _fmt(value: float | None, pattern: str) -> str:
@@ -107,7 +114,7 @@ def markdown(records: list[dict], info: dict) -> str:
                 case = f"{r['variant']} {case}"
             timing = _fmt(r["median_ms"], ".1f") if r["status"] == "ok" else r["status"]
             lines.append(
-                f"| {case} | {r['impl']} | {timing} | {_fmt(r['vs_baseline'], '.2f')} | "
+                f"| {case} | {_impl(r)} | {timing} | {_fmt(r['vs_baseline'], '.2f')} | "
                 f"{_fmt(r['vs_naive'], '.2f')} | {_fmt(r['gflops'], '.0f')} | "
                 f"{_fmt(r['pct_matmul'], '.0f')} | {_fmt(r['peak_mib'], '.0f')} |"
             )
