@@ -10,8 +10,14 @@ attn_mask_grad          yes        yes   no     no      a float attn_mask that r
 alibi_slopes            yes        yes   yes    no      sdpa: a float mask of shape (h, t, s)
 softcap                 yes        no    yes    no
 dropout_p               yes        yes   no     no
-return_lse              yes        no    yes    no      tiled: no gradient through it
-return_weights          yes        no    yes    no      tiled: recomputed from the lse, no gradient
+return_lse              yes        no    yes    no      with gradients
+return_weights          yes        no    yes    no      tiled: recomputed from the lse
+double backward         yes        yes   yes    no      sdpa, tiled: through the reference's
+                                                        recomputation (O(t s) memory for it)
+vmap, func.grad         yes        yes   yes    no
+forward-mode AD         yes        no    no     no      jvp, jacfwd
+torch.jit.trace         yes        yes   no     no      tiled's block loop would be frozen
+torch.compile           yes        yes   loop   no      dynamo cannot trace C++
 memory                  O(t s)     O(t s) with a mask    O((t + s) d)
 ======================  =========  ====  =====  ======  =====
 
@@ -23,16 +29,17 @@ at most 16 query rows per key/value head. A causal mask is no option there: with
 masks nothing (:func:`attnkit.masks.merge_window` drops it).
 
 ``"auto"`` takes the first backend of :data:`AUTO_ORDER` that supports every option in use and does
-not refuse the tensors, with these exceptions measured with ``attnkit bench``: the decode kernel
-only over at least :data:`DECODE_MIN_KEYS` keys (below, SDPA is as fast or faster); the tiled
+not refuse the tensors (a backend's ``refuses`` says why it cannot run them: device, dtype, sizes,
+gradients, a transform, tracing), with these exceptions measured with ``attnkit bench``: the tiled
 kernel where SDPA would compute every score of a sliding window that shows each query at most a
 quarter of the keys, where it would need a dense ALiBi/window mask of more than
 :data:`DENSE_MASK_LIMIT` elements or of any size from :data:`NATIVE_MIN_SCORES` scores when the tiled
 backend's C++ kernel runs (it applies those masks while the scores are in cache, SDPA reads a
 materialised mask), and for half-precision inputs that need gradients on a CPU without fast
 half-precision products (SDPA's backward there ran 4x slower than the tiled kernel's at N=4096).
-A backend named explicitly that cannot do what was asked raises, naming the option; nothing falls
-back silently.
+:func:`choose_backend` (public as :func:`attnkit.functional.which_backend`) also says which path
+runs and why. A backend named explicitly that cannot do what was asked raises, naming the option;
+nothing falls back silently.
 """
 
 from __future__ import annotations
@@ -60,14 +67,6 @@ BACKENDS: dict[str, Backend] = {
 # Fastest first: the one-pass decode kernel for a few queries over a cache, SDPA's fused kernel when
 # it can do the request, then the O(N)-memory tiled kernel.
 AUTO_ORDER: tuple[str, ...] = ("decode", "sdpa", "tiled", "reference")
-
-# The fewest keys for which "auto" runs the decode kernel, by dtype. Measured with the CPU caches
-# emptied before each call, as in a model's decoding loop (`attnkit bench --decode`,
-# docs/bench/decode.md): in float32 the kernel overtakes SDPA from about 1024 keys (12 heads: 0.73
-# vs 0.86 ms; with warm caches SDPA stays ahead up to ~2048); in bf16/fp16 SDPA is 3-8x slower at
-# every length on CPUs without half-precision matrix units.
-DECODE_MIN_KEYS = {torch.float32: 1024, torch.bfloat16: 512, torch.float16: 512}
-
 
 # The largest mask SDPA is given to materialise (elements; 64 MiB of float32) before "auto" prefers
 # the tiled kernel, which needs none.
@@ -116,9 +115,6 @@ def _why_not(backend: Backend, options: frozenset[str], request: Request, q, k, 
         if reason is not None:
             return f"cannot run {reason}"
     if backend.name == "decode":
-        s, least = k.shape[-2], DECODE_MIN_KEYS.get(q.dtype, 512)
-        if s < least and request.masks.key_mask is None:  # SDPA would copy padded k and v
-            return f"{s} keys: SDPA is as fast below {least}"
         usable, reason = decode.available()  # the first call builds the kernel
         if not usable:
             return f"is unavailable: {reason}"
@@ -205,7 +201,6 @@ def resolve_backend(name: str, request: Request, q: Tensor, k: Tensor, v: Tensor
 __all__ = [
     "AUTO_ORDER",
     "BACKENDS",
-    "DECODE_MIN_KEYS",
     "DENSE_MASK_LIMIT",
     "AttentionOutput",
     "Backend",
