@@ -34,7 +34,8 @@ class KVCache(nn.Module):
             cache and to ``max_len`` otherwise.
 
     The buffers are not persistent: they move with ``.to()`` but stay out of ``state_dict()``. Keys
-    and values are stored detached: the cache is for inference.
+    and values are stored detached: the cache is for inference. Under ``torch.compile`` the modules
+    call :meth:`update_static` instead of :meth:`update`, so that a step compiles once.
 
     Example:
         >>> cache = KVCache(1, 4, max_len=128, head_dim=64)

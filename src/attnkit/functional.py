@@ -1,17 +1,24 @@
 """``attention(q, k, v, ...)``: the one entry point that every attnkit module calls.
 
 It checks the inputs, gathers the masks into one :class:`~attnkit.masks.Masks`, then runs the backend
-that :func:`~attnkit.backends.resolve_backend` picks. Semantics, with queries aligned bottom-right
+that :func:`~attnkit.backends.choose_backend` picks. Semantics, with queries aligned bottom-right
 (query ``i`` sits at ``p(i) = i + s - t``):
 
 - score = ``(q . k) * scale``, ``scale = 1 / sqrt(d)`` by default;
 - ``softcap``: score = ``softcap * tanh(score / softcap)``;
 - ``alibi_slopes`` ``(h,)``: score += ``-slope * |p(i) - j|``;
-- ``attn_mask``: bool (True = may attend) or float (added to the score; allowed where > -inf);
+- ``attn_mask``: bool (True = may attend) or float (added to the score; masked where -inf);
   ``key_mask`` ``(b, s)``: True = real token;
 - ``causal``: key ``j`` allowed iff ``j <= p(i)``; ``window=(left, right)`` (-1 unbounded):
   ``p(i) - left <= j <= p(i) + right``;
-- a query with no allowed key gets output 0, lse ``-inf`` and zero gradients.
+- a query with no allowed key gets output 0, lse ``-inf`` and zero gradients;
+- non-finite values: a query selects the keys it may see; a score made NaN or infinite by q, k,
+  v, a float mask or the slopes is NaN (never a mask) and spreads to what it touches; padding
+  (``key_mask`` False) never reaches a result on any backend, keys hidden by the other masks never
+  in attnkit's own kernels (``reference``, ``tiled``, ``decode``).
+
+Every returned tensor carries gradients to every input that needs one, also twice
+(``create_graph=True``); :func:`which_backend` says which backend and path a call runs, and why.
 
 Shapes: ``b`` batch, ``h`` query heads, ``h_kv`` key/value heads, ``t`` query length, ``s`` key
 length, ``d`` head dim.
@@ -60,8 +67,7 @@ def attention(
         scale: multiplies ``q . k``; defaults to ``1 / sqrt(d)``.
         dropout_p: dropout probability on the weights, applied whenever > 0 (pass 0 in eval).
         return_lse: also return the log-sum-exp of the (modified, masked) scores, ``(b, h, t)``,
-            float32 (float64 for float64 inputs), ``-inf`` for a query with no key. Gradients flow
-            through it on the reference backend.
+            float32 (float64 for float64 inputs), ``-inf`` for a query with no key.
         return_weights: also return the softmax weights before dropout, ``(b, h, t, s)``, q's dtype.
         backend: ``"auto"`` (the fastest backend that computes exactly this request), or a name in
             :data:`attnkit.backends.BACKENDS`.

@@ -160,7 +160,7 @@ def choose_backend(name: str, request: Request, q: Tensor, k: Tensor, v: Tensor)
             if why_not is not None:
                 passed.append(f"{candidate} {why_not}")
                 continue
-            reason = "the fastest backend for this call"
+            reason = f"the first backend of {', '.join(AUTO_ORDER)} that runs this call"
             if candidate == "sdpa" and options <= BACKENDS["tiled"].supports:
                 faster = _tiled_beats_sdpa(request, q, k, v)
                 if (
@@ -169,7 +169,7 @@ def choose_backend(name: str, request: Request, q: Tensor, k: Tensor, v: Tensor)
                 ):
                     backend, reason = BACKENDS["tiled"], f"faster than sdpa here: {faster}"
             if passed:
-                reason += " (" + "; ".join(passed) + ")"
+                reason += "; passed over: " + "; ".join(passed)
             return BackendChoice(backend.name, _path(backend, q), reason)
         raise AssertionError("the reference backend runs every request")  # pragma: no cover
     if name not in BACKENDS:

@@ -272,7 +272,9 @@ class MultiHeadAttention(ProjectedAttention):
             cache: a :class:`~attnkit.KVCache` of this layer (``num_kv_heads``, ``head_dim``) for
                 decoding: the chunk ``x`` comes after the ``cache.position`` tokens it holds, and
                 its keys and values are appended. Prefill in chunks of any size, then one token at
-                a time. Causal modules only.
+                a time. Causal modules only, without gradients (under ``torch.no_grad()``); under
+                ``torch.compile`` a step compiles once (a cache without window; no ``attn_mask``
+                or ``need_weights`` then).
             key_mask: ``(b, t)`` bool, True for a real token (padding False). From torch's
                 ``key_padding_mask`` (True = padding): ``key_mask = ~key_padding_mask``. With a
                 cache, the mask of this chunk (left padding of ragged prompts); the cache keeps it.
