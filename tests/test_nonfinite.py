@@ -246,3 +246,27 @@ def test_property_every_backend_follows_the_one_rule(
                 assert_same(weights, expected[2])
     finally:
         monkeypatch.undo()
+
+
+@pytest.mark.parametrize("path", ["tiled", "tiled:loop"])
+def test_a_nan_row_leaves_the_gradients_of_other_rows_finite(path, monkeypatch):
+    """The backward takes P and dS as exactly 0 at a masked key, even in a row that a NaN made
+    NaN: neither a stale soft-cap value (C++) nor exp(-inf - NaN) reaches the other rows."""
+    if path == "tiled:loop":
+        monkeypatch.setattr(tiled, "_native_kernel", lambda device, dtype: None)
+    monkeypatch.setattr(tiled, "BLOCK_Q", 4)
+    monkeypatch.setattr(tiled, "BLOCK_K", 4)
+    q, k, v = torch.randn(2, 1, 10, 8), torch.randn(2, 1, 10, 8), torch.randn(2, 1, 10, 8)
+    q[0, 0, 6] = NAN  # batch row 0, one query late in the sequence
+    leaves = [x.requires_grad_() for x in (q, k, v)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # both batch rows on one thread, sharing its buffers
+    try:
+        out = attention(*leaves, causal=True, softcap=2.0, backend="tiled")
+        dq, dk, dv = torch.autograd.grad(out[1].sum() + out[0, 0, :6].sum(), leaves)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.isfinite(out[1]).all()
+    assert all(torch.isfinite(g[1]).all() for g in (dq, dk, dv))  # the other batch row
+    assert torch.isfinite(dq[0, 0, :6]).all()  # the rows before the NaN one
+    assert torch.isfinite(dv[0, 0, 7:]).all()  # keys the NaN query never saw

@@ -77,6 +77,28 @@ def test_func_grad_and_per_example_gradients(path):
     torch.testing.assert_close(per_example[0], got[0])
 
 
+@pytest.mark.parametrize("path", ["auto", "reference", "tiled", "tiled:loop"], indirect=True)
+def test_nested_func_grad_is_exact_and_sdpa_refuses_it(path):
+    """grad(grad(f)): auto passes over SDPA (no double backward in its fused kernels)."""
+    q, k, v = (x[0].double() for x in batch(n=1, t=4, s=6))
+
+    def f(q):
+        return (attention(q, k, v, causal=True, backend=path) ** 2).sum()
+
+    def penalty(q):
+        return (grad(f)(q) ** 2).sum()
+
+    got = grad(penalty)(q)
+    leaves = q.clone().requires_grad_()
+    (first,) = torch.autograd.grad(
+        (naive_attention(leaves, k, v, causal=True)[0] ** 2).sum(), leaves, create_graph=True
+    )
+    (expected,) = torch.autograd.grad((first**2).sum(), leaves)
+    torch.testing.assert_close(got, expected)
+    with pytest.raises(ValueError, match=r"backend 'sdpa' cannot run nested torch\.func gradients"):
+        grad(lambda q: (grad(lambda q: attention(q, k, v, backend="sdpa").sum())(q) ** 2).sum())(q)
+
+
 def test_forward_mode_ad_runs_the_reference_and_other_backends_refuse_it():
     q, k, v = (x[0] for x in batch(n=1))
     tangent = torch.randn_like(q)
@@ -185,10 +207,14 @@ def test_a_compiled_step_refuses_what_it_cannot_do():
     torch._dynamo.reset()
     module = MultiHeadAttention(16, 16, 32, 0.0, 4, window=8).eval()
     step = torch.compile(module, fullgraph=True, backend="eager")
-    with torch.no_grad():  # dynamo wraps the error in its own, with attnkit's message inside
+    with torch.no_grad():  # fullgraph: dynamo wraps the ValueError in its own, message inside
         with pytest.raises(
             Exception, match=r"a windowed KVCache cannot decode under torch\.compile"
         ):
             step(torch.randn(1, 1, 16), cache=KVCache(1, 4, 32, 4, window=8))
-        with pytest.raises(Exception, match="need_weights cannot be used with a KVCache under"):
+        with pytest.raises(RuntimeError, match="need_weights cannot be used with a KVCache under"):
             step(torch.randn(1, 1, 16), cache=KVCache(1, 4, 32, 4), need_weights=True)
+        full = KVCache(1, 4, 3, 4)  # the room check, on the tensor position
+        step(torch.randn(1, 3, 16), cache=full)
+        with pytest.raises(RuntimeError, match=r"does not fit in max_len \(3\)"):
+            step(torch.randn(1, 1, 16), cache=full)

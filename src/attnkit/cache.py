@@ -229,6 +229,12 @@ class KVCache(nn.Module):
         keys, values = self._buffers["keys"], self._buffers["values"]
         n = self._check_chunk_shape(k, v, key_mask, keys)
         filled = self._buffers["filled"]
+        # The room check of update(), on the tensor (a RuntimeError, raised when the step runs)
+        torch._assert_async(
+            filled + n <= self.max_len,
+            f"KVCache: a chunk of {n} tokens does not fit in max_len ({self.max_len}); call "
+            "reset() or build a larger cache",
+        )
         slots = filled + torch.arange(n, device=keys.device)  # (n,)
         keys.index_copy_(2, slots, k.detach())
         values.index_copy_(2, slots, v.detach())

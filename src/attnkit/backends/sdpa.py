@@ -11,7 +11,7 @@ Three things around the call keep it to attnkit's rules:
   its value would still be NaN.
 - torch's fused CPU kernel treats a row whose scores are all NaN or ``-inf`` as a row with no key and
   returns zeros; attnkit's rule makes a row NaN as soon as a key it sees has a non-finite score
-  (:func:`nonfinite_rows`).
+  (:func:`rows_made_nan`).
 - torch's fused kernels have no double backward. Where one ran and a gradient is wanted, the output
   passes through :class:`_TwiceDifferentiable`: the identity, whose backward with
   ``create_graph=True`` differentiates the reference backend's recomputation instead.
@@ -23,8 +23,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from attnkit.backends.base import AttentionOutput, Request, forward_ad_active, wants_grad
-from attnkit.backends.reference import differentiable_grads
+from attnkit.backends.base import (
+    AttentionOutput,
+    Request,
+    differentiating_backward,
+    forward_ad_active,
+    func_grad_levels,
+    wants_grad,
+)
+from attnkit.backends.reference import differentiable_grads, nonfinite_rows
 from attnkit.masks import Masks, alibi_bias, zero_padding
 
 _NAN = float("nan")
@@ -45,6 +52,9 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, request: Request) -> AttentionOutput:
     if bias is not None:
         attn_mask = bias if allowed is None else bias.masked_fill(~allowed, float("-inf"))
 
+    with torch.no_grad():  # which rows attnkit's rules overwrite (no gradient flows through it)
+        nan_rows = rows_made_nan(q, keys, allowed, is_causal, masks.bias(), request.alibi_slopes)
+        empty_rows = None if allowed is None else ~allowed.any(dim=-1, keepdim=True)
     out = F.scaled_dot_product_attention(
         q,
         keys,
@@ -55,19 +65,18 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, request: Request) -> AttentionOutput:
         scale=request.scale,
         enable_gqa=bool(q.shape[1] != k.shape[1]),  # bool: under jit.trace the sizes are tensors
     )
-    bad_rows = nonfinite_rows(q, keys, allowed, is_causal, masks.bias(), request.alibi_slopes)
-    out = out.masked_fill(bad_rows, _NAN)
-    if allowed is not None:
-        # Rows with no allowed key are zero by construction, whatever the kernel on this device does.
-        out = out.masked_fill(~allowed.any(dim=-1, keepdim=True), 0.0)
-    if _fused(out) and wants_grad(q, k, v, request.alibi_slopes):
+    fused = _fused(out)
+    out = out.masked_fill(nan_rows, _NAN)
+    if empty_rows is not None:  # rows with no allowed key are 0, whatever the kernel does
+        out = out.masked_fill(empty_rows, 0.0)
+    if fused and wants_grad(q, k, v, request.alibi_slopes, masks.attn_mask):
         out = _TwiceDifferentiable.apply(
             out, q, k, v, request.alibi_slopes, masks.attn_mask, masks.key_mask, request
         )
     return AttentionOutput(out)
 
 
-def nonfinite_rows(
+def rows_made_nan(
     q: Tensor,
     k: Tensor,
     allowed: Tensor | None,
@@ -84,8 +93,8 @@ def nonfinite_rows(
     One pass over q and k and, with a dense mask, over the mask: ``O((t + s) d + t s)`` next to the
     kernel's ``O(t s d)``. No data-dependent branch, so ``torch.compile`` and ``vmap`` stay whole."""
     h, h_kv = q.shape[1], k.shape[1]
-    bad_q = _nonfinite(q)[..., None]  # (b, h, t, 1)
-    bad_k = _nonfinite(k)  # (b, h_kv, s)
+    bad_q = nonfinite_rows(q)[..., None]  # (b, h, t, 1)
+    bad_k = nonfinite_rows(k)  # (b, h_kv, s)
     bad_k = bad_k.repeat_interleave(h // h_kv, dim=1)  # (b, h, s): query head i uses kv i // g
     if is_causal:  # t == s: query i sees keys 0..i
         sees_bad = (bad_k.cumsum(dim=-1) > 0)[..., None]
@@ -104,13 +113,6 @@ def nonfinite_rows(
     return bad
 
 
-def _nonfinite(x: Tensor) -> Tensor:
-    """``(...)`` True where a row ``x[..., :]`` holds a NaN or an infinity. ``0 * x`` is 0 or NaN,
-    so its sum is exact (no overflow of large finite values) and one fast reduction; torch's
-    ``isfinite(x).all(-1)`` took 10x longer here."""
-    return torch.isnan((x * 0).sum(dim=-1))
-
-
 def _fused(out: Tensor) -> bool:
     """Whether one of torch's fused kernels made ``out`` (they have no double backward), rather than
     the composite one of ordinary operations (which torch's CPU dispatch picks for dropout or a mask
@@ -121,8 +123,6 @@ def _fused(out: Tensor) -> bool:
     if torch._C._are_functorch_transforms_active():
         return False
     node = out.grad_fn
-    while node is not None and type(node).__name__ == "MaskedFillBackward0":
-        node = node.next_functions[0][0]
     return node is not None and type(node).__name__.startswith("ScaledDotProduct")
 
 
@@ -141,7 +141,7 @@ class _TwiceDifferentiable(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        if not torch.is_grad_enabled():  # a first-order backward: torch's own kernel
+        if not differentiating_backward():  # a first-order backward: torch's own kernel
             return dout, None, None, None, None, None, None, None
         if ctx.request.dropout_p > 0:
             raise ValueError(
@@ -152,13 +152,15 @@ class _TwiceDifferentiable(torch.autograd.Function):
         q, k, v, slopes, attn_mask, key_mask = ctx.saved_tensors
         masks = Masks(ctx.request.masks.window, key_mask, attn_mask)
         request = ctx.request._replace(masks=masks, alibi_slopes=slopes)
-        wanted = ctx.needs_input_grad[1:5]
+        wanted = ctx.needs_input_grad[1:6]  # q, k, v, the slopes, a float mask
         grads = differentiable_grads(q, k, v, request, dout, None, wanted)
-        return None, *grads, None, None, None
+        return None, *grads, None, None
 
 
 def refuses(request: Request, q: Tensor, k: Tensor, v: Tensor) -> str | None:
     """Why SDPA cannot run this call (None if it can)."""
     if forward_ad_active():
         return "forward-mode AD (torch.func.jvp, jacfwd, forward_ad): torch's fused kernels have no jvp rule"
+    if func_grad_levels() >= 2:
+        return "nested torch.func gradients: torch's fused kernels have no double backward"
     return None

@@ -464,7 +464,9 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> backward(
               sc.apply(row, capping ? capped.data() + r * n : nullptr, batch, head, i0 + r, j0, n);
               const float shift = lp[bh * t + i0 + r];
 #pragma omp simd
-              for (int64_t j = 0; j < n; ++j) row[j] = exp_nonpositive(row[j] - shift);  // P
+              for (int64_t j = 0; j < n; ++j) {  // P; exactly 0 for a masked key, even in a NaN row
+                row[j] = row[j] == kNegInf ? 0.f : exp_nonpositive(row[j] - shift);
+              }
             }
             // dV += P^T dO, then dP = dO V^T
             gemm(true, false, n, dv, bq, p, n, do_blk, dv, dv_head + j0 * dv, dv, true);
@@ -474,7 +476,9 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> backward(
               float* dr = ds + r * n;
               const float di = dlp[bh * t + i0 + r];
 #pragma omp simd
-              for (int64_t j = 0; j < n; ++j) dr[j] = pr[j] * (dr[j] - di);  // dS = P (dP - D)
+              for (int64_t j = 0; j < n; ++j) {  // dS = P (dP - D): 0 where P is, whatever dP holds
+                dr[j] = pr[j] == 0.f ? 0.f : pr[j] * (dr[j] - di);
+              }
               if (alibi_grad) {  // score -= slope |p(i) - j|, after the soft-cap
                 const float p = static_cast<float>(i0 + r + s - t - j0);
                 float dslope = 0.f;
@@ -487,7 +491,9 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> backward(
               if (capping) {
                 const float* th = capped.data() + r * n;
 #pragma omp simd
-                for (int64_t j = 0; j < n; ++j) dr[j] *= 1.f - th[j] * th[j];  // through tanh
+                for (int64_t j = 0; j < n; ++j) {  // through tanh (th is unset where dS is 0)
+                  dr[j] = dr[j] == 0.f ? 0.f : dr[j] * (1.f - th[j] * th[j]);
+                }
               }
             }
             gemm(false, false, bq, d, n, ds, n, k_head + j0 * d, d, dq_blk, d, true);  // dQ += dS K

@@ -44,8 +44,13 @@ import torch
 from torch import Tensor
 
 from attnkit.backends._native import Kernel
-from attnkit.backends.base import AttentionOutput, Request, forward_ad_active
-from attnkit.backends.reference import differentiable_grads, nan_unless_finite
+from attnkit.backends.base import (
+    AttentionOutput,
+    Request,
+    differentiating_backward,
+    forward_ad_active,
+)
+from attnkit.backends.reference import differentiable_grads, nan_rows
 from attnkit.masks import Masks, zero_padding
 
 BLOCK_Q = 256  # query rows per block
@@ -144,24 +149,26 @@ class _Plan:
         self, q_blk: Tensor, k_blk: Tensor, i0: int, i1: int, j0: int, j1: int, window: bool
     ) -> tuple[Tensor, Tensor | None]:
         """The masked scores of one block, ``(b, h_kv, g, bq, bk)`` in ``stats_dtype``, and
-        ``tanh(u / softcap)`` (for the backward) when soft-capping. A score made non-finite by the
-        inputs is NaN; only a mask gives -inf (see :func:`~attnkit.backends.reference.nan_unless_finite`)."""
+        ``tanh(u / softcap)`` (for the backward) when soft-capping. ``q_blk`` and ``k_blk`` come
+        through :func:`~attnkit.backends.reference.nan_rows` and the slopes are NaN where not
+        finite, so a score made non-finite by the inputs is NaN; only a mask gives -inf (a +inf
+        bias makes the row's max +inf, hence NaN)."""
         req = self.request
         b, h_kv, g = self.b, self.h_kv, self.groups
         raw = torch.matmul(q_blk, k_blk.transpose(-2, -1))  # (b, h_kv, g*bq, d) x (b, h_kv, d, bk)
         scores = raw.to(self.stats_dtype).view(b, h_kv, g, i1 - i0, j1 - j0)
         capped = None
         if req.softcap is not None:
-            capped = torch.tanh(nan_unless_finite(scores) / req.softcap)
+            capped = torch.tanh(scores / req.softcap)
             scores = capped * req.softcap
         if req.alibi_slopes is not None:
-            neg_slopes = -req.alibi_slopes.to(self.stats_dtype).view(h_kv, g, 1, 1)
+            slopes = req.alibi_slopes.to(self.stats_dtype)
+            neg_slopes = -slopes.where(torch.isfinite(slopes), _NAN).view(h_kv, g, 1, 1)
             distance = self.distance(i0, i1, j0, j1, q_blk.device)  # (bq, bk)
             scores = scores.addcmul_(neg_slopes, distance)  # one pass: score -= slope |p(i) - j|
         bias = req.masks.bias(slice(i0, i1), slice(j0, j1))
         if bias is not None:
             scores = scores + _by_group(bias.to(self.stats_dtype), h_kv, g)
-        scores = nan_unless_finite(scores)  # a -inf bias still masks: allowed() below says so
         allowed = req.masks.allowed(
             self.t, self.s, q_blk.device, slice(i0, i1), slice(j0, j1), with_window=window
         )
@@ -194,11 +201,13 @@ def _forward(q5: Tensor, k: Tensor, v: Tensor, plan: _Plan) -> tuple[Tensor, Ten
     b, h_kv, g, t, _ = q5.shape
     out = q5.new_empty(b, h_kv, g, t, v.shape[-1], dtype=plan.stats_dtype)
     lse = q5.new_empty(b, h_kv, g, t, dtype=plan.stats_dtype)
-    # Where a block masks keys, its products take the values with their non-finite entries zeroed
-    # (a masked key's weight is 0, and 0 * NaN is NaN) and `touched` counts, per row and column,
-    # the non-finite values the row does see.
-    finite = torch.isfinite(v)
-    clean_v, bad_v = v.where(finite, 0.0), (~finite).to(plan.matmul_dtype)
+    # With a non-finite value about, a block that masks keys takes the values with their
+    # non-finite entries zeroed (a masked key's weight is 0, and 0 * NaN is NaN) and `touched`
+    # counts, per row and column, the non-finite values the row does see.
+    careful = _may_hold_nonfinite(v)
+    if careful:
+        finite = torch.isfinite(v)
+        clean_v, bad_v = v.where(finite, 0.0), (~finite).to(plan.matmul_dtype)
     masked_blocks = plan.request.masks.attn_mask is not None  # key_mask padding is zero already
     for i0, i1 in plan.query_blocks():
         bq = i1 - i0
@@ -212,7 +221,7 @@ def _forward(q5: Tensor, k: Tensor, v: Tensor, plan: _Plan) -> tuple[Tensor, Ten
         for j0, j1, window in plan.key_blocks(i0, i1):
             scores, _ = plan.scores(q_blk, k[:, :, j0:j1], i0, i1, j0, j1, window)
             values = v
-            if window or masked_blocks:
+            if careful and (window or masked_blocks):
                 values = clean_v
                 seen = (scores != _NEG_INF).view(b * h_kv, g * bq, -1).to(plan.matmul_dtype)
                 _add_matmul(touched_3d, seen, _flat(bad_v[:, :, j0:j1]))
@@ -231,6 +240,15 @@ def _forward(q5: Tensor, k: Tensor, v: Tensor, plan: _Plan) -> tuple[Tensor, Ten
     return out, lse
 
 
+def _may_hold_nonfinite(*tensors: Tensor) -> bool:
+    """Whether to take the careful path for non-finite values: in eager mode, whether one of the
+    tensors holds a NaN or an infinity (one sum each); inside ``torch.compile`` or a ``torch.func``
+    transform, where a branch on data is not possible, always."""
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        return True
+    return any(bool(torch.isnan((x * 0).sum())) for x in tensors)
+
+
 def _backward(
     dout5: Tensor,
     q5: Tensor,
@@ -246,6 +264,8 @@ def _backward(
     ``stats_dtype``. ``delta`` ``(b, h_kv, g, t)`` is ``D_i = dO_i . O_i - dlse_i``."""
     b, h_kv, g, _t, d = q5.shape
     lse = lse.masked_fill(lse == _NEG_INF, 0.0)  # empty rows: their scores are -inf, exp() = 0
+    # A NaN row (NaN lse) or a non-finite dP would put 0 * NaN at masked keys: select them out.
+    careful = _may_hold_nonfinite(lse, v, dout5)
     # Contiguous accumulators: the per-block slices below must be views, not copies.
     dq5 = q5.new_zeros(q5.shape, dtype=plan.stats_dtype)
     dk = k.new_zeros(k.shape, dtype=plan.stats_dtype)
@@ -263,17 +283,23 @@ def _backward(
         for j0, j1, window in plan.key_blocks(i0, i1):
             k_blk, v_blk = k[:, :, j0:j1], v[:, :, j0:j1]
             scores, capped = plan.scores(q_blk, k_blk, i0, i1, j0, j1, window)
+            masked = scores == _NEG_INF if careful else None  # P and dS are exactly 0 there
             probs = scores.sub_(lse_blk).exp_()  # P, (b, h_kv, g, bq, bk)
+            if masked is not None:
+                probs.masked_fill_(masked, 0.0)
             p_3d = probs.view(b * h_kv, g * bq, -1).to(plan.matmul_dtype)
             _add_matmul(_flat(dv[:, :, j0:j1]), p_3d.transpose(-2, -1), do_3d)  # dV += P^T dO
             dprobs = torch.bmm(do_3d, _flat(v_blk).transpose(-2, -1))  # dP = dO V^T
             # dS = P (dP - D), in place over dP
             dscores = dprobs.to(plan.stats_dtype).view(probs.shape).sub_(delta_blk).mul_(probs)
+            if masked is not None:
+                dscores.masked_fill_(masked, 0.0)  # 0 * a NaN dP from a hidden key's value
             if dslopes is not None:  # score -= slope |p(i) - j|, added after the soft-cap
                 distance = plan.distance(i0, i1, j0, j1, q5.device)
                 dslopes.sub_((dscores * distance).sum(dim=(0, 3, 4)))
             if capped is not None:
-                dscores.mul_(1.0 - capped * capped)  # d(c tanh(u / c)) / du
+                slope = 1.0 - capped * capped  # d(c tanh(u / c)) / du
+                dscores.mul_(slope if masked is None else slope.masked_fill_(masked, 0.0))
             ds_3d = dscores.view(b * h_kv, g * bq, -1).to(plan.matmul_dtype)
             _add_matmul(dq_blk, ds_3d, _flat(k_blk))  # dQ += dS K
             _add_matmul(_flat(dk[:, :, j0:j1]), ds_3d.transpose(-2, -1), q_3d)  # dK += dS^T Q
@@ -308,8 +334,8 @@ class _TiledAttention(torch.autograd.Function):
             out, lse = _native_forward(kernel, q, k, v, plan)
         else:
             with _marked("attnkit::tiled_loop_forward"):
-                q5 = _prescaled(q, plan)
-                out, lse = _forward(q5, _operand(k, plan), _operand(v, plan), plan)
+                q5, k5 = nan_rows(_prescaled(q, plan)), nan_rows(_operand(k, plan))
+                out, lse = _forward(q5, k5, _operand(v, plan), plan)
         return out.view((*q.shape[:-1], v.shape[-1])).to(q.dtype), lse.view(q.shape[:-1])
 
     @staticmethod
@@ -323,8 +349,8 @@ class _TiledAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout: Tensor | None, dlse: Tensor | None):
         q, k, v, slopes, attn_mask, key_mask, out, lse = ctx.saved_tensors
-        wanted = ctx.needs_input_grad[:4]
-        if torch.is_grad_enabled():  # create_graph=True: the gradients must be differentiable
+        wanted = ctx.needs_input_grad[:4]  # q, k, v, the slopes (a float mask has none here)
+        if differentiating_backward():  # create_graph=True: the gradients must be differentiable
             request = _request(ctx.spec, slopes, attn_mask, key_mask)
             grads = differentiable_grads(q, k, v, request, dout, dlse, wanted)
             return *grads, None, None, None
@@ -336,6 +362,8 @@ class _TiledAttention(torch.autograd.Function):
             delta = delta - dlse.to(plan.stats_dtype)
         b, h, t, d = q.shape
         kernel = _native_kernel(q.device, plan.matmul_dtype)
+        if torch._C._are_functorch_transforms_active():  # wrapped tensors: C++ cannot read them
+            kernel = None
         if kernel is not None:
             dq, dk, dv, dslopes = _native_backward(
                 kernel, dout, q, k, v, lse, delta, plan, wanted[3]
@@ -345,8 +373,8 @@ class _TiledAttention(torch.autograd.Function):
             with _marked("attnkit::tiled_loop_backward"):
                 dq, dk, dv, dslopes = _backward(
                     dout.reshape(*grouped, -1),
-                    _prescaled(q, plan),
-                    _operand(k, plan),
+                    nan_rows(_prescaled(q, plan)),
+                    nan_rows(_operand(k, plan)),
                     _operand(v, plan),
                     lse.view(grouped),
                     delta.view(grouped),
@@ -518,7 +546,7 @@ def _weights(q: Tensor, k: Tensor, lse: Tensor, plan: _Plan) -> Tensor:
     differentiable = torch.is_grad_enabled() and any(
         x is not None and x.requires_grad for x in (q, k, lse, plan.request.alibi_slopes)
     )
-    q5, k = _prescaled(q, plan), _operand(k, plan)
+    q5, k = nan_rows(_prescaled(q, plan)), nan_rows(_operand(k, plan))
     lse = lse.view(plan.b, plan.h_kv, plan.groups, t)
     lse = lse.masked_fill(lse == _NEG_INF, 0.0)
     if differentiable:

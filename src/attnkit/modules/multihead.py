@@ -199,8 +199,9 @@ class MultiHeadAttention(ProjectedAttention):
 
         >>> mha = MultiHeadAttention(64, 64, 256, 0.0, 4, rope=True).eval()
         >>> cache = KVCache(1, mha.num_kv_heads, 256, mha.head_dim)
-        >>> out = mha(torch.randn(1, 10, 64), cache=cache)  # prefill
-        >>> out = mha(torch.randn(1, 1, 64), cache=cache)  # the 11th token
+        >>> with torch.no_grad():  # a cache is for inference
+        ...     out = mha(torch.randn(1, 10, 64), cache=cache)  # prefill
+        ...     out = mha(torch.randn(1, 1, 64), cache=cache)  # the 11th token
         >>> cache.position
         11
     """
@@ -341,6 +342,11 @@ class MultiHeadAttention(ProjectedAttention):
         ``(t,)`` slots of the queries: its shapes never change and it compiles once."""
         t = queries.shape[2]
         slots = cache.next_slots(t)  # where this chunk goes: the queries' positions
+        if self.context_length is not None:  # check_context_length, on the tensor
+            torch._assert_async(
+                slots[-1] < self.context_length,
+                f"cache + x is longer than context_length ({self.context_length})",
+            )
         keys, values, real = cache.update_static(keys, values, key_mask=key_mask)
         capacity = keys.shape[2]
         window = (-1, 0) if self.window is None else self.window  # a cached module is causal
