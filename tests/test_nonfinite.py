@@ -270,3 +270,19 @@ def test_a_nan_row_leaves_the_gradients_of_other_rows_finite(path, monkeypatch):
     assert all(torch.isfinite(g[1]).all() for g in (dq, dk, dv))  # the other batch row
     assert torch.isfinite(dq[0, 0, :6]).all()  # the rows before the NaN one
     assert torch.isfinite(dv[0, 0, 7:]).all()  # keys the NaN query never saw
+
+
+def test_rows_of_huge_finite_values_are_finite():
+    """A row sum that overflows is not a non-finite value: the exact check decides."""
+    from attnkit.backends.nonfinite import nan_rows, nonfinite_rows
+
+    x = torch.full((2, 3, 64), 3e37)  # every row sums past float32's largest value
+    x[1, 2, 5] = NAN
+    expected = torch.tensor([[False, False, False], [False, False, True]])
+    assert torch.equal(nonfinite_rows(x), expected)
+    assert torch.isnan(nan_rows(x)[1, 2]).all() and torch.equal(nan_rows(x)[0], x[0])
+    q = torch.full((1, 1, 1, 64), 3e37)
+    k = torch.full((1, 1, 2, 64), 1e-38)  # q . k is finite though q's row sum is not
+    v = torch.randn(1, 1, 2, 64)
+    for backend in ("reference", "sdpa", "tiled"):
+        assert torch.isfinite(attention(q, k, v, scale=1.0, backend=backend)).all(), backend

@@ -31,7 +31,8 @@ from attnkit.backends.base import (
     func_grad_levels,
     wants_grad,
 )
-from attnkit.backends.reference import differentiable_grads, nonfinite_rows
+from attnkit.backends.nonfinite import can_branch_on_data, nonfinite_rows
+from attnkit.backends.reference import differentiable_grads
 from attnkit.masks import Masks, alibi_bias, zero_padding
 
 _NAN = float("nan")
@@ -66,7 +67,8 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, request: Request) -> AttentionOutput:
         enable_gqa=bool(q.shape[1] != k.shape[1]),  # bool: under jit.trace the sizes are tensors
     )
     fused = _fused(out)
-    out = out.masked_fill(nan_rows, _NAN)
+    if not can_branch_on_data() or bool(nan_rows.any()):  # eager: no copy where nothing changes
+        out = out.masked_fill(nan_rows, _NAN)
     if empty_rows is not None:  # rows with no allowed key are 0, whatever the kernel does
         out = out.masked_fill(empty_rows, 0.0)
     if fused and wants_grad(q, k, v, request.alibi_slopes, masks.attn_mask):

@@ -50,7 +50,8 @@ from attnkit.backends.base import (
     differentiating_backward,
     forward_ad_active,
 )
-from attnkit.backends.reference import differentiable_grads, nan_rows
+from attnkit.backends.nonfinite import may_hold_nonfinite, nan_rows
+from attnkit.backends.reference import differentiable_grads
 from attnkit.masks import Masks, zero_padding
 
 BLOCK_Q = 256  # query rows per block
@@ -150,7 +151,7 @@ class _Plan:
     ) -> tuple[Tensor, Tensor | None]:
         """The masked scores of one block, ``(b, h_kv, g, bq, bk)`` in ``stats_dtype``, and
         ``tanh(u / softcap)`` (for the backward) when soft-capping. ``q_blk`` and ``k_blk`` come
-        through :func:`~attnkit.backends.reference.nan_rows` and the slopes are NaN where not
+        through :func:`~attnkit.backends.nonfinite.nan_rows` and the slopes are NaN where not
         finite, so a score made non-finite by the inputs is NaN; only a mask gives -inf (a +inf
         bias makes the row's max +inf, hence NaN)."""
         req = self.request
@@ -204,7 +205,7 @@ def _forward(q5: Tensor, k: Tensor, v: Tensor, plan: _Plan) -> tuple[Tensor, Ten
     # With a non-finite value about, a block that masks keys takes the values with their
     # non-finite entries zeroed (a masked key's weight is 0, and 0 * NaN is NaN) and `touched`
     # counts, per row and column, the non-finite values the row does see.
-    careful = _may_hold_nonfinite(v)
+    careful = may_hold_nonfinite(v)
     if careful:
         finite = torch.isfinite(v)
         clean_v, bad_v = v.where(finite, 0.0), (~finite).to(plan.matmul_dtype)
@@ -240,15 +241,6 @@ def _forward(q5: Tensor, k: Tensor, v: Tensor, plan: _Plan) -> tuple[Tensor, Ten
     return out, lse
 
 
-def _may_hold_nonfinite(*tensors: Tensor) -> bool:
-    """Whether to take the careful path for non-finite values: in eager mode, whether one of the
-    tensors holds a NaN or an infinity (one sum each); inside ``torch.compile`` or a ``torch.func``
-    transform, where a branch on data is not possible, always."""
-    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
-        return True
-    return any(bool(torch.isnan((x * 0).sum())) for x in tensors)
-
-
 def _backward(
     dout5: Tensor,
     q5: Tensor,
@@ -265,7 +257,7 @@ def _backward(
     b, h_kv, g, _t, d = q5.shape
     lse = lse.masked_fill(lse == _NEG_INF, 0.0)  # empty rows: their scores are -inf, exp() = 0
     # A NaN row (NaN lse) or a non-finite dP would put 0 * NaN at masked keys: select them out.
-    careful = _may_hold_nonfinite(lse, v, dout5)
+    careful = may_hold_nonfinite(lse, v, dout5)
     # Contiguous accumulators: the per-block slices below must be views, not copies.
     dq5 = q5.new_zeros(q5.shape, dtype=plan.stats_dtype)
     dk = k.new_zeros(k.shape, dtype=plan.stats_dtype)

@@ -1,0 +1,63 @@
+"""attnkit's rule for NaN and infinity, the pieces the backends share.
+
+A query *selects* the keys it may see: a key it may not see never enters its arithmetic. A score
+made non-finite by the inputs (q, k, a float mask, the ALiBi slopes) is NaN, never a mask; a NaN
+spreads to every output it touches; a row with no allowed key is 0. The reference backend applies
+the rule to its materialised scores; the kernels to the rows of q and k before their products
+(a query or key row with a NaN or an infinity gives a non-finite score with every partner).
+
+Finding non-finite values costs a pass over the data. In eager mode the cheap pass decides whether
+the exact one is needed; inside ``torch.compile`` or a ``torch.func`` transform, where Python
+cannot branch on data, the exact path always runs.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+NAN = float("nan")
+
+
+def nan_unless_finite(scores: Tensor) -> Tensor:
+    """A score made infinite or NaN by the inputs is NaN, never a mask: ``-inf`` would silently drop
+    a key, ``+inf`` take all the weight. Only the masks make a key invisible."""
+    return scores.where(torch.isfinite(scores), NAN)
+
+
+def can_branch_on_data() -> bool:
+    """Whether Python may look at tensor values here (not while compiling or under a transform)."""
+    return not (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active())
+
+
+def nonfinite_rows(x: Tensor) -> Tensor:
+    """``(...)`` True where a row ``x[..., :]`` holds a NaN or an infinity.
+
+    A row's sum is non-finite if one of its values is, and otherwise only when large finite values
+    overflow; ``0 * x`` summed is exact (0 or NaN) but needs a temporary of ``x``'s size. So in
+    eager mode the plain sums decide, and the exact form runs only when one of them is not finite.
+    (torch's ``isfinite(x).all(-1)`` took 860 us over 12 x 512 x 64 floats here, a sum 30-60.)"""
+    if can_branch_on_data():
+        sums = x.sum(dim=-1)
+        if bool(torch.isfinite(sums).all()):
+            return torch.zeros(sums.shape, dtype=torch.bool, device=x.device)
+    return torch.isnan((x * 0).sum(dim=-1))
+
+
+def nan_rows(x: Tensor) -> Tensor:
+    """``x`` with every row that holds a NaN or an infinity made all NaN: its scores are then NaN
+    with every partner, before any product (``tanh(inf)`` would hide an infinite score, a ``-inf``
+    one pass for a mask). ``x`` itself when every row is finite, in eager mode."""
+    bad = nonfinite_rows(x)
+    if can_branch_on_data() and not bool(bad.any()):
+        return x
+    return x.masked_fill(bad[..., None], NAN)
+
+
+def may_hold_nonfinite(*tensors: Tensor) -> bool:
+    """Whether to take a careful path for non-finite values: in eager mode, whether one of the
+    tensors' sums is not finite (a NaN or an infinity in it, or, rarely, an overflow: the careful
+    path is right then too, only slower); where Python cannot branch on data, always."""
+    if not can_branch_on_data():
+        return True
+    return not all(bool(torch.isfinite(x.sum())) for x in tensors)
