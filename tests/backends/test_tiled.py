@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from attnkit import attention
-from attnkit.backends import _native, tiled
+from attnkit.backends import _native, tiled, tiled_loop, tiled_native
 from attnkit.functional import which_backend
 from oracle import naive_attention
 
@@ -51,14 +51,14 @@ def test_backward_stores_no_score_sized_tensor():
 
 def count_blocks(monkeypatch, **options):
     calls = []
-    original = tiled._Plan.scores
+    original = tiled_loop.Plan.scores
 
     def counting(self, *args):
         calls.append(args[2:6])  # i0, i1, j0, j1
         return original(self, *args)
 
     with monkeypatch.context() as patch:
-        patch.setattr(tiled._Plan, "scores", counting)
+        patch.setattr(tiled_loop.Plan, "scores", counting)
         q, k, v = qkv(t=60, s=60)
         attention(q, k, v, backend="tiled", **options)
     return calls
@@ -81,13 +81,13 @@ def test_causal_and_window_skip_the_blocks_they_empty(monkeypatch):
 @pytest.mark.usefixtures("pytorch_loop")
 def test_fully_visible_blocks_skip_the_positional_mask(monkeypatch):
     needs_mask = []
-    original = tiled._Plan.scores
+    original = tiled_loop.Plan.scores
 
     def spy(self, q_blk, k_blk, i0, i1, j0, j1, window):
         needs_mask.append(window)
         return original(self, q_blk, k_blk, i0, i1, j0, j1, window)
 
-    monkeypatch.setattr(tiled._Plan, "scores", spy)
+    monkeypatch.setattr(tiled_loop.Plan, "scores", spy)
     q, k, v = qkv(t=60, s=60)
     attention(q, k, v, backend="tiled", causal=True)
     assert any(needs_mask) and not all(needs_mask)
@@ -216,7 +216,7 @@ def test_which_backend_names_the_path_that_runs(dtype):
 
 def test_a_kernel_that_cannot_be_built_falls_back_to_the_loop_with_a_warning(monkeypatch):
     broken = _native.Kernel("no_such_kernel.cpp", ())
-    monkeypatch.setattr(tiled, "KERNEL", broken)
+    monkeypatch.setattr(tiled_native, "KERNEL", broken)
     q, k, v = qkv(t=23, s=31)
     with pytest.warns(UserWarning, match="no_such_kernel.cpp could not be built"):
         ran = paths_taken(lambda: attention(q, k, v, backend="tiled").sum().backward())
@@ -228,8 +228,10 @@ def test_a_kernel_that_cannot_be_built_falls_back_to_the_loop_with_a_warning(mon
 
 def test_attnkit_native_0_disables_the_kernel(monkeypatch):
     monkeypatch.setenv("ATTNKIT_NATIVE", "0")
-    monkeypatch.setattr(tiled, "KERNEL", _native.Kernel("tiled.cpp", tiled.KERNEL.cflags))
-    assert tiled.KERNEL.available() == (False, "disabled by ATTNKIT_NATIVE=0")
+    monkeypatch.setattr(
+        tiled_native, "KERNEL", _native.Kernel("tiled.cpp", tiled_native.KERNEL.cflags)
+    )
+    assert tiled_native.KERNEL.available() == (False, "disabled by ATTNKIT_NATIVE=0")
     ran = paths_taken(forward_backward())
     assert ran == ["attnkit::tiled_loop_backward", "attnkit::tiled_loop_forward"]
 
@@ -288,7 +290,7 @@ def test_a_key_mask_over_a_single_key_with_any_stride():
 def test_the_cpp_kernel_refuses_operands_that_do_not_fit_with_a_message():
     """The kernel reads masks without bounds checks, so it checks their sizes first (the Python
     side always passes fitting ones; this guards direct calls and future callers)."""
-    kernel = tiled.KERNEL.load()
+    kernel = tiled_native.KERNEL.load()
     q, k, v = torch.randn(1, 2, 5, 4), torch.randn(1, 1, 7, 4), torch.randn(1, 1, 7, 4)
     empty_float, empty_bool = torch.empty(0), torch.empty(0, dtype=torch.bool)
 

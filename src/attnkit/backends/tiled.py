@@ -1,9 +1,11 @@
 """The tiled backend: FlashAttention-2's online softmax, block by block.
 
-Two implementations of one algorithm: the PyTorch loop below, the readable shape of it, and
-``tiled.cpp``, which runs where the block products are float32 on a CPU (see ``KERNEL``): there a
-dozen tensor operations per block, each a pass over the block in memory, become a few passes over a
-row that is in cache. Both are tested against the float64 oracle, option by option.
+Two implementations of one algorithm: the PyTorch loop of :mod:`attnkit.backends.tiled_loop`, the
+readable shape of it, and ``tiled.cpp`` (:mod:`attnkit.backends.tiled_native`), which runs where the
+block products are float32 on a CPU: there a dozen tensor operations per block, each a pass over
+the block in memory, become a few passes over a row that is in cache. Both are tested against the
+float64 oracle, option by option. This module chooses between them (:func:`_native_kernel`) and
+holds what they share: the autograd function, its ``vmap`` rule and the weights.
 
 The forward walks over blocks of ``block_q`` queries; for each it streams blocks of ``block_k`` keys,
 keeping a running max ``m``, a running sum ``l`` and an unnormalised output ``acc``, and stores only
@@ -34,24 +36,23 @@ Shapes: ``b`` batch, ``h`` query heads, ``h_kv`` key/value heads, ``g = h / h_kv
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-from dataclasses import dataclass
 from types import ModuleType
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-from attnkit.backends._native import Kernel
+from attnkit.backends import tiled_loop, tiled_native
 from attnkit.backends.base import (
     AttentionOutput,
     Request,
     differentiating_backward,
     forward_ad_active,
 )
-from attnkit.backends.nonfinite import may_hold_nonfinite, nan_rows
+from attnkit.backends.nonfinite import nan_rows
 from attnkit.backends.reference import differentiable_grads
+from attnkit.backends.tiled_loop import Plan
+from attnkit.backends.tiled_native import marked
 from attnkit.masks import Masks, zero_padding
 
 BLOCK_Q = 256  # query rows per block
@@ -77,13 +78,6 @@ def _matmul_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     return dtype if _fast_half_matmul(dtype, device) else torch.promote_types(dtype, torch.float32)
 
 
-def _by_group(m: Tensor, h_kv: int, groups: int) -> Tensor:
-    """A tensor broadcastable to ``(b, h, bq, bk)`` -> broadcastable to ``(b, h_kv, g, bq, bk)``."""
-    while m.dim() < 4:
-        m = m.unsqueeze(0)
-    return m.unsqueeze(2) if m.shape[1] == 1 else m.unflatten(1, (h_kv, groups))
-
-
 class _Spec(NamedTuple):
     """The part of a call that is not a tensor. The tensors (masks, slopes) are arguments of the
     autograd function in their own right, so that gradients and ``vmap`` see them."""
@@ -95,216 +89,8 @@ class _Spec(NamedTuple):
     block_k: int
 
 
-@dataclass(frozen=True)
-class _Plan:
-    """What one call needs, shared by the forward, the backward and the weights."""
-
-    request: Request
-    b: int
-    h_kv: int
-    groups: int
-    t: int
-    s: int
-    matmul_dtype: torch.dtype  # dtype of the block products
-    stats_dtype: torch.dtype  # dtype of scores, softmax statistics and accumulators
-    block_q: int
-    block_k: int
-
-    @staticmethod
-    def of(q: Tensor, k: Tensor, request: Request, block_q: int, block_k: int) -> _Plan:
-        return _Plan(
-            request=request,
-            b=q.shape[0],
-            h_kv=k.shape[1],
-            groups=q.shape[1] // k.shape[1],
-            t=q.shape[2],
-            s=k.shape[2],
-            matmul_dtype=_matmul_dtype(q.dtype, q.device),
-            stats_dtype=torch.promote_types(q.dtype, torch.float32),
-            block_q=block_q,
-            block_k=block_k,
-        )
-
-    def query_blocks(self) -> Iterator[tuple[int, int]]:
-        for i0 in range(0, self.t, self.block_q):
-            yield i0, min(i0 + self.block_q, self.t)
-
-    def key_blocks(self, i0: int, i1: int) -> Iterator[tuple[int, int, bool]]:
-        """``(j0, j1, needs_window_mask)`` for the key blocks that queries ``i0..i1-1`` can see."""
-        left, right = self.request.masks.window or (-1, -1)
-        first, last = i0 + self.s - self.t, i1 - 1 + self.s - self.t  # p(i0), p(i1 - 1)
-        lo = max(0, first - left) if left >= 0 else 0
-        hi = min(self.s, last + right + 1) if right >= 0 else self.s
-        for j0 in range(lo, hi, self.block_k):
-            j1 = min(j0 + self.block_k, hi)
-            inside = (left < 0 or j0 >= last - left) and (right < 0 or j1 - 1 <= first + right)
-            yield j0, j1, not inside
-
-    def distance(self, i0: int, i1: int, j0: int, j1: int, device: torch.device) -> Tensor:
-        """``|p(i) - j|`` over the block, ``(bq, bk)`` in ``stats_dtype`` (ALiBi's distances)."""
-        factory = {"device": device, "dtype": self.stats_dtype}
-        q_pos = torch.arange(i0, i1, **factory) + (self.s - self.t)  # p(i)
-        return (q_pos[:, None] - torch.arange(j0, j1, **factory)).abs_()
-
-    def scores(
-        self, q_blk: Tensor, k_blk: Tensor, i0: int, i1: int, j0: int, j1: int, window: bool
-    ) -> tuple[Tensor, Tensor | None]:
-        """The masked scores of one block, ``(b, h_kv, g, bq, bk)`` in ``stats_dtype``, and
-        ``tanh(u / softcap)`` (for the backward) when soft-capping. ``q_blk`` and ``k_blk`` come
-        through :func:`~attnkit.backends.nonfinite.nan_rows` and the slopes are NaN where not
-        finite, so a score made non-finite by the inputs is NaN; only a mask gives -inf (a +inf
-        bias makes the row's max +inf, hence NaN)."""
-        req = self.request
-        b, h_kv, g = self.b, self.h_kv, self.groups
-        raw = torch.matmul(q_blk, k_blk.transpose(-2, -1))  # (b, h_kv, g*bq, d) x (b, h_kv, d, bk)
-        scores = raw.to(self.stats_dtype).view(b, h_kv, g, i1 - i0, j1 - j0)
-        capped = None
-        if req.softcap is not None:
-            capped = torch.tanh(scores / req.softcap)
-            scores = capped * req.softcap
-        if req.alibi_slopes is not None:
-            slopes = req.alibi_slopes.to(self.stats_dtype)
-            neg_slopes = -slopes.where(torch.isfinite(slopes), _NAN).view(h_kv, g, 1, 1)
-            distance = self.distance(i0, i1, j0, j1, q_blk.device)  # (bq, bk)
-            scores = scores.addcmul_(neg_slopes, distance)  # one pass: score -= slope |p(i) - j|
-        bias = req.masks.bias(slice(i0, i1), slice(j0, j1))
-        if bias is not None:
-            scores = scores + _by_group(bias.to(self.stats_dtype), h_kv, g)
-        allowed = req.masks.allowed(
-            self.t, self.s, q_blk.device, slice(i0, i1), slice(j0, j1), with_window=window
-        )
-        if allowed is not None:
-            scores = scores.masked_fill(~_by_group(allowed, h_kv, g), _NEG_INF)
-        return scores, capped
-
-    def grouped_rows(self, x: Tensor, i0: int, i1: int) -> Tensor:
-        """Rows ``i0..i1`` of a ``(b, h_kv, g, t, n)`` tensor as one ``(b, h_kv, g*bq, n)`` block."""
-        return x[:, :, :, i0:i1].reshape(self.b, self.h_kv, -1, x.shape[-1])
-
-
-def _flat(x: Tensor) -> Tensor:
-    """``(b, h_kv, n, m) -> (b * h_kv, n, m)``, a view where the strides allow."""
-    return x.reshape(-1, *x.shape[-2:])
-
-
-def _add_matmul(acc: Tensor, a: Tensor, b: Tensor) -> None:
-    """``acc += a @ b`` for 3-D tensors, in place; no temporary when the dtypes agree."""
-    if a.dtype == acc.dtype:
-        acc.baddbmm_(a, b)
-    else:  # half-precision products into a float32 accumulator
-        acc.add_(torch.bmm(a, b))
-
-
-def _forward(q5: Tensor, k: Tensor, v: Tensor, plan: _Plan) -> tuple[Tensor, Tensor]:
-    """``q5`` ``(b, h_kv, g, t, d)`` pre-scaled, in the matmul dtype; returns the output
-    ``(b, h_kv, g, t, d_v)`` in ``stats_dtype`` and lse ``(b, h_kv, g, t)``. A row with a NaN score
-    gets a NaN max, which spreads through its sum and output."""
-    b, h_kv, g, t, _ = q5.shape
-    out = q5.new_empty(b, h_kv, g, t, v.shape[-1], dtype=plan.stats_dtype)
-    lse = q5.new_empty(b, h_kv, g, t, dtype=plan.stats_dtype)
-    # With a non-finite value about, a block that masks keys takes the values with their
-    # non-finite entries zeroed (a masked key's weight is 0, and 0 * NaN is NaN) and `touched`
-    # counts, per row and column, the non-finite values the row does see.
-    careful = may_hold_nonfinite(v)
-    if careful:
-        finite = torch.isfinite(v)
-        clean_v, bad_v = v.where(finite, 0.0), (~finite).to(plan.matmul_dtype)
-    masked_blocks = plan.request.masks.attn_mask is not None  # key_mask padding is zero already
-    for i0, i1 in plan.query_blocks():
-        bq = i1 - i0
-        q_blk = plan.grouped_rows(q5, i0, i1)  # (b, h_kv, g*bq, d)
-        row_max = q5.new_full((b, h_kv, g, bq, 1), _NEG_INF, dtype=plan.stats_dtype)  # m
-        row_sum = q5.new_zeros((b, h_kv, g, bq, 1), dtype=plan.stats_dtype)  # l
-        acc = q5.new_zeros((b, h_kv, g, bq, v.shape[-1]), dtype=plan.stats_dtype)  # sum_j p_j v_j
-        acc_3d = acc.view(b * h_kv, g * bq, -1)  # the same memory, for baddbmm
-        touched = torch.zeros_like(acc)  # (b, h_kv, g, bq, d_v)
-        touched_3d = touched.view(b * h_kv, g * bq, -1)
-        for j0, j1, window in plan.key_blocks(i0, i1):
-            scores, _ = plan.scores(q_blk, k[:, :, j0:j1], i0, i1, j0, j1, window)
-            values = v
-            if careful and (window or masked_blocks):
-                values = clean_v
-                seen = (scores != _NEG_INF).view(b * h_kv, g * bq, -1).to(plan.matmul_dtype)
-                _add_matmul(touched_3d, seen, _flat(bad_v[:, :, j0:j1]))
-            new_max = torch.maximum(row_max, scores.amax(dim=-1, keepdim=True))
-            shift = new_max.masked_fill(new_max == _NEG_INF, 0.0)  # a row with no key yet: 0
-            probs = scores.sub_(shift).exp_()  # (b, h_kv, g, bq, bk), unnormalised
-            rescale = torch.exp(row_max - shift)  # how much the old terms shrink
-            row_sum.mul_(rescale).add_(probs.sum(dim=-1, keepdim=True))
-            acc.mul_(rescale)
-            p_3d = probs.view(b * h_kv, g * bq, -1).to(plan.matmul_dtype)
-            _add_matmul(acc_3d, p_3d, _flat(values[:, :, j0:j1]))  # += P V
-            row_max = new_max  # stays -inf until the row meets a key
-        empty = row_sum == 0  # no allowed key: output 0, lse -inf
-        out[:, :, :, i0:i1] = (acc / row_sum.masked_fill(empty, 1.0)).masked_fill(touched > 0, _NAN)
-        lse[:, :, :, i0:i1] = (row_max + row_sum.log()).masked_fill(empty, _NEG_INF).squeeze(-1)
-    return out, lse
-
-
-def _backward(
-    dout5: Tensor,
-    q5: Tensor,
-    k: Tensor,
-    v: Tensor,
-    lse: Tensor,
-    delta: Tensor,
-    plan: _Plan,
-    *,
-    slopes_grad: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-    """Gradients of q (w.r.t. the pre-scaled q), k, v and the ALiBi slopes (if ``slopes_grad``), in
-    ``stats_dtype``. ``delta`` ``(b, h_kv, g, t)`` is ``D_i = dO_i . O_i - dlse_i``."""
-    b, h_kv, g, _t, d = q5.shape
-    lse = lse.masked_fill(lse == _NEG_INF, 0.0)  # empty rows: their scores are -inf, exp() = 0
-    # A NaN row (NaN lse) or a non-finite dP would put 0 * NaN at masked keys: select them out.
-    careful = may_hold_nonfinite(lse, v, dout5)
-    # Contiguous accumulators: the per-block slices below must be views, not copies.
-    dq5 = q5.new_zeros(q5.shape, dtype=plan.stats_dtype)
-    dk = k.new_zeros(k.shape, dtype=plan.stats_dtype)
-    dv = v.new_zeros(v.shape, dtype=plan.stats_dtype)
-    dslopes = q5.new_zeros((h_kv, g), dtype=plan.stats_dtype) if slopes_grad else None
-    dout5 = dout5.to(plan.matmul_dtype)
-    for i0, i1 in plan.query_blocks():
-        bq = i1 - i0
-        q_blk = plan.grouped_rows(q5, i0, i1)  # (b, h_kv, g*bq, d)
-        do_blk = plan.grouped_rows(dout5, i0, i1)  # (b, h_kv, g*bq, d_v)
-        lse_blk = lse[:, :, :, i0:i1, None]  # (b, h_kv, g, bq, 1)
-        delta_blk = delta[:, :, :, i0:i1, None]
-        dq_blk = q5.new_zeros((b * h_kv, g * bq, d), dtype=plan.stats_dtype)
-        q_3d, do_3d = _flat(q_blk), _flat(do_blk)
-        for j0, j1, window in plan.key_blocks(i0, i1):
-            k_blk, v_blk = k[:, :, j0:j1], v[:, :, j0:j1]
-            scores, capped = plan.scores(q_blk, k_blk, i0, i1, j0, j1, window)
-            masked = scores == _NEG_INF if careful else None  # P and dS are exactly 0 there
-            probs = scores.sub_(lse_blk).exp_()  # P, (b, h_kv, g, bq, bk)
-            if masked is not None:
-                probs.masked_fill_(masked, 0.0)
-            p_3d = probs.view(b * h_kv, g * bq, -1).to(plan.matmul_dtype)
-            _add_matmul(_flat(dv[:, :, j0:j1]), p_3d.transpose(-2, -1), do_3d)  # dV += P^T dO
-            dprobs = torch.bmm(do_3d, _flat(v_blk).transpose(-2, -1))  # dP = dO V^T
-            # dS = P (dP - D), in place over dP
-            dscores = dprobs.to(plan.stats_dtype).view(probs.shape).sub_(delta_blk).mul_(probs)
-            if masked is not None:
-                dscores.masked_fill_(masked, 0.0)  # 0 * a NaN dP from a hidden key's value
-            if dslopes is not None:  # score -= slope |p(i) - j|, added after the soft-cap
-                distance = plan.distance(i0, i1, j0, j1, q5.device)
-                dslopes.sub_((dscores * distance).sum(dim=(0, 3, 4)))
-            if capped is not None:
-                slope = 1.0 - capped * capped  # d(c tanh(u / c)) / du
-                dscores.mul_(slope if masked is None else slope.masked_fill_(masked, 0.0))
-            ds_3d = dscores.view(b * h_kv, g * bq, -1).to(plan.matmul_dtype)
-            _add_matmul(dq_blk, ds_3d, _flat(k_blk))  # dQ += dS K
-            _add_matmul(_flat(dk[:, :, j0:j1]), ds_3d.transpose(-2, -1), q_3d)  # dK += dS^T Q
-        dq5[:, :, :, i0:i1] = dq_blk.view(b, h_kv, g, bq, d)
-    return dq5, dk, dv, None if dslopes is None else dslopes.view(-1)
-
-
-def _marked(name: str) -> contextlib.AbstractContextManager:
-    """A profiler range: ``attnkit::tiled_{native,loop}_{forward,backward}`` say which path ran.
-    A no-op under torch.compile, whose graphs drop such ranges (with a warning)."""
-    if torch.compiler.is_compiling():
-        return contextlib.nullcontext()
-    return torch.profiler.record_function(name)
+def _plan(q: Tensor, k: Tensor, request: Request, spec: _Spec) -> Plan:
+    return Plan.of(q, k, request, _matmul_dtype(q.dtype, q.device), spec.block_q, spec.block_k)
 
 
 def _request(spec: _Spec, slopes: Tensor | None, attn_mask: Tensor | None, key_mask: Tensor | None):
@@ -320,14 +106,14 @@ class _TiledAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(q, k, v, alibi_slopes, attn_mask, key_mask, spec: _Spec):
-        plan = _Plan.of(q, k, _request(spec, alibi_slopes, attn_mask, key_mask), *spec[-2:])
+        plan = _plan(q, k, _request(spec, alibi_slopes, attn_mask, key_mask), spec)
         kernel = _native_kernel(q.device, plan.matmul_dtype)
         if kernel is not None:
-            out, lse = _native_forward(kernel, q, k, v, plan)
+            out, lse = tiled_native.forward(kernel, _native_operands(q, k, v, plan), plan)
         else:
-            with _marked("attnkit::tiled_loop_forward"):
+            with marked("attnkit::tiled_loop_forward"):
                 q5, k5 = nan_rows(_prescaled(q, plan)), nan_rows(_operand(k, plan))
-                out, lse = _forward(q5, k5, _operand(v, plan), plan)
+                out, lse = tiled_loop.forward(q5, k5, _operand(v, plan), plan)
         return out.view((*q.shape[:-1], v.shape[-1])).to(q.dtype), lse.view(q.shape[:-1])
 
     @staticmethod
@@ -346,7 +132,7 @@ class _TiledAttention(torch.autograd.Function):
             request = _request(ctx.spec, slopes, attn_mask, key_mask)
             grads = differentiable_grads(q, k, v, request, dout, dlse, wanted)
             return *grads, None, None, None
-        plan = _Plan.of(q, k, _request(ctx.spec, slopes, attn_mask, key_mask), *ctx.spec[-2:])
+        plan = _plan(q, k, _request(ctx.spec, slopes, attn_mask, key_mask), ctx.spec)
         if dout is None:
             dout = torch.zeros_like(out)
         delta = (dout.to(plan.stats_dtype) * out.to(plan.stats_dtype)).sum(dim=-1)  # dO_i . O_i
@@ -357,13 +143,14 @@ class _TiledAttention(torch.autograd.Function):
         if torch._C._are_functorch_transforms_active():  # wrapped tensors: C++ cannot read them
             kernel = None
         if kernel is not None:
-            dq, dk, dv, dslopes = _native_backward(
-                kernel, dout, q, k, v, lse, delta, plan, wanted[3]
+            operands = _native_operands(q, k, v, plan)
+            dq, dk, dv, dslopes = tiled_native.backward(
+                kernel, dout, operands, lse, delta, plan, wanted[3]
             )
         else:
             grouped = (plan.b, plan.h_kv, plan.groups, t)
-            with _marked("attnkit::tiled_loop_backward"):
-                dq, dk, dv, dslopes = _backward(
+            with marked("attnkit::tiled_loop_backward"):
+                dq, dk, dv, dslopes = tiled_loop.backward(
                     dout.reshape(*grouped, -1),
                     nan_rows(_prescaled(q, plan)),
                     nan_rows(_operand(k, plan)),
@@ -420,20 +207,10 @@ def _fold_mask(mask: Tensor, dim: int | None, size: int, b: int) -> Tensor:
     return mask.expand(size, b, *mask.shape[2:]).flatten(0, 1)
 
 
-# The C++ kernel (tiled.cpp): the same algorithm with each block's score work fused. It runs where
-# the block products are float32 on a CPU (every CPU dtype but float64, unless the CPU has fast
-# half-precision products), outside torch.compile's tracing, and when it could be built.
-KERNEL = Kernel("tiled.cpp", ("-O3", "-fno-math-errno", "-fno-trapping-math"))
-_EMPTY = {dtype: torch.empty(0, dtype=dtype) for dtype in (torch.float32, torch.bool)}
-
-
 def _native_kernel(device: torch.device, matmul_dtype: torch.dtype) -> ModuleType | None:
-    """The C++ kernel if it can run a call with these block products, else None (the loop runs)."""
-    if device.type != "cpu" or matmul_dtype != torch.float32:
-        return None
-    if torch.compiler.is_compiling():  # dynamo traces the PyTorch loop; it cannot trace C++
-        return None
-    return KERNEL.load()
+    """The C++ kernel if it can run a call with these block products, else None (the loop runs):
+    the one switch between the two paths (the tests turn it to force the loop)."""
+    return tiled_native.kernel_for(device, matmul_dtype)
 
 
 def runs_native(q: Tensor) -> bool:
@@ -457,80 +234,23 @@ def refuses(request: Request, q: Tensor, k: Tensor, v: Tensor) -> str | None:
     return None
 
 
-def _native_options(plan: _Plan) -> tuple:
-    """The request as the C++ kernel takes it: bias, allowed, key_mask, alibi, softcap, window."""
-    req = plan.request
-    shape = (plan.b, plan.h_kv * plan.groups, plan.t, plan.s)
-    bias, allowed = _EMPTY[torch.float32], _EMPTY[torch.bool]
-    mask = req.masks.attn_mask
-    if mask is not None and mask.dtype == torch.bool:
-        allowed = mask.expand(shape)
-    elif mask is not None:
-        bias = mask.detach().to(torch.float32).expand(shape)
-    key_mask = req.masks.key_mask
-    key_mask = _EMPTY[torch.bool] if key_mask is None else key_mask.contiguous()
-    slopes = req.alibi_slopes
-    slopes = _EMPTY[torch.float32] if slopes is None else slopes.to(torch.float32).contiguous()
-    left, right = req.masks.window or (-1, -1)
-    return bias, allowed, key_mask, slopes, req.softcap or 0.0, left, right
-
-
-def _native_operands(q: Tensor, k: Tensor, v: Tensor, plan: _Plan) -> tuple[Tensor, Tensor, Tensor]:
+def _native_operands(q: Tensor, k: Tensor, v: Tensor, plan: Plan) -> tuple[Tensor, Tensor, Tensor]:
     """q pre-scaled, k and v, as the C++ kernel takes them: contiguous float32 ``(b, heads, n, d)``."""
     return _prescaled(q, plan).view(q.shape).contiguous(), _operand(k, plan), _operand(v, plan)
 
 
-def _native_forward(
-    kernel: ModuleType, q: Tensor, k: Tensor, v: Tensor, plan: _Plan
-) -> tuple[Tensor, Tensor]:
-    operands = _native_operands(q, k, v, plan)
-    with _marked("attnkit::tiled_native_forward"):
-        return kernel.forward(*operands, *_native_options(plan), plan.block_q, plan.block_k)
-
-
-def _native_backward(
-    kernel: ModuleType,
-    dout: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    lse: Tensor,
-    delta: Tensor,
-    plan: _Plan,
-    slopes_grad: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-    """Gradients of the pre-scaled q, of k, of v and of the slopes (if ``slopes_grad``), float32."""
-    dout = dout.to(torch.float32).contiguous()
-    lse = lse.masked_fill(lse == _NEG_INF, 0.0).contiguous()
-    q, k, v = _native_operands(q, k, v, plan)
-    with _marked("attnkit::tiled_native_backward"):
-        dq, dk, dv, dslopes = kernel.backward(
-            dout,
-            q,
-            k,
-            v,
-            lse,
-            delta.contiguous(),
-            *_native_options(plan),
-            plan.block_q,
-            plan.block_k,
-            slopes_grad,
-        )
-    return dq, dk, dv, dslopes if slopes_grad else None
-
-
-def _operand(x: Tensor, plan: _Plan) -> Tensor:
+def _operand(x: Tensor, plan: Plan) -> Tensor:
     """k or v in the matmul dtype, contiguous so that each key block is a view, not a copy."""
     return x.to(plan.matmul_dtype).contiguous()
 
 
-def _prescaled(q: Tensor, plan: _Plan) -> Tensor:
+def _prescaled(q: Tensor, plan: Plan) -> Tensor:
     """``q * scale`` as ``(b, h_kv, g, t, d)`` in the matmul dtype (scaling q, not the scores)."""
     q5 = q.view(plan.b, plan.h_kv, plan.groups, plan.t, q.shape[-1])
     return (q5.to(plan.stats_dtype) * plan.request.scale).to(plan.matmul_dtype)
 
 
-def _weights(q: Tensor, k: Tensor, lse: Tensor, plan: _Plan) -> Tensor:
+def _weights(q: Tensor, k: Tensor, lse: Tensor, plan: Plan) -> Tensor:
     """The softmax weights ``(b, h, t, s)`` from the lse: block by block without gradients; where
     q, k, the slopes or the lse need one, as one block of ordinary differentiable operations (the
     weights are ``t x s`` anyway), whose gradient reaches the lse's and through it the kernel's."""
@@ -576,6 +296,6 @@ def tiled(q: Tensor, k: Tensor, v: Tensor, request: Request) -> AttentionOutput:
         )
         weights = None
         if request.return_weights:
-            plan = _Plan.of(q, k, request, BLOCK_Q, BLOCK_K)
+            plan = _plan(q, k, request, spec)
             weights = _weights(q, k, lse, plan).to(q.dtype)
     return AttentionOutput(out, lse if request.return_lse else None, weights)

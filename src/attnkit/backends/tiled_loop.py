@@ -1,0 +1,240 @@
+"""The tiled backend's PyTorch loop: FlashAttention-2's online softmax, block by block, forward and
+recomputing backward, in ordinary tensor operations. It is the readable shape of the algorithm and
+the path for float64, half-precision block products, ``torch.compile`` (which traces it into one
+graph) and ``torch.func`` transforms; ``tiled.cpp`` runs the same algorithm where the products are
+float32 on a CPU. :mod:`attnkit.backends.tiled` chooses between them and holds the autograd function.
+
+Shapes: ``b`` batch, ``h_kv`` key/value heads, ``g`` query heads per key/value head, ``t``
+queries, ``s`` keys, ``d`` head dim, ``bq``/``bk`` block sizes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from attnkit.backends.base import Request
+from attnkit.backends.nonfinite import NAN, may_hold_nonfinite
+
+_NEG_INF = float("-inf")
+
+
+def _by_group(m: Tensor, h_kv: int, groups: int) -> Tensor:
+    """A tensor broadcastable to ``(b, h, bq, bk)`` -> broadcastable to ``(b, h_kv, g, bq, bk)``."""
+    while m.dim() < 4:
+        m = m.unsqueeze(0)
+    return m.unsqueeze(2) if m.shape[1] == 1 else m.unflatten(1, (h_kv, groups))
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one call needs, shared by the forward, the backward and the weights."""
+
+    request: Request
+    b: int
+    h_kv: int
+    groups: int
+    t: int
+    s: int
+    matmul_dtype: torch.dtype  # dtype of the block products
+    stats_dtype: torch.dtype  # dtype of scores, softmax statistics and accumulators
+    block_q: int
+    block_k: int
+
+    @staticmethod
+    def of(
+        q: Tensor,
+        k: Tensor,
+        request: Request,
+        matmul_dtype: torch.dtype,
+        block_q: int,
+        block_k: int,
+    ) -> Plan:
+        return Plan(
+            request=request,
+            b=q.shape[0],
+            h_kv=k.shape[1],
+            groups=q.shape[1] // k.shape[1],
+            t=q.shape[2],
+            s=k.shape[2],
+            matmul_dtype=matmul_dtype,
+            stats_dtype=torch.promote_types(q.dtype, torch.float32),
+            block_q=block_q,
+            block_k=block_k,
+        )
+
+    def query_blocks(self) -> Iterator[tuple[int, int]]:
+        for i0 in range(0, self.t, self.block_q):
+            yield i0, min(i0 + self.block_q, self.t)
+
+    def key_blocks(self, i0: int, i1: int) -> Iterator[tuple[int, int, bool]]:
+        """``(j0, j1, needs_window_mask)`` for the key blocks that queries ``i0..i1-1`` can see."""
+        left, right = self.request.masks.window or (-1, -1)
+        first, last = i0 + self.s - self.t, i1 - 1 + self.s - self.t  # p(i0), p(i1 - 1)
+        lo = max(0, first - left) if left >= 0 else 0
+        hi = min(self.s, last + right + 1) if right >= 0 else self.s
+        for j0 in range(lo, hi, self.block_k):
+            j1 = min(j0 + self.block_k, hi)
+            inside = (left < 0 or j0 >= last - left) and (right < 0 or j1 - 1 <= first + right)
+            yield j0, j1, not inside
+
+    def distance(self, i0: int, i1: int, j0: int, j1: int, device: torch.device) -> Tensor:
+        """``|p(i) - j|`` over the block, ``(bq, bk)`` in ``stats_dtype`` (ALiBi's distances)."""
+        factory = {"device": device, "dtype": self.stats_dtype}
+        q_pos = torch.arange(i0, i1, **factory) + (self.s - self.t)  # p(i)
+        return (q_pos[:, None] - torch.arange(j0, j1, **factory)).abs_()
+
+    def scores(
+        self, q_blk: Tensor, k_blk: Tensor, i0: int, i1: int, j0: int, j1: int, window: bool
+    ) -> tuple[Tensor, Tensor | None]:
+        """The masked scores of one block, ``(b, h_kv, g, bq, bk)`` in ``stats_dtype``, and
+        ``tanh(u / softcap)`` (for the backward) when soft-capping. ``q_blk`` and ``k_blk`` come
+        through :func:`~attnkit.backends.nonfinite.nan_rows` and the slopes are NaN where not
+        finite, so a score made non-finite by the inputs is NaN; only a mask gives -inf (a +inf
+        bias makes the row's max +inf, hence NaN)."""
+        req = self.request
+        b, h_kv, g = self.b, self.h_kv, self.groups
+        raw = torch.matmul(q_blk, k_blk.transpose(-2, -1))  # (b, h_kv, g*bq, d) x (b, h_kv, d, bk)
+        scores = raw.to(self.stats_dtype).view(b, h_kv, g, i1 - i0, j1 - j0)
+        capped = None
+        if req.softcap is not None:
+            capped = torch.tanh(scores / req.softcap)
+            scores = capped * req.softcap
+        if req.alibi_slopes is not None:
+            slopes = req.alibi_slopes.to(self.stats_dtype)
+            neg_slopes = -slopes.where(torch.isfinite(slopes), NAN).view(h_kv, g, 1, 1)
+            distance = self.distance(i0, i1, j0, j1, q_blk.device)  # (bq, bk)
+            scores = scores.addcmul_(neg_slopes, distance)  # one pass: score -= slope |p(i) - j|
+        bias = req.masks.bias(slice(i0, i1), slice(j0, j1))
+        if bias is not None:
+            scores = scores + _by_group(bias.to(self.stats_dtype), h_kv, g)
+        allowed = req.masks.allowed(
+            self.t, self.s, q_blk.device, slice(i0, i1), slice(j0, j1), with_window=window
+        )
+        if allowed is not None:
+            scores = scores.masked_fill(~_by_group(allowed, h_kv, g), _NEG_INF)
+        return scores, capped
+
+    def grouped_rows(self, x: Tensor, i0: int, i1: int) -> Tensor:
+        """Rows ``i0..i1`` of a ``(b, h_kv, g, t, n)`` tensor as one ``(b, h_kv, g*bq, n)`` block."""
+        return x[:, :, :, i0:i1].reshape(self.b, self.h_kv, -1, x.shape[-1])
+
+
+def _flat(x: Tensor) -> Tensor:
+    """``(b, h_kv, n, m) -> (b * h_kv, n, m)``, a view where the strides allow."""
+    return x.reshape(-1, *x.shape[-2:])
+
+
+def _add_matmul(acc: Tensor, a: Tensor, b: Tensor) -> None:
+    """``acc += a @ b`` for 3-D tensors, in place; no temporary when the dtypes agree."""
+    if a.dtype == acc.dtype:
+        acc.baddbmm_(a, b)
+    else:  # half-precision products into a float32 accumulator
+        acc.add_(torch.bmm(a, b))
+
+
+def forward(q5: Tensor, k: Tensor, v: Tensor, plan: Plan) -> tuple[Tensor, Tensor]:
+    """``q5`` ``(b, h_kv, g, t, d)`` pre-scaled, in the matmul dtype; returns the output
+    ``(b, h_kv, g, t, d_v)`` in ``stats_dtype`` and lse ``(b, h_kv, g, t)``. A row with a NaN score
+    gets a NaN max, which spreads through its sum and output."""
+    b, h_kv, g, t, _ = q5.shape
+    out = q5.new_empty(b, h_kv, g, t, v.shape[-1], dtype=plan.stats_dtype)
+    lse = q5.new_empty(b, h_kv, g, t, dtype=plan.stats_dtype)
+    # With a non-finite value about, a block that masks keys takes the values with their
+    # non-finite entries zeroed (a masked key's weight is 0, and 0 * NaN is NaN) and `touched`
+    # counts, per row and column, the non-finite values the row does see.
+    careful = may_hold_nonfinite(v)
+    if careful:
+        finite = torch.isfinite(v)
+        clean_v, bad_v = v.where(finite, 0.0), (~finite).to(plan.matmul_dtype)
+    masked_blocks = plan.request.masks.attn_mask is not None  # key_mask padding is zero already
+    for i0, i1 in plan.query_blocks():
+        bq = i1 - i0
+        q_blk = plan.grouped_rows(q5, i0, i1)  # (b, h_kv, g*bq, d)
+        row_max = q5.new_full((b, h_kv, g, bq, 1), _NEG_INF, dtype=plan.stats_dtype)  # m
+        row_sum = q5.new_zeros((b, h_kv, g, bq, 1), dtype=plan.stats_dtype)  # l
+        acc = q5.new_zeros((b, h_kv, g, bq, v.shape[-1]), dtype=plan.stats_dtype)  # sum_j p_j v_j
+        acc_3d = acc.view(b * h_kv, g * bq, -1)  # the same memory, for baddbmm
+        touched = torch.zeros_like(acc)  # (b, h_kv, g, bq, d_v)
+        touched_3d = touched.view(b * h_kv, g * bq, -1)
+        for j0, j1, window in plan.key_blocks(i0, i1):
+            scores, _ = plan.scores(q_blk, k[:, :, j0:j1], i0, i1, j0, j1, window)
+            values = v
+            if careful and (window or masked_blocks):
+                values = clean_v
+                seen = (scores != _NEG_INF).view(b * h_kv, g * bq, -1).to(plan.matmul_dtype)
+                _add_matmul(touched_3d, seen, _flat(bad_v[:, :, j0:j1]))
+            new_max = torch.maximum(row_max, scores.amax(dim=-1, keepdim=True))
+            shift = new_max.masked_fill(new_max == _NEG_INF, 0.0)  # a row with no key yet: 0
+            probs = scores.sub_(shift).exp_()  # (b, h_kv, g, bq, bk), unnormalised
+            rescale = torch.exp(row_max - shift)  # how much the old terms shrink
+            row_sum.mul_(rescale).add_(probs.sum(dim=-1, keepdim=True))
+            acc.mul_(rescale)
+            p_3d = probs.view(b * h_kv, g * bq, -1).to(plan.matmul_dtype)
+            _add_matmul(acc_3d, p_3d, _flat(values[:, :, j0:j1]))  # += P V
+            row_max = new_max  # stays -inf until the row meets a key
+        empty = row_sum == 0  # no allowed key: output 0, lse -inf
+        out[:, :, :, i0:i1] = (acc / row_sum.masked_fill(empty, 1.0)).masked_fill(touched > 0, NAN)
+        lse[:, :, :, i0:i1] = (row_max + row_sum.log()).masked_fill(empty, _NEG_INF).squeeze(-1)
+    return out, lse
+
+
+def backward(
+    dout5: Tensor,
+    q5: Tensor,
+    k: Tensor,
+    v: Tensor,
+    lse: Tensor,
+    delta: Tensor,
+    plan: Plan,
+    *,
+    slopes_grad: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """Gradients of q (w.r.t. the pre-scaled q), k, v and the ALiBi slopes (if ``slopes_grad``), in
+    ``stats_dtype``. ``delta`` ``(b, h_kv, g, t)`` is ``D_i = dO_i . O_i - dlse_i``."""
+    b, h_kv, g, _t, d = q5.shape
+    lse = lse.masked_fill(lse == _NEG_INF, 0.0)  # empty rows: their scores are -inf, exp() = 0
+    # A NaN row (NaN lse) or a non-finite dP would put 0 * NaN at masked keys: select them out.
+    careful = may_hold_nonfinite(lse, v, dout5)
+    # Contiguous accumulators: the per-block slices below must be views, not copies.
+    dq5 = q5.new_zeros(q5.shape, dtype=plan.stats_dtype)
+    dk = k.new_zeros(k.shape, dtype=plan.stats_dtype)
+    dv = v.new_zeros(v.shape, dtype=plan.stats_dtype)
+    dslopes = q5.new_zeros((h_kv, g), dtype=plan.stats_dtype) if slopes_grad else None
+    dout5 = dout5.to(plan.matmul_dtype)
+    for i0, i1 in plan.query_blocks():
+        bq = i1 - i0
+        q_blk = plan.grouped_rows(q5, i0, i1)  # (b, h_kv, g*bq, d)
+        do_blk = plan.grouped_rows(dout5, i0, i1)  # (b, h_kv, g*bq, d_v)
+        lse_blk = lse[:, :, :, i0:i1, None]  # (b, h_kv, g, bq, 1)
+        delta_blk = delta[:, :, :, i0:i1, None]
+        dq_blk = q5.new_zeros((b * h_kv, g * bq, d), dtype=plan.stats_dtype)
+        q_3d, do_3d = _flat(q_blk), _flat(do_blk)
+        for j0, j1, window in plan.key_blocks(i0, i1):
+            k_blk, v_blk = k[:, :, j0:j1], v[:, :, j0:j1]
+            scores, capped = plan.scores(q_blk, k_blk, i0, i1, j0, j1, window)
+            masked = scores == _NEG_INF if careful else None  # P and dS are exactly 0 there
+            probs = scores.sub_(lse_blk).exp_()  # P, (b, h_kv, g, bq, bk)
+            if masked is not None:
+                probs.masked_fill_(masked, 0.0)
+            p_3d = probs.view(b * h_kv, g * bq, -1).to(plan.matmul_dtype)
+            _add_matmul(_flat(dv[:, :, j0:j1]), p_3d.transpose(-2, -1), do_3d)  # dV += P^T dO
+            dprobs = torch.bmm(do_3d, _flat(v_blk).transpose(-2, -1))  # dP = dO V^T
+            # dS = P (dP - D), in place over dP
+            dscores = dprobs.to(plan.stats_dtype).view(probs.shape).sub_(delta_blk).mul_(probs)
+            if masked is not None:
+                dscores.masked_fill_(masked, 0.0)  # 0 * a NaN dP from a hidden key's value
+            if dslopes is not None:  # score -= slope |p(i) - j|, added after the soft-cap
+                distance = plan.distance(i0, i1, j0, j1, q5.device)
+                dslopes.sub_((dscores * distance).sum(dim=(0, 3, 4)))
+            if capped is not None:
+                slope = 1.0 - capped * capped  # d(c tanh(u / c)) / du
+                dscores.mul_(slope if masked is None else slope.masked_fill_(masked, 0.0))
+            ds_3d = dscores.view(b * h_kv, g * bq, -1).to(plan.matmul_dtype)
+            _add_matmul(dq_blk, ds_3d, _flat(k_blk))  # dQ += dS K
+            _add_matmul(_flat(dk[:, :, j0:j1]), ds_3d.transpose(-2, -1), q_3d)  # dK += dS^T Q
+        dq5[:, :, :, i0:i1] = dq_blk.view(b, h_kv, g, bq, d)
+    return dq5, dk, dv, None if dslopes is None else dslopes.view(-1)
