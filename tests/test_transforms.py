@@ -8,7 +8,14 @@ import torch
 import torch._dynamo.testing
 from torch.func import grad, jacfwd, jvp, vmap
 
-from attnkit import CrossAttention, KVCache, MultiHeadAttention, SelfAttention, attention
+from attnkit import (
+    AdditiveAttention,
+    CrossAttention,
+    KVCache,
+    MultiHeadAttention,
+    SelfAttention,
+    attention,
+)
 from attnkit.backends import tiled
 from attnkit.functional import which_backend
 from attnkit.modules import CausalAttention, MultiHeadAttentionWrapper
@@ -163,6 +170,15 @@ def test_jit_trace_of_cross_attention_equals_eager_on_other_lengths():
         traced = torch.jit.trace(cross, (torch.randn(1, 3, 16), torch.randn(1, 5, 12)))
         x, memory = torch.randn(1, 7, 16), torch.randn(1, 11, 12)
         torch.testing.assert_close(traced(x, memory), cross(x, memory))
+
+
+def test_jit_trace_of_additive_attention_equals_eager_on_other_lengths():
+    additive = AdditiveAttention(16, 12, 8).eval()
+    with torch.no_grad():
+        traced = torch.jit.trace(additive, (torch.randn(2, 3, 16), torch.randn(2, 5, 12)))
+        query, keys = torch.randn(2, 7, 16), torch.randn(2, 11, 12)
+        for got, expected in zip(traced(query, keys), additive(query, keys)):
+            torch.testing.assert_close(got, expected)
 
 
 def test_jit_trace_with_a_cache_raises_clearly():
