@@ -37,7 +37,7 @@ def _small_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture
 def pytorch_loop(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The tiled backend without its C++ kernel: the PyTorch loop of tiled.py runs."""
+    """The tiled backend without its C++ kernel: the PyTorch loop of tiled_loop.py runs."""
     monkeypatch.setattr(tiled, "_native_kernel", lambda device, dtype: None)
 
 

@@ -286,3 +286,16 @@ def test_rows_of_huge_finite_values_are_finite():
     v = torch.randn(1, 1, 2, 64)
     for backend in ("reference", "sdpa", "tiled"):
         assert torch.isfinite(attention(q, k, v, scale=1.0, backend=backend)).all(), backend
+
+
+@pytest.mark.parametrize("path", ["reference", "tiled", "tiled:loop"])
+def test_a_nan_in_the_lse_gradient_stays_in_its_row(path, monkeypatch):
+    if path == "tiled:loop":
+        monkeypatch.setattr(tiled, "_native_kernel", lambda device, dtype: None)
+    name = "tiled" if path == "tiled:loop" else path
+    leaves = [x.requires_grad_() for x in qkv(h=1, t=6, s=6)]
+    _, lse = attention(*leaves, causal=True, return_lse=True, backend=name)
+    dlse = torch.zeros_like(lse)
+    dlse[0, 0, 1] = NAN  # row 1 sees keys 0 and 1 only
+    _, dk = torch.autograd.grad(lse, leaves[:2], dlse)  # the lse does not depend on v
+    assert (~torch.isfinite(dk[0, 0, :2])).all() and torch.isfinite(dk[0, 0, 2:]).all()

@@ -14,7 +14,8 @@ return_lse              yes        no    yes    no      with gradients
 return_weights          yes        no    yes    no      tiled: recomputed from the lse
 double backward         yes        yes   yes    no      sdpa, tiled: through the reference's
                                                         recomputation (O(t s) memory for it)
-vmap, func.grad         yes        yes   yes    no
+vmap                    yes        yes   yes    no
+func.grad, jacrev       yes        yes   no     no      sdpa: one level of gradients
 forward-mode AD         yes        no    no     no      jvp, jacfwd
 torch.jit.trace         yes        yes   no     no      tiled's block loop would be frozen
 torch.compile           yes        yes   loop   no      dynamo cannot trace C++

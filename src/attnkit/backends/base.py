@@ -98,20 +98,21 @@ def wants_grad(*tensors: Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors)
 
 
-def func_grad_levels() -> int:
-    """How many ``torch.func`` gradient transforms (``grad``, ``vjp``, ``jacrev``) enclose this
-    call: from 2, the backward must itself be differentiable."""
+def gradient_levels(*tensors: Tensor | None) -> int:
+    """How many reverse-mode gradients will be taken through this call: the ``torch.func``
+    gradient transforms (``grad``, ``vjp``, ``jacrev``) that enclose it, plus one where ordinary
+    autograd records the tensors beneath them (``torch.autograd.grad`` around ``torch.func.grad``).
+    From 2, a backward must itself be differentiable; from 1, a custom backward must compose with
+    the transforms' levels. Outside any transform: 0 (ordinary autograd is seen elsewhere)."""
     if not torch._C._are_functorch_transforms_active():
         return 0
-    from torch._C._functorch import TransformType
+    from torch._C._functorch import TransformType, get_unwrapped, is_functorch_wrapped_tensor
     from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
-    return sum(i.key() == TransformType.Grad for i in retrieve_all_functorch_interpreters())
-
-
-def differentiating_backward() -> bool:
-    """Inside a custom backward: whether its gradients will be differentiated again, by a backward
-    with ``create_graph=True`` or by nested ``torch.func.grad`` (which always runs backwards with
-    ``create_graph``, so grad mode alone would say yes for a single ``grad``)."""
-    levels = func_grad_levels()
-    return levels >= 2 if levels else torch.is_grad_enabled()
+    levels = sum(i.key() == TransformType.Grad for i in retrieve_all_functorch_interpreters())
+    for x in tensors:
+        while x is not None and is_functorch_wrapped_tensor(x):
+            x = get_unwrapped(x)
+        if x is not None and x.requires_grad and torch.is_grad_enabled():
+            return levels + 1
+    return levels

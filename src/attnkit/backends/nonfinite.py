@@ -25,20 +25,35 @@ def nan_unless_finite(scores: Tensor) -> Tensor:
     return scores.where(torch.isfinite(scores), NAN)
 
 
-def can_branch_on_data() -> bool:
-    """Whether Python may look at tensor values here (not while compiling or under a transform)."""
-    return not (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active())
+def can_branch_on_data(*tensors: Tensor) -> bool:
+    """Whether Python may look at these tensors' values: plain CPU tensors in eager mode (not while
+    compiling, tracing or under a ``torch.func`` transform or a dispatch mode, where a branch would
+    be frozen or refused; not on an accelerator, where a look costs a synchronisation)."""
+    if (
+        torch.compiler.is_compiling()
+        or torch.jit.is_tracing()
+        or torch._C._are_functorch_transforms_active()
+        or torch._C._len_torch_dispatch_stack() > 0
+    ):
+        return False
+    return all(type(x) is Tensor and x.is_cpu for x in tensors)
+
+
+def _sum(x: Tensor, dim: int | None = None) -> Tensor:
+    """A sum that half-precision values cannot overflow (fp16 stops at 65504), without a copy."""
+    wide = torch.promote_types(x.dtype, torch.float32)
+    return x.sum(dtype=wide) if dim is None else x.sum(dim=dim, dtype=wide)
 
 
 def nonfinite_rows(x: Tensor) -> Tensor:
     """``(...)`` True where a row ``x[..., :]`` holds a NaN or an infinity.
 
     A row's sum is non-finite if one of its values is, and otherwise only when large finite values
-    overflow; ``0 * x`` summed is exact (0 or NaN) but needs a temporary of ``x``'s size. So in
-    eager mode the plain sums decide, and the exact form runs only when one of them is not finite.
+    overflow; ``0 * x`` summed is exact (0 or NaN) but needs a temporary of ``x``'s size. So where
+    Python may look, the plain sums decide, and the exact form runs only when one is not finite.
     (torch's ``isfinite(x).all(-1)`` took 860 us over 12 x 512 x 64 floats here, a sum 30-60.)"""
-    if can_branch_on_data():
-        sums = x.sum(dim=-1)
+    if can_branch_on_data(x):
+        sums = _sum(x, -1)
         if bool(torch.isfinite(sums).all()):
             return torch.zeros(sums.shape, dtype=torch.bool, device=x.device)
     return torch.isnan((x * 0).sum(dim=-1))
@@ -47,17 +62,17 @@ def nonfinite_rows(x: Tensor) -> Tensor:
 def nan_rows(x: Tensor) -> Tensor:
     """``x`` with every row that holds a NaN or an infinity made all NaN: its scores are then NaN
     with every partner, before any product (``tanh(inf)`` would hide an infinite score, a ``-inf``
-    one pass for a mask). ``x`` itself when every row is finite, in eager mode."""
+    one pass for a mask). ``x`` itself when every row is finite, where Python may look."""
     bad = nonfinite_rows(x)
-    if can_branch_on_data() and not bool(bad.any()):
+    if can_branch_on_data(x) and not bool(bad.any()):
         return x
     return x.masked_fill(bad[..., None], NAN)
 
 
 def may_hold_nonfinite(*tensors: Tensor) -> bool:
-    """Whether to take a careful path for non-finite values: in eager mode, whether one of the
-    tensors' sums is not finite (a NaN or an infinity in it, or, rarely, an overflow: the careful
-    path is right then too, only slower); where Python cannot branch on data, always."""
-    if not can_branch_on_data():
+    """Whether to take a careful path for non-finite values: where Python may look, whether one of
+    the tensors' sums is not finite (a NaN or an infinity in it, or, rarely, an overflow: the
+    careful path is right then too, only slower); elsewhere, always."""
+    if not can_branch_on_data(*tensors):
         return True
-    return not all(bool(torch.isfinite(x.sum())) for x in tensors)
+    return not all(bool(torch.isfinite(_sum(x))) for x in tensors)

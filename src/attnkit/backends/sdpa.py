@@ -26,9 +26,8 @@ from torch import Tensor
 from attnkit.backends.base import (
     AttentionOutput,
     Request,
-    differentiating_backward,
     forward_ad_active,
-    func_grad_levels,
+    gradient_levels,
     wants_grad,
 )
 from attnkit.backends.nonfinite import can_branch_on_data, nonfinite_rows
@@ -67,7 +66,7 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, request: Request) -> AttentionOutput:
         enable_gqa=bool(q.shape[1] != k.shape[1]),  # bool: under jit.trace the sizes are tensors
     )
     fused = _fused(out)
-    if not can_branch_on_data() or bool(nan_rows.any()):  # eager: no copy where nothing changes
+    if not can_branch_on_data(nan_rows) or bool(nan_rows.any()):  # no copy where nothing changes
         out = out.masked_fill(nan_rows, _NAN)
     if empty_rows is not None:  # rows with no allowed key are 0, whatever the kernel does
         out = out.masked_fill(empty_rows, 0.0)
@@ -143,7 +142,7 @@ class _TwiceDifferentiable(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        if not differentiating_backward():  # a first-order backward: torch's own kernel
+        if not torch.is_grad_enabled():  # a first-order backward: torch's own kernel
             return dout, None, None, None, None, None, None, None
         if ctx.request.dropout_p > 0:
             raise ValueError(
@@ -163,6 +162,9 @@ def refuses(request: Request, q: Tensor, k: Tensor, v: Tensor) -> str | None:
     """Why SDPA cannot run this call (None if it can)."""
     if forward_ad_active():
         return "forward-mode AD (torch.func.jvp, jacfwd, forward_ad): torch's fused kernels have no jvp rule"
-    if func_grad_levels() >= 2:
-        return "nested torch.func gradients: torch's fused kernels have no double backward"
+    if gradient_levels(q, k, v, request.alibi_slopes) >= 2:
+        return (
+            "nested torch.func gradients (grad of grad, or autograd around torch.func.grad): "
+            "torch's fused kernels have no double backward"
+        )
     return None

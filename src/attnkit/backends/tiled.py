@@ -46,8 +46,8 @@ from attnkit.backends import tiled_loop, tiled_native
 from attnkit.backends.base import (
     AttentionOutput,
     Request,
-    differentiating_backward,
     forward_ad_active,
+    gradient_levels,
 )
 from attnkit.backends.nonfinite import nan_rows
 from attnkit.backends.reference import differentiable_grads
@@ -128,7 +128,7 @@ class _TiledAttention(torch.autograd.Function):
     def backward(ctx, dout: Tensor | None, dlse: Tensor | None):
         q, k, v, slopes, attn_mask, key_mask, out, lse = ctx.saved_tensors
         wanted = ctx.needs_input_grad[:4]  # q, k, v, the slopes (a float mask has none here)
-        if differentiating_backward():  # create_graph=True: the gradients must be differentiable
+        if torch.is_grad_enabled():  # create_graph=True: the gradients must be differentiable
             request = _request(ctx.spec, slopes, attn_mask, key_mask)
             grads = differentiable_grads(q, k, v, request, dout, dlse, wanted)
             return *grads, None, None, None
@@ -140,8 +140,6 @@ class _TiledAttention(torch.autograd.Function):
             delta = delta - dlse.to(plan.stats_dtype)
         b, h, t, d = q.shape
         kernel = _native_kernel(q.device, plan.matmul_dtype)
-        if torch._C._are_functorch_transforms_active():  # wrapped tensors: C++ cannot read them
-            kernel = None
         if kernel is not None:
             operands = _native_operands(q, k, v, plan)
             dq, dk, dv, dslopes = tiled_native.backward(
@@ -230,6 +228,11 @@ def refuses(request: Request, q: Tensor, k: Tensor, v: Tensor) -> str | None:
     if forward_ad_active():
         return (
             "forward-mode AD (torch.func.jvp, jacfwd, forward_ad): the tiled kernel has no jvp rule"
+        )
+    if gradient_levels(q, k, v, request.alibi_slopes):
+        return (
+            "under torch.func.grad, vjp or jacrev: its recomputing backward does not compose with "
+            "them (the reference backend does, and auto takes it or SDPA)"
         )
     return None
 

@@ -197,8 +197,8 @@ def backward(
     ``stats_dtype``. ``delta`` ``(b, h_kv, g, t)`` is ``D_i = dO_i . O_i - dlse_i``."""
     b, h_kv, g, _t, d = q5.shape
     lse = lse.masked_fill(lse == _NEG_INF, 0.0)  # empty rows: their scores are -inf, exp() = 0
-    # A NaN row (NaN lse) or a non-finite dP would put 0 * NaN at masked keys: select them out.
-    careful = may_hold_nonfinite(lse, v, dout5)
+    # A NaN row (NaN lse), a non-finite dP or D would put 0 * NaN at masked keys: select them out.
+    careful = may_hold_nonfinite(lse, v, dout5, delta)  # delta holds the lse's gradient
     # Contiguous accumulators: the per-block slices below must be views, not copies.
     dq5 = q5.new_zeros(q5.shape, dtype=plan.stats_dtype)
     dk = k.new_zeros(k.shape, dtype=plan.stats_dtype)

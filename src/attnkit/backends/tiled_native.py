@@ -1,8 +1,8 @@
 """The tiled backend's C++ kernel (``tiled.cpp``): the same algorithm as the PyTorch loop of
-:mod:`attnkit.backends.tiled`, with each block's score work fused into a few passes over rows that
-stay in cache. It runs where the block products are float32 on a CPU (every CPU dtype but float64,
-unless the CPU has fast half-precision products), outside ``torch.compile``'s tracing and
-``torch.func`` transforms, and where it could be built (:mod:`attnkit.backends._native`).
+:mod:`attnkit.backends.tiled_loop`, with each block's score work fused into a few passes over rows
+that stay in cache. It runs where the block products are float32 on a CPU (every CPU dtype but
+float64, unless the CPU has fast half-precision products), outside ``torch.compile``'s tracing, and
+where it could be built (:mod:`attnkit.backends._native`).
 
 This module takes the operands as the kernel wants them (contiguous float32, q pre-scaled) and the
 call's plan (:class:`attnkit.backends.tiled_loop.Plan`), and passes the masks in the kernel's form.
