@@ -41,6 +41,19 @@ def pytorch_loop(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(tiled, "_native_kernel", lambda device, dtype: None)
 
 
+@pytest.fixture
+def backend(request, monkeypatch) -> str:
+    """The backend to name, from a parameter that may name a path inside one: "tiled:loop" forces
+    the tiled backend's PyTorch loop, "tiled:half" its half-precision products (those of CPUs
+    with AVX512-BF16 or AMX), so that every path is checked on any CPU."""
+    name = request.param
+    if name == "tiled:loop":
+        monkeypatch.setattr(tiled, "_native_kernel", lambda device, dtype: None)
+    elif name == "tiled:half":
+        monkeypatch.setattr(tiled, "_fast_half_matmul", lambda dtype, device: True)
+    return name.split(":")[0]
+
+
 @pytest.fixture(scope="session")
 def golden() -> dict:
     """The textbook's worked examples (a copy of shared/golden/textbook.json, checked below)."""

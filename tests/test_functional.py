@@ -31,19 +31,6 @@ assert {*GENERAL, "decode"} == set(BACKENDS), "a new backend: add it to GENERAL 
 PATHS = [*GENERAL, "tiled:loop"]
 
 
-@pytest.fixture
-def backend(request, monkeypatch) -> str:
-    """The backend to ask for, after switching the tiled path the parameter names."""
-    name = request.param
-    if name == "tiled:loop":
-        monkeypatch.setattr(tiled, "_native_kernel", lambda device, dtype: None)
-        return "tiled"
-    if name == "tiled:half":  # the products of CPUs with AVX512-BF16 or AMX (always the loop)
-        monkeypatch.setattr(tiled, "_fast_half_matmul", lambda dtype, device: True)
-        return "tiled"
-    return name
-
-
 def make_inputs(shape, dtype=torch.float32, mask_kind="none", requires_grad=True):
     b, h, h_kv, t, s, d = shape
     q = torch.randn(b, h, t, d, dtype=dtype)

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from attnkit import MultiHeadAttention, attention
-from attnkit.backends import sdpa, tiled
+from attnkit.backends import sdpa
 from attnkit.functional import which_backend
 from oracle import naive_attention
 
@@ -26,15 +26,6 @@ OPTIONS = {
     "alibi": {"alibi_slopes": torch.tensor([0.5, 0.25, 0.1, 0.05])},
     "softcap": {"softcap": 2.0, "scale": 0.7},
 }
-
-
-@pytest.fixture
-def path(request, monkeypatch) -> str:
-    """The backend to name, after forcing the tiled backend's loop for "tiled:loop"."""
-    if request.param == "tiled:loop":
-        monkeypatch.setattr(tiled, "_native_kernel", lambda device, dtype: None)
-        return "tiled"
-    return request.param
 
 
 def inputs(dtype=torch.float64, b=1, h=4, h_kv=2, t=5, s=7, d=6, slopes=None):
@@ -61,15 +52,15 @@ def with_masks(options, dtype):
     return options
 
 
-@pytest.mark.parametrize("path", FULL_PATHS, indirect=True)
+@pytest.mark.parametrize("backend", FULL_PATHS, indirect=True)
 @pytest.mark.parametrize("name", OPTIONS)
-def test_output_lse_and_weights_carry_exact_gradients_to_q_k_v_and_slopes(path, name):
+def test_output_lse_and_weights_carry_exact_gradients_to_q_k_v_and_slopes(backend, name):
     options = OPTIONS[name]
     q, k, v, *slopes = inputs(torch.float32, slopes=options.get("alibi_slopes"))
     extra = {"alibi_slopes": slopes[0]} if slopes else {}
     opts = with_masks(options, torch.float32)
     out, lse, weights = attention(
-        q, k, v, **opts, **extra, return_lse=True, return_weights=True, backend=path
+        q, k, v, **opts, **extra, return_lse=True, return_weights=True, backend=backend
     )
     leaves64 = [x.detach().double().requires_grad_() for x in (q, k, v, *slopes)]
     extra64 = {"alibi_slopes": leaves64[3]} if slopes else {}
@@ -117,10 +108,10 @@ def test_module_weights_are_differentiable_as_torchs_are():
     torch.testing.assert_close(got, expected[:32], rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("path", GENERAL_PATHS, indirect=True)
-def test_learnable_alibi_slopes_get_their_gradient(path):
+@pytest.mark.parametrize("backend", GENERAL_PATHS, indirect=True)
+def test_learnable_alibi_slopes_get_their_gradient(backend):
     q, k, v, slopes = inputs(torch.float32, h=2, h_kv=1, t=9, s=12, slopes=torch.tensor([0.3, 0.1]))
-    out = attention(q, k, v, causal=True, alibi_slopes=slopes, backend=path)
+    out = attention(q, k, v, causal=True, alibi_slopes=slopes, backend=backend)
     (got,) = torch.autograd.grad((out * out).sum(), slopes)
     leaves = [x.detach().double().requires_grad_() for x in (q, k, v, slopes)]
     out64, _, _ = naive_attention(*leaves[:3], causal=True, alibi_slopes=leaves[3])
@@ -160,9 +151,9 @@ def test_a_float_mask_that_needs_a_gradient_gets_it_and_tiled_refuses_it():
         attention(q, k, v, attn_mask=bias, backend="tiled")
 
 
-@pytest.mark.parametrize("path", GENERAL_PATHS, indirect=True)
+@pytest.mark.parametrize("backend", GENERAL_PATHS, indirect=True)
 @pytest.mark.parametrize("name", OPTIONS)
-def test_gradcheck_and_gradgradcheck_in_float64(path, name):
+def test_gradcheck_and_gradgradcheck_in_float64(backend, name):
     """First and second derivatives of every returned tensor on every backend, numerically
     checked (in float64 the tiled backend runs its loop; its create_graph backward, the reference's
     recomputation, is the same on both paths)."""
@@ -171,24 +162,24 @@ def test_gradcheck_and_gradgradcheck_in_float64(path, name):
     opts = with_masks(options, torch.float64)
     if "attn_mask" in opts:
         opts["attn_mask"] = opts["attn_mask"][..., :3, :]
-    full = path != "sdpa"
-    if path == "sdpa" and "softcap" in opts:  # the refusal, naming the option
+    full = backend != "sdpa"
+    if backend == "sdpa" and "softcap" in opts:  # the refusal, naming the option
         with pytest.raises(ValueError, match="backend 'sdpa' does not support softcap"):
-            attention(*leaves[:3], **opts, backend=path)
+            attention(*leaves[:3], **opts, backend=backend)
         return
 
     def f(q, k, v, *slopes):
         extra = {"alibi_slopes": slopes[0]} if slopes else {}
         return attention(
-            q, k, v, **opts, **extra, return_lse=full, return_weights=full, backend=path
+            q, k, v, **opts, **extra, return_lse=full, return_weights=full, backend=backend
         )
 
     assert torch.autograd.gradcheck(f, leaves)
     assert torch.autograd.gradgradcheck(f, leaves)
 
 
-@pytest.mark.parametrize("path", ["tiled", "sdpa"], indirect=True)
-def test_second_derivatives_in_float32_through_the_fused_kernels(path):
+@pytest.mark.parametrize("backend", ["tiled", "sdpa"], indirect=True)
+def test_second_derivatives_in_float32_through_the_fused_kernels(backend):
     """A gradient penalty through the C++ kernel and SDPA's fused CPU kernel (neither has a
     double backward of its own): d/dq of |d loss / dk|^2 against the oracle's."""
     q, k, v = inputs(torch.float32, t=6, s=9)
@@ -201,7 +192,7 @@ def test_second_derivatives_in_float32_through_the_fused_kernels(path):
         (dk,) = torch.autograd.grad((out * out).sum(), k, create_graph=True)
         return (dk * dk).sum()
 
-    got = torch.autograd.grad(penalty(q, k, v, path), (q, k, v))
+    got = torch.autograd.grad(penalty(q, k, v, backend), (q, k, v))
     leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
     expected = torch.autograd.grad(penalty(*leaves), leaves)
     for g, g64 in zip(got, expected):
