@@ -92,7 +92,9 @@ def rows_made_nan(
     whose score is ``-inf``. (Values need nothing: SDPA multiplies them, so they spread.)
 
     One pass over q and k and, with a dense mask, over the mask: ``O((t + s) d + t s)`` next to the
-    kernel's ``O(t s d)``. No data-dependent branch, so ``torch.compile`` and ``vmap`` stay whole."""
+    kernel's ``O(t s d)``. Branches on data only where Python may (see
+    :func:`~attnkit.backends.nonfinite.can_branch_on_data`), so ``torch.compile`` and ``vmap`` stay
+    whole."""
     h, h_kv = q.shape[1], k.shape[1]
     bad_q = nonfinite_rows(q)[..., None]  # (b, h, t, 1)
     bad_k = nonfinite_rows(k)  # (b, h_kv, s)

@@ -48,6 +48,7 @@ from attnkit.backends.base import (
     Request,
     forward_ad_active,
     gradient_levels,
+    wants_grad,
 )
 from attnkit.backends.nonfinite import nan_rows
 from attnkit.backends.reference import differentiable_grads
@@ -258,9 +259,7 @@ def _weights(q: Tensor, k: Tensor, lse: Tensor, plan: Plan) -> Tensor:
     q, k, the slopes or the lse need one, as one block of ordinary differentiable operations (the
     weights are ``t x s`` anyway), whose gradient reaches the lse's and through it the kernel's."""
     b, h, t, _ = q.shape
-    differentiable = torch.is_grad_enabled() and any(
-        x is not None and x.requires_grad for x in (q, k, lse, plan.request.alibi_slopes)
-    )
+    differentiable = wants_grad(q, k, lse, plan.request.alibi_slopes)
     q5, k = nan_rows(_prescaled(q, plan)), nan_rows(_operand(k, plan))
     lse = lse.view(plan.b, plan.h_kv, plan.groups, t)
     lse = lse.masked_fill(lse == _NEG_INF, 0.0)
