@@ -10,7 +10,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
-from attnkit.backends import tiled
+from attnkit.backends import tiled, tiled_native
 
 # Small example counts keep `make test` quick on a 2-core machine; ATTNKIT_HYPOTHESIS=thorough for more.
 settings.register_profile(
@@ -41,17 +41,28 @@ def pytorch_loop(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(tiled, "_native_kernel", lambda device, dtype: None)
 
 
+def force_path(monkeypatch: pytest.MonkeyPatch, path: str) -> str:
+    """Force a path inside a backend, whatever the CPU, and return the backend's name.
+
+    ``"tiled:loop"``: the tiled backend's PyTorch loop. ``"tiled:half"``: half-precision block
+    products, as on CPUs with AVX512-BF16 or AMX (bf16 ones in the C++ kernel, with AVX512-BF16
+    where the build has it). ``"tiled:portable"``: the same, with the C++ kernel's portable pair
+    products, which every CPU runs (slowly)."""
+    name, _, inside = path.partition(":")
+    if inside == "loop":
+        monkeypatch.setattr(tiled, "_native_kernel", lambda device, dtype: None)
+    elif inside in ("half", "portable"):
+        monkeypatch.setattr(tiled, "_fast_half_matmul", lambda dtype, device: True)
+    if inside == "portable":
+        monkeypatch.setattr(tiled_native, "pair_products", lambda kernel: "portable")
+    return name
+
+
 @pytest.fixture
 def backend(request, monkeypatch) -> str:
-    """The backend to name, from a parameter that may name a path inside one: "tiled:loop" forces
-    the tiled backend's PyTorch loop, "tiled:half" its half-precision products (those of CPUs
-    with AVX512-BF16 or AMX), so that every path is checked on any CPU."""
-    name = request.param
-    if name == "tiled:loop":
-        monkeypatch.setattr(tiled, "_native_kernel", lambda device, dtype: None)
-    elif name == "tiled:half":
-        monkeypatch.setattr(tiled, "_fast_half_matmul", lambda dtype, device: True)
-    return name.split(":")[0]
+    """The backend to name, from a parameter that may name a path inside one (see force_path),
+    so that every path is checked on any CPU."""
+    return force_path(monkeypatch, request.param)
 
 
 @pytest.fixture(scope="session")

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from attnkit import attention
 from attnkit.backends import BACKENDS, tiled
+from attnkit.functional import which_backend
 from oracle import naive_attention
 
 # (b, h, h_kv, t, s, d)
@@ -69,6 +70,10 @@ def grads(out, inputs, dout):
     return torch.autograd.grad(out, inputs, dout)
 
 
+def max_error(x, ref):
+    return (x.double() - ref).abs().max().item()
+
+
 @pytest.mark.parametrize("backend", PATHS, indirect=True)
 @pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
 @pytest.mark.parametrize("causal", [False, True])
@@ -119,7 +124,7 @@ def test_score_modifiers_match_oracle(backend, name, causal):
         torch.testing.assert_close(g, g64.float())
 
 
-@pytest.mark.parametrize("backend", [*PATHS, "tiled:half"], indirect=True)
+@pytest.mark.parametrize("backend", [*PATHS, "tiled:half", "tiled:portable"], indirect=True)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("causal", [False, True])
 def test_low_precision_within_twice_the_naive_error(backend, dtype, causal):
@@ -130,17 +135,48 @@ def test_low_precision_within_twice_the_naive_error(backend, dtype, causal):
     naive_inputs = [x.detach().clone().requires_grad_() for x in (q, k, v)]
     naive_out, _, _ = naive_attention(*naive_inputs, **masks, causal=causal)
 
-    def err(x, ref):
-        return (x.double() - ref).abs().max().item()
-
     assert out.dtype == dtype
-    assert err(out, out64) <= 2 * err(naive_out, out64) + 1e-6
+    assert max_error(out, out64) <= 2 * max_error(naive_out, out64) + 1e-6
     dout = torch.randn_like(out)
     exact = grads(out64, inputs64, dout.double())
     for g, g_naive, g64 in zip(
         grads(out, (q, k, v), dout), grads(naive_out, naive_inputs, dout), exact
     ):
-        assert err(g, g64) <= 3 * err(g_naive, g64) + 1e-6
+        assert max_error(g, g64) <= 3 * max_error(g_naive, g64) + 1e-6
+
+
+# The half-precision products of the C++ kernel (bf16 blocks multiplied in pairs with float32 sums,
+# tiled:half with AVX512-BF16 where the build has it, tiled:portable on every CPU) on every shape,
+# mask kind and modifier, forward and backward, within the rule for low precision.
+HALF_CASES = {
+    **{
+        f"{name} {kind}": (shape, kind, {}) for name, shape in SHAPES.items() for kind in MASK_KINDS
+    },
+    **{name: (SHAPES["gqa t<s d=40"], "key_mask", opts) for name, opts in MODIFIERS.items()},
+}
+
+
+@pytest.mark.parametrize("backend", ["tiled:half", "tiled:portable"], indirect=True)
+@pytest.mark.parametrize("case", HALF_CASES.values(), ids=HALF_CASES.keys())
+@pytest.mark.parametrize("causal", [False, True])
+def test_bf16_block_products_within_the_low_precision_rule(backend, case, causal):
+    shape, mask_kind, options = case
+    q, k, v, masks = make_inputs(shape, dtype=torch.bfloat16, mask_kind=mask_kind)
+    masks = {n: m if m.dtype == torch.bool else m.bfloat16() for n, m in masks.items()}
+    choice = which_backend(q, k, v, **masks, causal=causal, backend=backend, **options)
+    assert choice.path == "native" and choice.products.startswith("bf16-")
+    out = attention(q, k, v, **masks, causal=causal, backend=backend, **options)
+    inputs64, out64, _, _ = oracle64(q, k, v, masks, causal=causal, **options)
+    naive_inputs = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    naive_out, _, _ = naive_attention(*naive_inputs, **masks, causal=causal, **options)
+    assert out.dtype == torch.bfloat16
+    assert max_error(out, out64) <= 2 * max_error(naive_out, out64) + 1e-6
+    dout = torch.randn_like(out)
+    exact = grads(out64, inputs64, dout.double())
+    for g, g_naive, g64 in zip(
+        grads(out, (q, k, v), dout), grads(naive_out, naive_inputs, dout), exact
+    ):
+        assert max_error(g, g64) <= 3 * max_error(g_naive, g64) + 1e-6
 
 
 @pytest.mark.parametrize("backend", PATHS, indirect=True)

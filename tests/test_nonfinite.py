@@ -299,3 +299,55 @@ def test_a_nan_in_the_lse_gradient_stays_in_its_row(path, monkeypatch):
     dlse[0, 0, 1] = NAN  # row 1 sees keys 0 and 1 only
     _, dk = torch.autograd.grad(lse, leaves[:2], dlse)  # the lse does not depend on v
     assert (~torch.isfinite(dk[0, 0, :2])).all() and torch.isfinite(dk[0, 0, 2:]).all()
+
+
+HALF_PATHS = ["tiled:half", "tiled:portable"]  # bf16 block products in the C++ kernel
+
+
+def bf16_scenarios():
+    """(name, q, k, v, options, the rows of out that must be finite) in bf16, one non-finite
+    value each, where a pair product could carry it to a neighbour: next to a masked key, in a
+    key block that starts at an odd key (a window), in the last key of an odd length."""
+
+    def make(t=12, s=13):
+        return [x.bfloat16() for x in qkv(t=t, s=s)]
+
+    q, k, v = make()
+    q[0, 1, 5, 3] = NAN
+    yield "query", q, k, v, {}, None
+    q, k, v = make()
+    k[0, 0, 12, 0] = INF
+    yield "last key, causal", q, k, v, {"causal": True}, slice(0, 11)
+    q, k, v = make()
+    v[0, 0, 9, 2] = NAN
+    yield "value, window", q, k, v, {"window": (2, 0)}, slice(0, 8)
+    q, k, v = make()
+    k[0, 0, 4], v[0, 0, 4] = NAN, INF
+    yield "key and value, window (1, 1)", q, k, v, {"window": (1, 1)}, slice(6, 12)
+    q, k, v = make()
+    key_mask = torch.ones(1, 13, dtype=torch.bool)
+    key_mask[0, [3, 8]] = False
+    k[0, 0, [3, 8]], v[0, 0, [3, 8]] = NAN, -INF
+    yield "padding", q, k, v, {"key_mask": key_mask}, slice(0, 12)
+
+
+@pytest.mark.parametrize("path", HALF_PATHS)
+def test_the_half_precision_products_keep_the_rule(path, monkeypatch):
+    from conftest import force_path
+
+    for name, q, k, v, options, finite_rows in bf16_scenarios():
+        with monkeypatch.context() as patch:
+            backend = force_path(patch, path)
+            assert which_backend(q, k, v, backend=backend, **options).products.startswith("bf16-")
+            inputs = [x.clone().requires_grad_() for x in (q, k, v)]
+            out = attention(*inputs, backend=backend, **options)
+            grads = torch.autograd.grad(out.float().sum(), inputs)
+        out64, _, _ = selected_attention(q.float(), k.float(), v.float(), **options)
+        finite = torch.isfinite(out64)
+        assert torch.equal(torch.isfinite(out), finite), name
+        torch.testing.assert_close(out[finite].float(), out64[finite].float(), atol=2e-2, rtol=2e-2)
+        if finite_rows is not None:
+            assert torch.isfinite(out[..., finite_rows, :]).all(), name
+            assert torch.isfinite(grads[0][..., finite_rows, :]).all(), name
+        if "key_mask" in options:
+            assert torch.equal(grads[1][0, 0, [3, 8]], torch.zeros(2, 8, dtype=torch.bfloat16))

@@ -168,12 +168,13 @@ def test_which_backend_reports_what_attention_runs(monkeypatch):
 def test_which_backend_says_why():
     q = k = v = torch.randn(1, 2, 16, 8)
     choice = which_backend(q, k, v, softcap=5.0)
-    assert choice == (choice.backend, choice.path, choice.reason)  # a NamedTuple
+    assert choice == (choice.backend, choice.path, choice.reason, choice.products)  # a NamedTuple
     assert choice.backend == "tiled" and "sdpa does not support softcap" in choice.reason
     assert which_backend(q, k, v, softcap=5.0, backend="reference") == (
         "reference",
         "float64",
         "named by the caller",
+        "float64",
     )
     assert which_backend(q.double(), k.double(), v.double(), softcap=5.0).path == "loop"
     with pytest.raises(ValueError, match="backend 'sdpa' does not support softcap"):

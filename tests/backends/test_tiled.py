@@ -11,7 +11,7 @@ import textwrap
 import pytest
 import torch
 
-from attnkit import attention
+from attnkit import _cpu, attention
 from attnkit.backends import _native, tiled, tiled_loop, tiled_native
 from attnkit.functional import which_backend
 from oracle import naive_attention
@@ -209,9 +209,34 @@ def test_which_backend_names_the_path_that_runs(dtype):
     path = choice.path
     assert ran == [f"attnkit::tiled_{path}_backward", f"attnkit::tiled_{path}_forward"]
     if dtype == torch.float32:
-        assert path == "native"  # the kernel builds on every CPU the tests run on
+        assert (path, choice.products) == ("native", "float32")  # it builds on every test CPU
     if dtype == torch.float64:
-        assert path == "loop"  # the C++ kernel computes in float32
+        assert (path, choice.products) == ("loop", "float64")  # the C++ kernel has no float64
+    if dtype in (torch.bfloat16, torch.float16):  # in that dtype where the CPU has the units
+        fast = _cpu.fast_half_products(dtype)
+        expected = {
+            (torch.bfloat16, True): ("native", "bf16-"),
+            (torch.float16, True): ("loop", "float16"),
+        }.get((dtype, fast), ("native", "float32"))
+        assert path == expected[0] and choice.products.startswith(expected[1])
+
+
+@pytest.mark.parametrize("features", ["avx2", "avx512", "none"])
+def test_a_narrowed_cpu_multiplies_bf16_in_float32(features, monkeypatch):
+    """ATTNKIT_CPU_FEATURES=avx2 makes any CPU behave as one without bf16 units."""
+    monkeypatch.setenv("ATTNKIT_CPU_FEATURES", features)
+    q, k, v = qkv(dtype=torch.bfloat16)
+    assert which_backend(q, k, v, backend="tiled").products == "float32"
+    ran = paths_taken(lambda: attention(q, k, v, backend="tiled"))
+    assert ran == ["attnkit::tiled_native_forward"]
+
+
+def test_the_bf16_products_name_the_route_the_build_has():
+    kernel = tiled_native.KERNEL.load()
+    route = "avx512_bf16" if kernel.has_avx512_bf16() else "portable"
+    assert tiled_native.products(kernel, torch.bfloat16) == f"bf16-{route}"
+    # a build has vdpbf16ps exactly when it was built for a CPU with AVX512-BF16
+    assert kernel.has_avx512_bf16() == ("avx512bf16" in tiled_native.KERNEL.name())
 
 
 def test_a_kernel_that_cannot_be_built_falls_back_to_the_loop_with_a_warning(monkeypatch):
@@ -295,7 +320,7 @@ def test_the_cpp_kernel_refuses_operands_that_do_not_fit_with_a_message():
     empty_float, empty_bool = torch.empty(0), torch.empty(0, dtype=torch.bool)
 
     def forward(bias=empty_float, key_mask=empty_bool, alibi=empty_float, blocks=(4, 4)):
-        return kernel.forward(q, k, v, bias, empty_bool, key_mask, alibi, 0.0, -1, -1, *blocks)
+        return kernel.forward(q, k, v, bias, empty_bool, key_mask, alibi, 0.0, -1, -1, *blocks, 0)
 
     assert forward()[0].shape == (1, 2, 5, 4)
     with pytest.raises(RuntimeError, match=r"bias must be \(b, h, t, s\)"):
@@ -311,5 +336,47 @@ def test_the_cpp_kernel_refuses_operands_that_do_not_fit_with_a_message():
         match=r"and v \(b, h_kv, s, dv\) disagree",
     ):
         kernel.forward(
-            q, k[:, :, :6], v, empty_float, empty_bool, empty_bool, empty_float, 0.0, -1, -1, 4, 4
+            q,
+            k[:, :, :6],
+            v,
+            empty_float,
+            empty_bool,
+            empty_bool,
+            empty_float,
+            0.0,
+            -1,
+            -1,
+            4,
+            4,
+            0,
+        )
+    with pytest.raises(RuntimeError, match="all float32 or all bfloat16"):
+        kernel.forward(
+            q.bfloat16(),
+            k,
+            v,
+            empty_float,
+            empty_bool,
+            empty_bool,
+            empty_float,
+            0.0,
+            -1,
+            -1,
+            4,
+            4,
+            0,
+        )
+    with pytest.raises(RuntimeError, match="even last dim"):
+        kernel.forward(
+            *(x[..., :3].bfloat16().contiguous() for x in (q, k, v)),
+            empty_float,
+            empty_bool,
+            empty_bool,
+            empty_float,
+            0.0,
+            -1,
+            -1,
+            4,
+            4,
+            0,
         )

@@ -131,18 +131,28 @@ class BackendChoice(NamedTuple):
             for ``tiled``; ``"native"`` for ``decode``; ``"torch"`` for ``sdpa`` (torch's own
             kernel); ``"float64"`` for ``reference``.
         reason: why, in a sentence.
+        products: the dtype of the block products (for tiled's C++ kernel with bf16 products,
+            also how: ``"bf16-avx512_bf16"`` or ``"bf16-portable"``); None for sdpa, whose
+            kernel torch chooses.
     """
 
     backend: str
     path: str
     reason: str
+    products: str | None = None
 
 
-def _path(backend: Backend, q: Tensor) -> str:
+def _path(backend: Backend, q: Tensor) -> tuple[str, str | None]:
+    """The path inside ``backend`` that runs on ``q`` and its block products."""
     if backend.name == "tiled":
-        runs_native = not torch.compiler.is_compiling() and tiled.runs_native(q)
-        return "native" if runs_native else "loop"
-    return {"decode": "native", "sdpa": "torch", "reference": "float64"}[backend.name]
+        if torch.compiler.is_compiling():
+            return "loop", None
+        return ("native" if tiled.runs_native(q) else "loop"), tiled.products(q)
+    return {
+        "decode": ("native", "float32"),
+        "sdpa": ("torch", None),
+        "reference": ("float64", "float64"),
+    }[backend.name]
 
 
 def choose_backend(name: str, request: Request, q: Tensor, k: Tensor, v: Tensor) -> BackendChoice:
@@ -171,7 +181,8 @@ def choose_backend(name: str, request: Request, q: Tensor, k: Tensor, v: Tensor)
                     backend, reason = BACKENDS["tiled"], f"faster than sdpa here: {faster}"
             if passed:
                 reason += "; passed over: " + "; ".join(passed)
-            return BackendChoice(backend.name, _path(backend, q), reason)
+            path, products = _path(backend, q)
+            return BackendChoice(backend.name, path, reason, products)
         raise AssertionError("the reference backend runs every request")  # pragma: no cover
     if name not in BACKENDS:
         choices = ", ".join(repr(n) for n in ("auto", *BACKENDS))
@@ -191,7 +202,8 @@ def choose_backend(name: str, request: Request, q: Tensor, k: Tensor, v: Tensor)
         usable, reason = decode.available()
         if not usable:
             raise ValueError(f"backend 'decode' is unavailable: {reason}; use backend='auto'")
-    return BackendChoice(name, _path(backend, q), "named by the caller")
+    path, products = _path(backend, q)
+    return BackendChoice(name, path, "named by the caller", products)
 
 
 def resolve_backend(name: str, request: Request, q: Tensor, k: Tensor, v: Tensor) -> Backend:

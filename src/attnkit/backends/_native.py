@@ -1,6 +1,6 @@
 """attnkit's C++ kernels: each built once with :mod:`torch.utils.cpp_extension`, then cached.
 
-A kernel is one ``.cpp`` file next to this module. The first use builds it (about a minute; ninja and
+A kernel is one ``.cpp`` file next to this module (with the ``.h`` files beside it). The first use builds it (about a minute; ninja and
 a C++ compiler are needed), torch caches the build in ``TORCH_EXTENSIONS_DIR`` and later processes
 load it in well under a second. Where it cannot be built, or with ``ATTNKIT_NATIVE=0``, the kernel is
 unavailable and its backend says why: callers fall back to PyTorch operations, never silently to
@@ -18,18 +18,35 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 
-import torch
+from attnkit import _cpu
+
+# The compiler flag of each extension a build may enable, in the order the build's name lists them.
+_FLAGS = {
+    "avx2": "-mavx2",
+    "fma": "-mfma",
+    "f16c": "-mf16c",
+    "avx512f": "-mavx512f",
+    "avx512bw": "-mavx512bw",
+    "avx512vl": "-mavx512vl",
+    "avx512dq": "-mavx512dq",
+    "avx512_bf16": "-mavx512bf16",
+}
 
 
 def _isa_flags() -> tuple[str, list[str]]:
-    """Instruction-set flags for the CPU torch runs on (not -march=native: a cached build must not
-    reach a CPU that lacks its instructions), and a tag that keeps builds for each set apart."""
-    capability = torch.backends.cpu.get_cpu_capability()  # "AVX512", "AVX2", "DEFAULT", ...
-    flags = {
-        "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
-        "AVX2": ["-mavx2", "-mfma", "-mf16c"],
-    }.get(capability, [])
-    return capability.lower().replace(" ", "_"), flags
+    """The instruction-set flags of a build for this CPU (from :func:`attnkit._cpu.features`; not
+    -march=native, which would enable extensions the probe was told to hide), and a tag naming
+    every extension they enable, which keeps builds for different CPUs apart: a build is never
+    loaded on a CPU that lacks an extension it uses."""
+    present = _cpu.features()
+    enabled = [name for name in _FLAGS if name in present]
+    if not {"avx2", "fma"} <= present:  # the kernels' vector code assumes both or neither
+        enabled = []
+    tag = "_".join(name.replace("_", "") for name in enabled) or "baseline"
+    flags = [_FLAGS[name] for name in enabled]
+    if "avx512f" in enabled:  # GCC's default tuning vectorises loops 256 bits wide even then
+        flags.append("-mprefer-vector-width=512")
+    return tag, flags
 
 
 @dataclass
@@ -56,7 +73,9 @@ class Kernel:
     def name(self) -> str:
         isa, flags = _isa_flags()
         stem = self.path.stem
-        key = self.path.read_bytes() + " ".join([*self.cflags, *flags]).encode()
+        headers = sorted(self.path.parent.glob("*.h"))  # what the source may include
+        key = b"".join(p.read_bytes() for p in [self.path, *headers])
+        key += " ".join([*self.cflags, *flags]).encode()
         return f"attnkit_{stem}_{isa}_{hashlib.sha1(key).hexdigest()[:10]}"
 
     def load(self) -> ModuleType | None:

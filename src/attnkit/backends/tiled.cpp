@@ -26,6 +26,8 @@
 #include <tuple>
 #include <vector>
 
+#include "pair_products.h"
+
 namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -55,6 +57,8 @@ inline float exp_nonpositive(float x) {
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 
 inline bool finite(float x) { return std::fabs(x) <= std::numeric_limits<float>::max(); }
+inline bool finite_value(float x) { return finite(x); }
+inline bool finite_value(pairs::Bf16 x) { return pairs::finite(x); }
 
 // A score made infinite or NaN by the inputs is NaN: only a mask gives -inf (attnkit's rule for
 // non-finite values, see reference.py).
@@ -72,17 +76,19 @@ inline float tanh_fast(float x) {
 }
 
 // The largest of x[0 .. n), -inf for n = 0, NaN if any is NaN. GCC does not vectorise a running max
-// of floats without -ffinite-math-only (which -inf masking forbids), so eight lanes are kept in a
-// vector of the compiler's own (generic vectors: one AVX register here, pairs of SSE ones elsewhere).
-typedef float Float8 __attribute__((vector_size(32)));
-typedef int32_t Int8 __attribute__((vector_size(32)));
+// of floats without -ffinite-math-only (which -inf masking forbids), so sixteen lanes are kept in a
+// vector of the compiler's own (generic vectors: one AVX-512 register, or two AVX ones, or four SSE).
+typedef float Float16 __attribute__((vector_size(64)));
+typedef int32_t Int16 __attribute__((vector_size(64)));
 
 inline float row_max(const float* x, int64_t n) {
-  Float8 lanes = {kNegInf, kNegInf, kNegInf, kNegInf, kNegInf, kNegInf, kNegInf, kNegInf};
-  Int8 nan = {};
+  constexpr int kLanes = 16;
+  Float16 lanes;
+  for (int u = 0; u < kLanes; ++u) lanes[u] = kNegInf;
+  Int16 nan = {};
   int64_t j = 0;
-  for (; j + 8 <= n; j += 8) {
-    Float8 chunk;
+  for (; j + kLanes <= n; j += kLanes) {
+    Float16 chunk;
     std::memcpy(&chunk, x + j, sizeof chunk);
     lanes = chunk > lanes ? chunk : lanes;
     nan |= chunk != chunk;
@@ -93,7 +99,7 @@ inline float row_max(const float* x, int64_t n) {
     top = x[j] > top ? x[j] : top;
     any_nan |= x[j] != x[j];
   }
-  for (int u = 0; u < 8; ++u) {
+  for (int u = 0; u < kLanes; ++u) {
     top = lanes[u] > top ? lanes[u] : top;
     any_nan |= nan[u] != 0;
   }
@@ -236,26 +242,34 @@ Scoring make_scoring(int64_t b, int64_t h, int64_t t, int64_t s, const torch::Te
   return sc;
 }
 
-// Which of `rows` rows of `width` floats hold a NaN or an infinity (one flag a row), on every thread.
-std::vector<char> nonfinite_rows(const float* x, int64_t rows, int64_t width) {
+// Which of `rows` rows of `width` values hold a NaN or an infinity (one flag a row), on every thread.
+template <typename T>
+std::vector<char> nonfinite_rows(const T* x, int64_t rows, int64_t width) {
   std::vector<char> flags(rows);
   at::parallel_for(0, rows, 256, [&](int64_t first, int64_t last) {
     for (int64_t i = first; i < last; ++i) {
       bool all_finite = true;
-      const float* row = x + i * width;
+      const T* row = x + i * width;
 #pragma omp simd reduction(&& : all_finite)
-      for (int64_t c = 0; c < width; ++c) all_finite = all_finite && finite(row[c]);
+      for (int64_t c = 0; c < width; ++c) all_finite = all_finite && finite_value(row[c]);
       flags[i] = !all_finite;
     }
   });
   return flags;
 }
 
-void check_operands(std::initializer_list<const torch::Tensor*> tensors) {
+// The operands' dtype: float32 (products by torch's matmul) or bfloat16 (pair products), the same
+// for all; bf16 operands have even head dims (the caller pads them with zeros).
+c10::ScalarType check_operands(std::initializer_list<const torch::Tensor*> tensors) {
+  const auto dtype = (*tensors.begin())->scalar_type();
   for (const auto* x : tensors) {
-    TORCH_CHECK(x->dim() == 4 && x->is_contiguous() && x->scalar_type() == torch::kFloat,
-                "tiled: every operand must be a contiguous 4-d float32 tensor");
+    TORCH_CHECK(x->dim() == 4 && x->is_contiguous() && x->scalar_type() == dtype &&
+                    (dtype == torch::kFloat || dtype == torch::kBFloat16),
+                "tiled: the operands must be contiguous 4-d tensors, all float32 or all bfloat16");
+    TORCH_CHECK(dtype == torch::kFloat || x->size(3) % 2 == 0,
+                "tiled: bfloat16 operands must have an even last dim");
   }
+  return dtype;
 }
 
 // The i-th of n blocks in the order 0, n-1, 1, n-2, ...: parallel_for hands each thread a
@@ -283,65 +297,248 @@ inline void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t kk, const float
   }
 }
 
-}  // namespace
+// The sizes of a call: q (b, h, t, d), k (b, h_kv, s, d), v (b, h_kv, s, dv).
+struct Sizes {
+  int64_t b, h, h_kv, t, s, d, dv;
+};
 
-// Returns out (b, h, t, dv) and lse (b, h, t).
-std::tuple<torch::Tensor, torch::Tensor> forward(
-    torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor bias, torch::Tensor allowed,
-    torch::Tensor key_mask, torch::Tensor alibi, double softcap, int64_t left, int64_t right,
-    int64_t block_q, int64_t block_k) {
-  check_operands({&q, &k, &v});
-  const int64_t b = q.size(0), h = q.size(1), t = q.size(2), d = q.size(3);
-  const int64_t h_kv = k.size(1), s = k.size(2), dv = v.size(3);
-  TORCH_CHECK(h % h_kv == 0 && k.sizes() == torch::IntArrayRef({b, h_kv, s, d}) &&
-                  v.sizes() == torch::IntArrayRef({b, h_kv, s, dv}),
-              "tiled: q (b, h, t, d), k (b, h_kv, s, d) and v (b, h_kv, s, dv) disagree");
-  const int64_t groups = h / h_kv;
-  const Scoring sc = make_scoring(b, h, t, s, bias, allowed, key_mask, alibi, softcap, left,
-                                  right, block_q, block_k);
-  auto out = torch::empty({b, h, t, dv}, q.options());
-  auto lse = torch::empty({b, h, t}, q.options());
+// The block products of the kernel, in two implementations with one interface: float32 operands
+// multiplied by torch's matmul (Float32Blocks), and bf16 operands multiplied in pairs with float32
+// sums (Bf16Blocks, pair_products.h). In both, a block of scores, weights or their gradients is
+// float32, (bq x n) with row stride `ld` = score_stride(n); results accumulate into float32 rows of
+// `width(d)` (or `width(dv)`) entries. `bh` is the query head's index in (b * h), `kv` the key/value
+// head's in (b * h_kv), [i0, i0 + bq) the query rows and [j0, j0 + n) the keys.
+struct Float32Blocks {
+  Sizes z;
+  const float *q, *k, *v, *dout;
+  struct Scratch {
+    std::vector<float> clean;  // a value block with its non-finite entries zeroed
+    explicit Scratch(const Float32Blocks&, int64_t, int64_t) {}
+  };
+
+  Float32Blocks(const Sizes& sizes, const torch::Tensor& q_, const torch::Tensor& k_,
+                const torch::Tensor& v_, const torch::Tensor* dout_)
+      : z(sizes), q(q_.data_ptr<float>()), k(k_.data_ptr<float>()), v(v_.data_ptr<float>()),
+        dout(dout_ ? dout_->data_ptr<float>() : nullptr) {}
+
+  int64_t score_stride(int64_t n) const { return n; }
+  int64_t width(int64_t x) const { return x; }
+  const float* values(int64_t kv) const { return v + kv * z.s * z.dv; }
+
+  // S = Q K^T
+  void scores(int64_t bh, int64_t i0, int64_t bq, int64_t kv, int64_t j0, int64_t n, float* S,
+              Scratch&) const {
+    gemm(false, true, bq, n, z.d, q + (bh * z.t + i0) * z.d, z.d, k + (kv * z.s + j0) * z.d, z.d,
+         S, n, false);
+  }
+  // acc += P V; `dirty`: the block's values hold a non-finite entry (a masked key's weight is 0,
+  // and 0 * NaN would still be NaN).
+  void add_values(const float* P, int64_t bq, int64_t kv, int64_t j0, int64_t n, bool dirty,
+                  float* acc, Scratch& w) const {
+    const float* block = values(kv) + j0 * z.dv;
+    if (dirty) {
+      w.clean.resize(n * z.dv);
+      for (int64_t i = 0; i < n * z.dv; ++i) w.clean[i] = finite(block[i]) ? block[i] : 0.f;
+      block = w.clean.data();
+    }
+    gemm(false, false, bq, z.dv, n, P, n, block, z.dv, acc, z.dv, true);
+  }
+  void prepare(int64_t, int64_t, int64_t, Scratch&) const {}
+  // dV += P^T dO
+  void add_dv(const float* P, int64_t bh, int64_t i0, int64_t bq, int64_t j0, int64_t n,
+              float* dv_head, Scratch&) const {
+    gemm(true, false, n, z.dv, bq, P, n, dout + (bh * z.t + i0) * z.dv, z.dv, dv_head + j0 * z.dv,
+         z.dv, true);
+  }
+  // dP = dO V^T
+  void dprobs(int64_t bh, int64_t i0, int64_t bq, int64_t kv, int64_t j0, int64_t n, float* dP,
+              Scratch&) const {
+    gemm(false, true, bq, n, z.dv, dout + (bh * z.t + i0) * z.dv, z.dv, values(kv) + j0 * z.dv,
+         z.dv, dP, n, false);
+  }
+  // dQ += dS K
+  void add_dq(const float* dS, int64_t bq, int64_t kv, int64_t j0, int64_t n, float* dq_rows,
+              Scratch&) const {
+    gemm(false, false, bq, z.d, n, dS, n, k + (kv * z.s + j0) * z.d, z.d, dq_rows, z.d, true);
+  }
+  // dK += dS^T Q
+  void add_dk(const float* dS, int64_t bh, int64_t i0, int64_t bq, int64_t j0, int64_t n,
+              float* dk_head, Scratch&) const {
+    gemm(true, false, n, z.d, bq, dS, n, q + (bh * z.t + i0) * z.d, z.d, dk_head + j0 * z.d, z.d,
+         true);
+  }
+};
+
+// bf16 operands, packed once per call for the products that read them whole (K and V, each in the
+// two orientations it is multiplied in) and once per query block for the rest.
+struct Bf16Blocks {
+  using Pair = pairs::Pair;
+  using Bf16 = pairs::Bf16;
+  Sizes z;
+  bool fast;  // vdpbf16ps, else the portable tile
+  const Bf16 *q, *k, *v, *dout;
+  int64_t key_cols;             // columns of the packs whose columns are keys: s + kCols, zero-padded
+  int64_t d_cols, dv_cols;      // d and dv padded to kCols
+  std::vector<Pair> k_by_dim;   // per kv head, (d / 2) x key_cols: pairs along d (for Q K^T)
+  std::vector<Pair> v_by_dim;   // (dv / 2) x key_cols, for dO V^T (backward)
+  std::vector<Pair> v_by_key;   // ceil(s / 2) x dv_cols: pairs of keys, for P V
+  std::vector<Pair> k_by_key;   // ceil(s / 2) x d_cols, for dS K (backward)
+
+  struct Scratch {
+    std::vector<Bf16> rows;                       // P or dS rounded, aligned on pairs of keys
+    std::vector<Pair> transposed;                 // P or dS, pairs of query rows
+    std::vector<Pair> q_rows, dout_rows;          // the query block's Q and dO, pairs of rows
+    Scratch(const Bf16Blocks& blocks, int64_t block_q, int64_t block_k)
+        : rows(block_q * (block_k + 3)),
+          transposed((block_q + 1) / 2 * pairs::padded(block_k)),
+          q_rows((block_q + 1) / 2 * blocks.d_cols),
+          dout_rows(blocks.dout ? (block_q + 1) / 2 * blocks.dv_cols : 0) {}
+  };
+
+  Bf16Blocks(const Sizes& sizes, const torch::Tensor& q_, const torch::Tensor& k_,
+             const torch::Tensor& v_, const torch::Tensor* dout_, bool fast_)
+      : z(sizes), fast(fast_), q(bits(q_)), k(bits(k_)), v(bits(v_)),
+        dout(dout_ ? bits(*dout_) : nullptr), key_cols(z.s + pairs::kCols),
+        d_cols(pairs::padded(z.d)), dv_cols(pairs::padded(z.dv)) {
+    const int64_t heads = z.b * z.h_kv, key_pairs = (z.s + 1) / 2;
+    k_by_dim.resize(heads * z.d / 2 * key_cols);
+    v_by_key.resize(heads * key_pairs * dv_cols);
+    if (dout) {
+      v_by_dim.resize(heads * z.dv / 2 * key_cols);
+      k_by_key.resize(heads * key_pairs * d_cols);
+    }
+    at::parallel_for(0, heads, 1, [&](int64_t first, int64_t last) {
+      for (int64_t kv = first; kv < last; ++kv) {
+        const Bf16 *kh = k + kv * z.s * z.d, *vh = v + kv * z.s * z.dv;
+        pairs::pack_transposed(kh, z.s, z.d, z.d, &k_by_dim[kv * z.d / 2 * key_cols], key_cols);
+        pairs::pack_row_pairs(vh, z.s, z.dv, z.dv, &v_by_key[kv * key_pairs * dv_cols], dv_cols,
+                              true);
+        if (dout) {
+          pairs::pack_transposed(vh, z.s, z.dv, z.dv, &v_by_dim[kv * z.dv / 2 * key_cols],
+                                 key_cols);
+          pairs::pack_row_pairs(kh, z.s, z.d, z.d, &k_by_key[kv * key_pairs * d_cols], d_cols,
+                                true);
+        }
+      }
+    });
+  }
+
+  static const Bf16* bits(const torch::Tensor& x) {
+    return reinterpret_cast<const Bf16*>(x.data_ptr<at::BFloat16>());
+  }
+  const Pair* words(const Bf16* rows) const { return reinterpret_cast<const Pair*>(rows); }
+
+  int64_t score_stride(int64_t n) const { return pairs::padded(n); }
+  int64_t width(int64_t x) const { return pairs::padded(x); }
+  const Bf16* values(int64_t kv) const { return v + kv * z.s * z.dv; }
+
+  void scores(int64_t bh, int64_t i0, int64_t bq, int64_t kv, int64_t j0, int64_t n, float* S,
+              Scratch&) const {
+    const Pair* b = &k_by_dim[kv * z.d / 2 * key_cols] + j0;
+    pairs::gemm(fast, bq, pairs::padded(n), z.d / 2, words(q + (bh * z.t + i0) * z.d), z.d / 2,
+                1, b, key_cols, S, pairs::padded(n), false);
+  }
+  // The weights' pairs of keys start at an even key, as the packs' do: rounded P rows carry a
+  // leading 0 when j0 is odd. The pack's non-finite values are 0 (the output's NaN comes from the
+  // selection in the forward, which reads the values themselves).
+  void add_values(const float* P, int64_t bq, int64_t kv, int64_t j0, int64_t n, bool,
+                  float* acc, Scratch& w) const {
+    const int64_t width = (n + 3) / 2 * 2;  // even: whole pairs
+    const int64_t count = pairs::round_key_rows(P, bq, n, pairs::padded(n), j0, w.rows.data(),
+                                                width);
+    const Pair* b = &v_by_key[(kv * ((z.s + 1) / 2) + j0 / 2) * dv_cols];
+    pairs::gemm(fast, bq, dv_cols, count, words(w.rows.data()), width / 2, 1, b, dv_cols, acc,
+                dv_cols, true);
+  }
+  // The query block's Q and dO as pairs of rows, for the transposed products.
+  void prepare(int64_t bh, int64_t i0, int64_t bq, Scratch& w) const {
+    pairs::pack_row_pairs(q + (bh * z.t + i0) * z.d, bq, z.d, z.d, w.q_rows.data(), d_cols, false);
+    pairs::pack_row_pairs(dout + (bh * z.t + i0) * z.dv, bq, z.dv, z.dv, w.dout_rows.data(),
+                          dv_cols, false);
+  }
+  // P^T (or dS^T) as pairs of query rows: A2(j, p) = (X[2p][j], X[2p + 1][j]).
+  const Pair* transposed(const float* X, int64_t bq, int64_t n, Scratch& w) const {
+    pairs::pack_row_pairs(X, bq, n, pairs::padded(n), w.transposed.data(), pairs::padded(n),
+                          false);
+    return w.transposed.data();
+  }
+  void add_dv(const float* P, int64_t, int64_t, int64_t bq, int64_t j0, int64_t n,
+              float* dv_head, Scratch& w) const {
+    const Pair* a = transposed(P, bq, n, w);
+    pairs::gemm(fast, n, dv_cols, (bq + 1) / 2, a, 1, pairs::padded(n), w.dout_rows.data(),
+                dv_cols, dv_head + j0 * dv_cols, dv_cols, true);
+  }
+  void dprobs(int64_t bh, int64_t i0, int64_t bq, int64_t kv, int64_t j0, int64_t n, float* dP,
+              Scratch&) const {
+    const Pair* b = &v_by_dim[kv * z.dv / 2 * key_cols] + j0;
+    pairs::gemm(fast, bq, pairs::padded(n), z.dv / 2, words(dout + (bh * z.t + i0) * z.dv),
+                z.dv / 2, 1, b, key_cols, dP, pairs::padded(n), false);
+  }
+  void add_dq(const float* dS, int64_t bq, int64_t kv, int64_t j0, int64_t n, float* dq_rows,
+              Scratch& w) const {
+    const int64_t width = (n + 3) / 2 * 2;  // even: whole pairs
+    const int64_t count = pairs::round_key_rows(dS, bq, n, pairs::padded(n), j0, w.rows.data(),
+                                                width);
+    const Pair* b = &k_by_key[(kv * ((z.s + 1) / 2) + j0 / 2) * d_cols];
+    pairs::gemm(fast, bq, d_cols, count, words(w.rows.data()), width / 2, 1, b, d_cols, dq_rows,
+                d_cols, true);
+  }
+  void add_dk(const float* dS, int64_t, int64_t, int64_t bq, int64_t j0, int64_t n,
+              float* dk_head, Scratch& w) const {
+    const Pair* a = transposed(dS, bq, n, w);
+    pairs::gemm(fast, n, d_cols, (bq + 1) / 2, a, 1, pairs::padded(n), w.q_rows.data(), d_cols,
+                dk_head + j0 * d_cols, d_cols, true);
+  }
+};
+
+template <typename Blocks>
+std::tuple<torch::Tensor, torch::Tensor> forward_blocks(const Blocks& blocks, const Sizes& z,
+                                                        const Scoring& sc, int64_t block_q,
+                                                        int64_t block_k) {
+  const int64_t b = z.b, h = z.h, t = z.t, s = z.s, dv = z.dv, groups = z.h / z.h_kv;
+  const int64_t width = blocks.width(dv);
+  auto out = torch::empty({b, h, t, width}, torch::kFloat);
+  auto lse = torch::empty({b, h, t}, torch::kFloat);
   const int64_t q_blocks = (t + block_q - 1) / block_q;
-  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
   float *op = out.data_ptr<float>(), *lp = lse.data_ptr<float>();
+  const auto* vp = blocks.values(0);
 
-  const std::vector<char> bad = nonfinite_rows(vp, b * h_kv * s, dv);
+  const std::vector<char> bad = nonfinite_rows(vp, b * z.h_kv * s, dv);
 
   at::parallel_for(0, b * h * q_blocks, 1, [&](int64_t first, int64_t last) {
     c10::InferenceMode no_autograd;  // the block products' views need no autograd bookkeeping
-    std::vector<float> scores(block_q * block_k), capped(block_k), acc(block_q * dv);
+    const int64_t ld_max = blocks.score_stride(block_k);
+    std::vector<float> scores(block_q * ld_max), capped(block_k), acc(block_q * width);
     std::vector<float> m(block_q), l(block_q);
     std::vector<char> poisoned(block_q);  // a NaN score met: the row's output and lse are NaN
-    std::vector<float> clean;             // a value block with its non-finite entries zeroed
     std::vector<char> touched;            // (bq, dv): a row sees a non-finite value in that column
+    typename Blocks::Scratch scratch(blocks, block_q, block_k);
     for (int64_t item = first; item < last; ++item) {
       const int64_t qb = zigzag(item % q_blocks, q_blocks), bh = item / q_blocks;
-      const int64_t batch = bh / h, head = bh % h, kv = batch * h_kv + head / groups;
+      const int64_t batch = bh / h, head = bh % h, kv = batch * z.h_kv + head / groups;
       const int64_t i0 = qb * block_q, i1 = std::min(t, i0 + block_q), bq = i1 - i0;
-      const float* q_blk = qp + (bh * t + i0) * d;
-      const float* k_head = kp + kv * s * d;
-      const float* v_head = vp + kv * s * dv;
+      const auto* v_head = vp + kv * s * dv;
       std::fill(m.begin(), m.begin() + bq, kNegInf);
       std::fill(l.begin(), l.begin() + bq, 0.f);
-      std::fill(acc.begin(), acc.begin() + bq * dv, 0.f);
+      std::fill(acc.begin(), acc.begin() + bq * width, 0.f);
       std::fill(poisoned.begin(), poisoned.begin() + bq, 0);
       touched.clear();
       const auto [lo, hi] = sc.block_range(i0, i1);
       for (int64_t j0 = lo; j0 < hi; j0 += block_k) {
-        const int64_t n = std::min(block_k, hi - j0);
+        const int64_t n = std::min(block_k, hi - j0), ld = blocks.score_stride(n);
         float* sp = scores.data();
         const char* bad_keys = bad.data() + kv * s + j0;  // keys whose value row is not finite
         const bool clean_block = std::none_of(bad_keys, bad_keys + n, [](char x) { return x; });
-        gemm(false, true, bq, n, d, q_blk, d, k_head + j0 * d, d, sp, n, false);  // S = Q K^T
+        blocks.scores(bh, i0, bq, kv, j0, n, sp, scratch);  // S = Q K^T
         for (int64_t r = 0; r < bq; ++r) {
-          float* row = sp + r * n;
+          float* row = sp + r * ld;
           sc.apply(row, capped.data(), batch, head, i0 + r, j0, n);
           if (!clean_block) {  // selection, not multiplication: only the keys a row sees touch it
             touched.resize(bq * dv);
             for (int64_t j = 0; j < n; ++j) {
               if (!bad_keys[j] || row[j] == kNegInf) continue;
-              const float* value = v_head + (j0 + j) * dv;
-              for (int64_t c = 0; c < dv; ++c) touched[r * dv + c] |= !finite(value[c]);
+              const auto* value = v_head + (j0 + j) * dv;
+              for (int64_t c = 0; c < dv; ++c) touched[r * dv + c] |= !finite_value(value[c]);
             }
           }
           const float block_top = row_max(row, n);
@@ -362,22 +559,16 @@ std::tuple<torch::Tensor, torch::Tensor> forward(
           l[r] = l[r] * shrink + sum;
           m[r] = top;
           if (shrink != 1.f) {
-            float* a = acc.data() + r * dv;
+            float* a = acc.data() + r * width;
 #pragma omp simd
             for (int64_t c = 0; c < dv; ++c) a[c] *= shrink;
           }
         }
-        const float* values = v_head + j0 * dv;
-        if (!clean_block) {  // a masked key's weight is 0, and 0 * NaN would still be NaN
-          clean.resize(n * dv);
-          for (int64_t i = 0; i < n * dv; ++i) clean[i] = finite(values[i]) ? values[i] : 0.f;
-          values = clean.data();
-        }
-        gemm(false, false, bq, dv, n, sp, n, values, dv, acc.data(), dv, true);  // += P V
+        blocks.add_values(sp, bq, kv, j0, n, !clean_block, acc.data(), scratch);  // += P V
       }
       for (int64_t r = 0; r < bq; ++r) {
-        float* o = op + (bh * t + i0 + r) * dv;
-        const float* a = acc.data() + r * dv;
+        float* o = op + (bh * t + i0 + r) * width;
+        const float* a = acc.data() + r * width;
         const bool empty = l[r] == 0.f && !poisoned[r];
         const float inverse = poisoned[r] ? kNaN : empty ? 0.f : 1.f / l[r];
         for (int64_t c = 0; c < dv; ++c) o[c] = a[c] * inverse;
@@ -388,103 +579,83 @@ std::tuple<torch::Tensor, torch::Tensor> forward(
       }
     }
   });
-  return {out, lse};
+  return {width == dv ? out : out.narrow(3, 0, dv), lse};
 }
 
-// Gradients w.r.t. the pre-scaled q, k, v and (if `alibi_grad`) the ALiBi slopes. `delta` (b, h, t)
-// is rowsum(dout * out) minus the lse's gradient (d lse_i / d S_ij = P_ij); `lse` has 0
-// for the rows with no allowed key (their probabilities are 0 anyway). Work is split by key/value
-// head, and when there are fewer of those than threads, by key blocks too (every `split`-th block,
-// so that causal work spreads evenly): each item owns dK and dV of its key blocks, so no two
-// threads write the same rows. dQ, which every key block adds to, goes to one buffer per part,
-// summed at the end (extra memory: split x dq, with split <= threads / (b h_kv)); the slopes'
-// gradient likewise goes to one (b, h) buffer per part.
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> backward(
-    torch::Tensor dout, torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor lse,
-    torch::Tensor delta, torch::Tensor bias, torch::Tensor allowed, torch::Tensor key_mask,
-    torch::Tensor alibi, double softcap, int64_t left, int64_t right, int64_t block_q,
-    int64_t block_k, bool alibi_grad) {
-  check_operands({&dout, &q, &k, &v});
-  const int64_t b = q.size(0), h = q.size(1), t = q.size(2), d = q.size(3);
-  const int64_t h_kv = k.size(1), s = k.size(2), dv = v.size(3);
-  TORCH_CHECK(h % h_kv == 0 && k.sizes() == torch::IntArrayRef({b, h_kv, s, d}) &&
-                  v.sizes() == torch::IntArrayRef({b, h_kv, s, dv}) &&
-                  dout.sizes() == torch::IntArrayRef({b, h, t, dv}),
-              "tiled: the shapes of the backward's operands disagree");
-  TORCH_CHECK(lse.is_contiguous() && delta.is_contiguous() && lse.numel() == b * h * t &&
-                  delta.numel() == b * h * t,
-              "tiled: lse and delta must be contiguous (b, h, t)");
-  const int64_t groups = h / h_kv;
-  const Scoring sc = make_scoring(b, h, t, s, bias, allowed, key_mask, alibi, softcap, left,
-                                  right, block_q, block_k);
+template <typename Blocks>
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> backward_blocks(
+    const Blocks& blocks, const Sizes& z, const Scoring& sc, const torch::Tensor& lse,
+    const torch::Tensor& delta, int64_t block_q, int64_t block_k, bool alibi_grad) {
+  const int64_t b = z.b, h = z.h, h_kv = z.h_kv, t = z.t, s = z.s, groups = h / h_kv;
+  const int64_t dq_width = blocks.width(z.d), dk_width = dq_width, dv_width = blocks.width(z.dv);
   const int64_t q_blocks = (t + block_q - 1) / block_q, k_blocks = (s + block_k - 1) / block_k;
   const int64_t split =
       std::max<int64_t>(1, std::min(k_blocks, at::get_num_threads() / (b * h_kv)));
   TORCH_CHECK(!alibi_grad || sc.alibi != nullptr, "tiled: alibi_grad without ALiBi slopes");
-  auto dq_parts = torch::zeros({split, b, h, t, d}, q.options());
-  auto dalibi_parts = torch::zeros({alibi_grad ? split : 0, b, h}, q.options());
+  const auto f32 = torch::TensorOptions().dtype(torch::kFloat);
+  auto dq_parts = torch::zeros({split, b, h, t, dq_width}, f32);
+  auto dalibi_parts = torch::zeros({alibi_grad ? split : 0, b, h}, f32);
   float* dap = dalibi_parts.data_ptr<float>();
-  auto dk = torch::zeros_like(k);
-  auto dvv = torch::zeros_like(v);
-  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
-  const float *dop = dout.data_ptr<float>(), *lp = lse.data_ptr<float>();
-  const float* dlp = delta.data_ptr<float>();
+  auto dk = torch::zeros({b, h_kv, s, dk_width}, f32);
+  auto dvv = torch::zeros({b, h_kv, s, dv_width}, f32);
+  const float *lp = lse.data_ptr<float>(), *dlp = delta.data_ptr<float>();
   float* dqp = dq_parts.data_ptr<float>();
   float *dkp = dk.data_ptr<float>(), *dvp = dvv.data_ptr<float>();
-  const bool capping = softcap > 0.0;
+  const bool capping = sc.softcap > 0.f;
 
   at::parallel_for(0, b * h_kv * split, 1, [&](int64_t first, int64_t last) {
     c10::InferenceMode no_autograd;
-    std::vector<float> probs(block_q * block_k), dscores(block_q * block_k);
+    const int64_t ld_max = blocks.score_stride(block_k);
+    std::vector<float> probs(block_q * ld_max), dscores(block_q * ld_max);
     std::vector<float> capped(capping ? block_q * block_k : 0);
+    typename Blocks::Scratch scratch(blocks, block_q, block_k);
     for (int64_t item = first; item < last; ++item) {
       const int64_t kv = item / split, part = item % split;
       const int64_t batch = kv / h_kv, kv_head = kv % h_kv;
-      const float* k_head = kp + kv * s * d;
-      const float* v_head = vp + kv * s * dv;
-      float* dk_head = dkp + kv * s * d;
-      float* dv_head = dvp + kv * s * dv;
+      float* dk_head = dkp + kv * s * dk_width;
+      float* dv_head = dvp + kv * s * dv_width;
       for (int64_t head = kv_head * groups; head < (kv_head + 1) * groups; ++head) {
         const int64_t bh = batch * h + head;
         for (int64_t qb = 0; qb < q_blocks; ++qb) {
           const int64_t i0 = qb * block_q, i1 = std::min(t, i0 + block_q), bq = i1 - i0;
-          const float* q_blk = qp + (bh * t + i0) * d;
-          const float* do_blk = dop + (bh * t + i0) * dv;
-          float* dq_blk = dqp + ((part * b * h + bh) * t + i0) * d;
+          float* dq_blk = dqp + ((part * b * h + bh) * t + i0) * dq_width;
           const auto [lo, hi] = sc.block_range(i0, i1);
           if (lo == hi) continue;  // no key visible to this query block: its dq rows stay 0
+          blocks.prepare(bh, i0, bq, scratch);
           // This part's key blocks: those of index part, part + split, ... on the grid of block_k.
           const int64_t first_block = lo / block_k + (part - lo / block_k % split + split) % split;
           for (int64_t grid = first_block * block_k; grid < hi; grid += split * block_k) {
             const int64_t j0 = std::max(grid, lo), n = std::min(grid + block_k, hi) - j0;
+            const int64_t ld = blocks.score_stride(n);
             float *p = probs.data(), *ds = dscores.data();
-            gemm(false, true, bq, n, d, q_blk, d, k_head + j0 * d, d, p, n, false);  // S = Q K^T
+            blocks.scores(bh, i0, bq, kv, j0, n, p, scratch);  // S = Q K^T
             for (int64_t r = 0; r < bq; ++r) {
-              float* row = p + r * n;
+              float* row = p + r * ld;
               sc.apply(row, capping ? capped.data() + r * n : nullptr, batch, head, i0 + r, j0, n);
               const float shift = lp[bh * t + i0 + r];
 #pragma omp simd
               for (int64_t j = 0; j < n; ++j) {  // P; exactly 0 for a masked key, even in a NaN row
                 row[j] = row[j] == kNegInf ? 0.f : exp_nonpositive(row[j] - shift);
               }
+              std::fill(row + n, row + ld, 0.f);  // the padding of a pair product's rows
             }
-            // dV += P^T dO, then dP = dO V^T
-            gemm(true, false, n, dv, bq, p, n, do_blk, dv, dv_head + j0 * dv, dv, true);
-            gemm(false, true, bq, n, dv, do_blk, dv, v_head + j0 * dv, dv, ds, n, false);
+            blocks.add_dv(p, bh, i0, bq, j0, n, dv_head, scratch);  // dV += P^T dO
+            blocks.dprobs(bh, i0, bq, kv, j0, n, ds, scratch);      // dP = dO V^T
             for (int64_t r = 0; r < bq; ++r) {
-              const float* pr = p + r * n;
-              float* dr = ds + r * n;
+              const float* pr = p + r * ld;
+              float* dr = ds + r * ld;
               const float di = dlp[bh * t + i0 + r];
 #pragma omp simd
               for (int64_t j = 0; j < n; ++j) {  // dS = P (dP - D): 0 where P is, whatever dP holds
                 dr[j] = pr[j] == 0.f ? 0.f : pr[j] * (dr[j] - di);
               }
+              std::fill(dr + n, dr + ld, 0.f);
               if (alibi_grad) {  // score -= slope |p(i) - j|, after the soft-cap
-                const float p = static_cast<float>(i0 + r + s - t - j0);
+                const float pos = static_cast<float>(i0 + r + s - t - j0);
                 float dslope = 0.f;
 #pragma omp simd reduction(+ : dslope)
                 for (int64_t j = 0; j < n; ++j) {
-                  dslope -= dr[j] * std::fabs(p - static_cast<float>(j));
+                  dslope -= dr[j] * std::fabs(pos - static_cast<float>(j));
                 }
                 dap[(part * b + batch) * h + head] += dslope;
               }
@@ -496,18 +667,86 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> backward(
                 }
               }
             }
-            gemm(false, false, bq, d, n, ds, n, k_head + j0 * d, d, dq_blk, d, true);  // dQ += dS K
-            gemm(true, false, n, d, bq, ds, n, q_blk, d, dk_head + j0 * d, d, true);  // dK += dS^TQ
+            blocks.add_dq(ds, bq, kv, j0, n, dq_blk, scratch);           // dQ += dS K
+            blocks.add_dk(ds, bh, i0, bq, j0, n, dk_head, scratch);      // dK += dS^T Q
           }
         }
       }
     }
   });
   auto dalibi = alibi_grad ? dalibi_parts.sum({0, 1}) : dalibi_parts;
-  return {split == 1 ? dq_parts[0] : dq_parts.sum(0), dk, dvv, dalibi};
+  auto dq = split == 1 ? dq_parts[0] : dq_parts.sum(0);
+  return {dq.narrow(3, 0, z.d), dk.narrow(3, 0, z.d), dvv.narrow(3, 0, z.dv), dalibi};
+}
+
+Sizes sizes_of(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
+  const Sizes z{q.size(0), q.size(1), k.size(1), q.size(2), k.size(2), q.size(3), v.size(3)};
+  TORCH_CHECK(z.h % z.h_kv == 0 && k.sizes() == torch::IntArrayRef({z.b, z.h_kv, z.s, z.d}) &&
+                  v.sizes() == torch::IntArrayRef({z.b, z.h_kv, z.s, z.dv}),
+              "tiled: q (b, h, t, d), k (b, h_kv, s, d) and v (b, h_kv, s, dv) disagree");
+  return z;
+}
+
+// How bf16 blocks are multiplied: 1 vdpbf16ps (needs a build with AVX512-BF16), else portably.
+bool fast_pairs(int64_t route) {
+  TORCH_CHECK(route == 0 || route == 1, "tiled: unknown route ", route);
+  TORCH_CHECK(route == 0 || pairs::kHasAvx512Bf16, "tiled: this build has no AVX512-BF16 products");
+  return route == 1;
+}
+
+}  // namespace
+
+// Returns out (b, h, t, dv) and lse (b, h, t), float32. Operands all float32 or all bf16 (`route`
+// says how bf16 blocks are multiplied; see fast_pairs).
+std::tuple<torch::Tensor, torch::Tensor> forward(
+    torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor bias, torch::Tensor allowed,
+    torch::Tensor key_mask, torch::Tensor alibi, double softcap, int64_t left, int64_t right,
+    int64_t block_q, int64_t block_k, int64_t route) {
+  const auto dtype = check_operands({&q, &k, &v});
+  const Sizes z = sizes_of(q, k, v);
+  const Scoring sc = make_scoring(z.b, z.h, z.t, z.s, bias, allowed, key_mask, alibi, softcap,
+                                  left, right, block_q, block_k);
+  if (dtype == torch::kFloat) {
+    return forward_blocks(Float32Blocks(z, q, k, v, nullptr), z, sc, block_q, block_k);
+  }
+  return forward_blocks(Bf16Blocks(z, q, k, v, nullptr, fast_pairs(route)), z, sc, block_q,
+                        block_k);
+}
+
+// Gradients w.r.t. the pre-scaled q, k, v and (if `alibi_grad`) the ALiBi slopes, float32. `delta`
+// (b, h, t) is rowsum(dout * out) minus the lse's gradient (d lse_i / d S_ij = P_ij); `lse` has 0
+// for the rows with no allowed key (their probabilities are 0 anyway); dout has the operands' dtype.
+// Work is split by key/value head, and when there are fewer of those than threads, by key blocks
+// too (every `split`-th block, so that causal work spreads evenly): each item owns dK and dV of its
+// key blocks, so no two threads write the same rows. dQ, which every key block adds to, goes to one
+// buffer per part, summed at the end (extra memory: split x dq, with split <= threads / (b h_kv));
+// the slopes' gradient likewise goes to one (b, h) buffer per part.
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> backward(
+    torch::Tensor dout, torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor lse,
+    torch::Tensor delta, torch::Tensor bias, torch::Tensor allowed, torch::Tensor key_mask,
+    torch::Tensor alibi, double softcap, int64_t left, int64_t right, int64_t block_q,
+    int64_t block_k, bool alibi_grad, int64_t route) {
+  const auto dtype = check_operands({&dout, &q, &k, &v});
+  const Sizes z = sizes_of(q, k, v);
+  TORCH_CHECK(dout.sizes() == torch::IntArrayRef({z.b, z.h, z.t, z.dv}),
+              "tiled: dout must be (b, h, t, dv)");
+  TORCH_CHECK(lse.is_contiguous() && delta.is_contiguous() && lse.numel() == z.b * z.h * z.t &&
+                  delta.numel() == z.b * z.h * z.t && lse.scalar_type() == torch::kFloat &&
+                  delta.scalar_type() == torch::kFloat,
+              "tiled: lse and delta must be contiguous float32 (b, h, t)");
+  const Scoring sc = make_scoring(z.b, z.h, z.t, z.s, bias, allowed, key_mask, alibi, softcap,
+                                  left, right, block_q, block_k);
+  if (dtype == torch::kFloat) {
+    return backward_blocks(Float32Blocks(z, q, k, v, &dout), z, sc, lse, delta, block_q, block_k,
+                           alibi_grad);
+  }
+  return backward_blocks(Bf16Blocks(z, q, k, v, &dout, fast_pairs(route)), z, sc, lse, delta,
+                         block_q, block_k, alibi_grad);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &forward, "Tiled attention forward: (out, lse)");
   m.def("backward", &backward, "Tiled attention backward: (dq, dk, dv, dalibi)");
+  m.def("has_avx512_bf16", [] { return pairs::kHasAvx512Bf16; },
+        "Whether this build multiplies bf16 blocks with AVX512-BF16");
 }

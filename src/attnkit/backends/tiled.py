@@ -26,9 +26,11 @@ differentiates the reference backend's materialised recomputation, so second der
 at the reference's ``O(t * s)`` memory for that call.
 
 Precision: softmax statistics and accumulators are float32 (float64 for float64 inputs). The matrix
-products run in the input dtype where the hardware has fast half-precision products (CUDA, or CPUs
-with AVX512-BF16/AMX); elsewhere half-precision blocks are multiplied in float32, which is both faster
-and more accurate there (bf16 GEMM without hardware support is ~400x slower than fp32 on AVX2).
+products run in the input dtype where the hardware has fast half-precision products (CUDA; on a CPU,
+bf16 with AVX512-BF16 or AMX and fp16 with AMX-FP16, as :mod:`attnkit._cpu` reports); elsewhere
+half-precision blocks are multiplied in float32, which is both faster and more accurate there (bf16
+GEMM without hardware support is ~400x slower than fp32 on AVX2). The C++ kernel multiplies bf16
+blocks itself with float32 sums, so scores are never rounded to bf16; fp16 products run the loop.
 
 Shapes: ``b`` batch, ``h`` query heads, ``h_kv`` key/value heads, ``g = h / h_kv``, ``t`` queries,
 ``s`` keys, ``d`` head dim, ``bq``/``bk`` block sizes.
@@ -42,6 +44,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from attnkit import _cpu
 from attnkit.backends import tiled_loop, tiled_native
 from attnkit.backends.base import (
     AttentionOutput,
@@ -64,14 +67,9 @@ _NAN = float("nan")
 
 
 def _fast_half_matmul(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether ``dtype`` matrix products are fast on ``device`` (else blocks go through float32)."""
-    if device.type != "cpu":
-        return True
-    probe = {
-        torch.bfloat16: ("_is_avx512_bf16_supported", "_is_amx_tile_supported"),
-        torch.float16: ("_is_amx_fp16_supported",),
-    }.get(dtype, ())
-    return any(getattr(torch.cpu, name, lambda: False)() for name in probe)
+    """Whether ``dtype`` matrix products are fast on ``device`` (else blocks go through float32):
+    on a CPU, from :func:`attnkit._cpu.fast_half_products`."""
+    return device.type != "cpu" or _cpu.fast_half_products(dtype)
 
 
 def _matmul_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -212,12 +210,27 @@ def _native_kernel(device: torch.device, matmul_dtype: torch.dtype) -> ModuleTyp
     return tiled_native.kernel_for(device, matmul_dtype)
 
 
+def _call_dtype(q: Tensor) -> torch.dtype:
+    """The dtype the kernel sees: q's, or the autocast dtype."""
+    if torch.is_autocast_enabled(q.device.type):
+        return torch.get_autocast_dtype(q.device.type)
+    return q.dtype
+
+
 def runs_native(q: Tensor) -> bool:
     """Whether a tiled call on ``q`` runs the C++ kernel (building it, the first time)."""
-    dtype = q.dtype
-    if torch.is_autocast_enabled(q.device.type):
-        dtype = torch.get_autocast_dtype(q.device.type)
-    return _native_kernel(q.device, _matmul_dtype(dtype, q.device)) is not None
+    return _native_kernel(q.device, _matmul_dtype(_call_dtype(q), q.device)) is not None
+
+
+def products(q: Tensor) -> str:
+    """The block products of a tiled call on ``q``: in the C++ kernel ``"float32"``,
+    ``"bf16-avx512_bf16"`` or ``"bf16-portable"`` (:func:`attnkit.backends.tiled_native.products`);
+    in the loop, the dtype torch multiplies in (``"float32"``, ``"float64"``, ``"bfloat16"``, ...)."""
+    matmul_dtype = _matmul_dtype(_call_dtype(q), q.device)
+    kernel = _native_kernel(q.device, matmul_dtype)
+    if kernel is not None:
+        return tiled_native.products(kernel, matmul_dtype)
+    return str(matmul_dtype).removeprefix("torch.")
 
 
 def refuses(request: Request, q: Tensor, k: Tensor, v: Tensor) -> str | None:
@@ -239,7 +252,8 @@ def refuses(request: Request, q: Tensor, k: Tensor, v: Tensor) -> str | None:
 
 
 def _native_operands(q: Tensor, k: Tensor, v: Tensor, plan: Plan) -> tuple[Tensor, Tensor, Tensor]:
-    """q pre-scaled, k and v, as the C++ kernel takes them: contiguous float32 ``(b, heads, n, d)``."""
+    """q pre-scaled, k and v, as the C++ kernel takes them: contiguous ``(b, heads, n, d)`` in the
+    matmul dtype (float32 or bf16)."""
     return _prescaled(q, plan).view(q.shape).contiguous(), _operand(k, plan), _operand(v, plan)
 
 

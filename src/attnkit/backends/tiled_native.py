@@ -1,11 +1,18 @@
 """The tiled backend's C++ kernel (``tiled.cpp``): the same algorithm as the PyTorch loop of
 :mod:`attnkit.backends.tiled_loop`, with each block's score work fused into a few passes over rows
-that stay in cache. It runs where the block products are float32 on a CPU (every CPU dtype but
-float64, unless the CPU has fast half-precision products), outside ``torch.compile``'s tracing, and
-where it could be built (:mod:`attnkit.backends._native`).
+that stay in cache. It runs on a CPU where the block products are float32 (float32 inputs, and
+half-precision ones on CPUs without fast half-precision products) or bf16 (bf16 inputs on CPUs with
+AVX512-BF16 or AMX), outside ``torch.compile``'s tracing, and where it could be built
+(:mod:`attnkit.backends._native`).
 
-This module takes the operands as the kernel wants them (contiguous float32, q pre-scaled) and the
-call's plan (:class:`attnkit.backends.tiled_loop.Plan`), and passes the masks in the kernel's form.
+bf16 blocks are multiplied in pairs with float32 sums (``pair_products.h``): with AVX512-BF16's
+``vdpbf16ps`` where the build has it, else by a portable version of the same sums, slow, which the
+tests use to check that path on any CPU. Scores, softmax statistics and accumulators are float32
+either way.
+
+This module takes the operands as the kernel wants them (contiguous, q pre-scaled, in the products'
+dtype) and the call's plan (:class:`attnkit.backends.tiled_loop.Plan`), and passes the masks in the
+kernel's form.
 """
 
 from __future__ import annotations
@@ -36,11 +43,34 @@ def marked(name: str) -> contextlib.AbstractContextManager:
 
 def kernel_for(device: torch.device, matmul_dtype: torch.dtype) -> ModuleType | None:
     """The C++ kernel if it can run a call with these block products, else None."""
-    if device.type != "cpu" or matmul_dtype != torch.float32:
+    if device.type != "cpu" or matmul_dtype not in (torch.float32, torch.bfloat16):
         return None
     if torch.compiler.is_compiling():  # dynamo traces the PyTorch loop; it cannot trace C++
         return None
     return KERNEL.load()
+
+
+def pair_products(kernel: ModuleType) -> str:
+    """How the kernel multiplies bf16 blocks: ``"avx512_bf16"`` (``vdpbf16ps``) where its build
+    has it, else ``"portable"``."""
+    return "avx512_bf16" if kernel.has_avx512_bf16() else "portable"
+
+
+def products(kernel: ModuleType, matmul_dtype: torch.dtype) -> str:
+    """The block products as :func:`attnkit.functional.which_backend` names them: ``"float32"``,
+    ``"bf16-avx512_bf16"`` or ``"bf16-portable"``."""
+    return "float32" if matmul_dtype == torch.float32 else f"bf16-{pair_products(kernel)}"
+
+
+def _route(kernel: ModuleType) -> int:
+    return 1 if pair_products(kernel) == "avx512_bf16" else 0
+
+
+def _even(x: Tensor) -> Tensor:
+    """bf16 operands are multiplied in pairs along the head dim: an odd one gets a zero column."""
+    if x.dtype == torch.float32 or x.shape[-1] % 2 == 0:
+        return x
+    return torch.nn.functional.pad(x, (0, 1))
 
 
 def options(plan: Plan) -> tuple:
@@ -65,8 +95,12 @@ def forward(
     kernel: ModuleType, operands: tuple[Tensor, Tensor, Tensor], plan: Plan
 ) -> tuple[Tensor, Tensor]:
     """``(out, lse)``, float32, from the pre-scaled q, k and v."""
+    dv = operands[2].shape[-1]
     with marked("attnkit::tiled_native_forward"):
-        return kernel.forward(*operands, *options(plan), plan.block_q, plan.block_k)
+        out, lse = kernel.forward(
+            *map(_even, operands), *options(plan), plan.block_q, plan.block_k, _route(kernel)
+        )
+    return out[..., :dv], lse
 
 
 def backward(
@@ -80,17 +114,19 @@ def backward(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """Gradients of the pre-scaled q, of k, of v and of the slopes (if ``slopes_grad``), float32.
     ``delta`` is ``dO_i . O_i - dlse_i``; rows of ``lse`` at -inf (no key) are read as 0."""
-    dout = dout.to(torch.float32).contiguous()
-    lse = lse.masked_fill(lse == float("-inf"), 0.0).contiguous()
+    d, d_v = operands[0].shape[-1], operands[2].shape[-1]
+    dout = _even(dout.to(operands[0].dtype).contiguous())
+    lse = lse.to(torch.float32).masked_fill(lse == float("-inf"), 0.0).contiguous()
     with marked("attnkit::tiled_native_backward"):
         dq, dk, dv, dslopes = kernel.backward(
             dout,
-            *operands,
+            *map(_even, operands),
             lse,
-            delta.contiguous(),
+            delta.to(torch.float32).contiguous(),
             *options(plan),
             plan.block_q,
             plan.block_k,
             slopes_grad,
+            _route(kernel),
         )
-    return dq, dk, dv, dslopes if slopes_grad else None
+    return dq[..., :d], dk[..., :d], dv[..., :d_v], dslopes if slopes_grad else None

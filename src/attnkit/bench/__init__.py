@@ -49,7 +49,7 @@ class BenchConfig:
         # tiny shapes that exercise every path in seconds (the test suite runs it)
         "smoke": {
             "ns": (48,),
-            "dtypes": ("fp32",),
+            "dtypes": ("fp32", "bf16"),
             "causal": (True,),
             "impls": tuple(i for i in KERNEL_IMPLS if i != "flex-compiled"),  # compiles for ~10 s
             "h": 2,

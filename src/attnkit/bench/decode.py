@@ -38,7 +38,7 @@ from torch import Tensor
 from attnkit import KVCache, MultiHeadAttention, attention
 from attnkit._progress import Progress
 from attnkit.bench.measure import Result, time_interleaved
-from attnkit.bench.peers import Case
+from attnkit.bench.peers import Case, path_of
 from attnkit.bench.report import machine
 from attnkit.functional import which_backend
 
@@ -107,7 +107,7 @@ def _step_calls(config: DecodeConfig, length: int, dtype: str, h_kv: int) -> dic
         "naive": lambda: _naive_step(q, k, v),
     }
     choice = which_backend(q, k, v, causal=True)
-    return {"calls": calls, "bytes": k.nbytes + v.nbytes, "runs": f"{choice.backend} {choice.path}"}
+    return {"calls": calls, "bytes": k.nbytes + v.nbytes, "runs": path_of(choice)}
 
 
 def _memory_rows(config: DecodeConfig) -> list[dict]:
@@ -265,7 +265,8 @@ def markdown(record: dict) -> str:
     m = info["machine"]
     lines = [
         f"Machine: {m['cpu']}, {m['torch_threads']} torch threads, torch {m['torch']} "
-        f"({m['cpu_capability']}); median of {info['repeats']} interleaved runs after "
+        f"({m['cpu_capability']}; CPU features: {m.get('cpu_features', 'not recorded')}); "
+        f"median of {info['repeats']} interleaved runs after "
         f"{info['warmups']} warm-ups. The limit: bytes of K and V / the read bandwidth of x.sum() "
         f"over {info['bandwidth_bytes'] / 2**30:g} GiB fp32, timed in the same rounds as the steps "
         f"(median {info['read_bandwidth_gb_s']:.1f} GB/s). Each length and layout times every "

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import attnkit
+from attnkit.backends import BackendChoice
 from attnkit.functional import attention, which_backend
 
 KERNEL_IMPLS = (
@@ -202,9 +203,17 @@ def _module_fn(case: Case) -> tuple[Callable[[Tensor], Tensor], torch.nn.Module]
     return ours, ours
 
 
+def path_of(choice: BackendChoice) -> str:
+    """A :class:`attnkit.backends.BackendChoice` as a table shows it: ``"tiled native
+    bf16-avx512_bf16"``, ``"decode native float32"``, ``"sdpa torch"``."""
+    products = choice.products if choice.products != choice.path else None
+    return " ".join(filter(None, (choice.backend, choice.path, products)))
+
+
 def runs(case: Case) -> str | None:
-    """For an attnkit kernel case, the backend and path that run it, as
-    :func:`attnkit.functional.which_backend` reports them (e.g. ``"tiled native"``); else None."""
+    """For an attnkit kernel case, the backend, path and block products that run it, as
+    :func:`attnkit.functional.which_backend` reports them (e.g. ``"tiled native float32"``); else
+    None."""
     if case.group == "module" or not case.impl.startswith("attnkit-"):
         return None
     grad = case.mode == "fwd+bwd"
@@ -215,7 +224,7 @@ def runs(case: Case) -> str | None:
     backend = case.impl.removeprefix("attnkit-")
     with torch.set_grad_enabled(grad):
         choice = which_backend(q, k, v, causal=case.causal, backend=backend, **_score_options(case))
-    return f"{choice.backend} {choice.path}"
+    return path_of(choice)
 
 
 def prepare(case: Case) -> Callable[[], object]:

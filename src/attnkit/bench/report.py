@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from attnkit import _cpu
 from attnkit.bench.measure import Result
 
 BASELINES = {"kernel": "torch-sdpa", "module": "torch-mha"}
@@ -31,6 +32,7 @@ def machine() -> dict:
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_features": _cpu.describe(),
         "python": platform.python_version(),
     }
 
@@ -87,7 +89,7 @@ def markdown(records: list[dict], info: dict) -> str:
     m = info["machine"]
     lines = [
         f"Machine: {m['cpu']}, {m['torch_threads']} threads, torch {m['torch']} "
-        f"({m['cpu_capability']}); matmul peak in this run: "
+        f"({m['cpu_capability']}; CPU features: {m.get('cpu_features', 'not recorded')}); matmul peak in this run: "
         + ", ".join(f"{dt} {g:.0f} GFLOP/s ({n}^3)" for dt, (n, g) in info["matmul"].items())
         + f"; median of {info['repeats']} interleaved runs after {info['warmups']} warm-ups.",
         "",
