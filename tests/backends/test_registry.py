@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from attnkit import attention
-from attnkit.backends import AUTO_ORDER, BACKENDS, Request, resolve_backend, tiled
+from attnkit.backends import (
+    AUTO_ORDER,
+    BACKENDS,
+    HALF_NATIVE_MIN_SCORES,
+    Request,
+    resolve_backend,
+    tiled,
+    tiled_native,
+)
 from attnkit.functional import which_backend
 from attnkit.masks import Masks
 
@@ -112,10 +122,30 @@ def test_auto_takes_tiled_for_half_precision_training_without_fast_half_products
     assert resolve_backend("auto", plain, *qkv(dtype=torch.bfloat16)).name == "sdpa"  # inference
     assert resolve_backend("auto", plain, *qkv(requires_grad=True)).name == "sdpa"  # fp32
     monkeypatch.setattr(tiled, "_fast_half_matmul", lambda dtype, device: True)
+    monkeypatch.setattr(tiled_native, "pair_products", lambda kernel: "portable")
     assert (
         resolve_backend("auto", plain, *qkv(dtype=torch.bfloat16, requires_grad=True)).name
         == "sdpa"
     )
+
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_auto_takes_tiled_for_bf16_where_the_kernel_multiplies_with_avx512_bf16(
+    monkeypatch, requires_grad
+):
+    """Decided from the CPU's features: the kernel's route for bf16 blocks, and the sizes."""
+    plain = Request(masks=Masks(), scale=1.0)
+    monkeypatch.setattr(tiled, "_fast_half_matmul", lambda dtype, device: True)
+    monkeypatch.setattr(tiled_native, "pair_products", lambda kernel: "avx512_bf16")
+    side = math.isqrt(HALF_NATIVE_MIN_SCORES)
+    for n, expected in ((side, "tiled"), (side // 2, "sdpa")):
+        inputs = qkv(n=n, dtype=torch.bfloat16, requires_grad=requires_grad)
+        assert resolve_backend("auto", plain, *inputs).name == expected
+    fp16 = qkv(n=side, dtype=torch.float16, requires_grad=requires_grad)
+    assert resolve_backend("auto", plain, *fp16).name == "sdpa"  # fp16: no pair products
+    monkeypatch.setattr(tiled_native, "pair_products", lambda kernel: "portable")
+    inputs = qkv(n=side, dtype=torch.bfloat16, requires_grad=requires_grad)
+    assert resolve_backend("auto", plain, *inputs).name == "sdpa"  # the slow, portable route
 
 
 @pytest.mark.parametrize(

@@ -36,8 +36,10 @@ kernel where SDPA would compute every score of a sliding window that shows each 
 quarter of the keys, where it would need a dense ALiBi/window mask of more than
 :data:`DENSE_MASK_LIMIT` elements or of any size from :data:`NATIVE_MIN_SCORES` scores when the tiled
 backend's C++ kernel runs (it applies those masks while the scores are in cache, SDPA reads a
-materialised mask), and for half-precision inputs that need gradients on a CPU without fast
-half-precision products (SDPA's backward there ran 4x slower than the tiled kernel's at N=4096).
+materialised mask), for half-precision inputs that need gradients on a CPU without fast
+half-precision products (SDPA's backward there ran 4x slower than the tiled kernel's at N=4096),
+and for bf16 inputs from :data:`HALF_NATIVE_MIN_SCORES` scores on a CPU with AVX512-BF16, where the
+C++ kernel multiplies bf16 blocks itself (0.6-0.7x SDPA's time from 1024 x 1024 on Zen 5).
 :func:`choose_backend` (public as :func:`attnkit.functional.which_backend`) also says which path
 runs and why. A backend named explicitly that cannot do what was asked raises, naming the option;
 nothing falls back silently.
@@ -81,6 +83,14 @@ DENSE_MASK_LIMIT = 2**24
 NATIVE_MIN_SCORES = 256 * 256
 
 
+# The fewest scores (t * s) from which the tiled C++ kernel's bf16 products (AVX512-BF16) overtake
+# SDPA's bf16 kernel. Zen 5, b=1 h=12 d=64, tiled vs SDPA, forward / forward+backward: at 128 x 128
+# 1.5-2.0x / 0.75-0.86x, at 256 x 256 0.97-1.08x / 0.74-0.76x, at 512 x 512 0.71-0.84x / 0.65-0.69x,
+# at 1024 x 1024 0.60-0.69x / 0.66x. Chosen from the CPU's features: without AVX512-BF16 the kernel
+# multiplies bf16 in float32 and this rule does not apply.
+HALF_NATIVE_MIN_SCORES = 256 * 256
+
+
 def _tiled_beats_sdpa(request: Request, q: Tensor, k: Tensor, v: Tensor) -> str | None:
     """Why SDPA would waste work or memory where the tiled kernel would not (None if it would not)."""
     _, h, t, _ = q.shape
@@ -88,6 +98,13 @@ def _tiled_beats_sdpa(request: Request, q: Tensor, k: Tensor, v: Tensor) -> str 
     half = q.dtype in (torch.bfloat16, torch.float16)
     if half and wants_grad(q, k, v) and not tiled._fast_half_matmul(q.dtype, q.device):
         return f"SDPA's {q.dtype} backward is slow on a CPU without fast half-precision products"
+    if (
+        q.device.type == "cpu"
+        and t * s >= HALF_NATIVE_MIN_SCORES
+        and tiled.runs_native(q)
+        and tiled.products(q) == "bf16-avx512_bf16"
+    ):
+        return "its bf16 block products (AVX512-BF16) with float32 sums run faster than SDPA's"
     window = request.masks.window
     limited = window is not None and window != (-1, 0)  # a window, not just causal
     if limited:
@@ -215,6 +232,7 @@ __all__ = [
     "AUTO_ORDER",
     "BACKENDS",
     "DENSE_MASK_LIMIT",
+    "HALF_NATIVE_MIN_SCORES",
     "AttentionOutput",
     "Backend",
     "BackendChoice",
