@@ -3,6 +3,12 @@ the C++ builds that follow from it. Nothing here assumes the CPU the tests run o
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -85,3 +91,61 @@ def test_builds_for_different_cpus_have_different_names(monkeypatch):
         monkeypatch.setenv(_cpu.ENV, spec)
         names[tuple(_native._isa_flags()[1])] = kernel.name()
     assert len(set(names.values())) == len(names)
+
+
+AS_AVX2 = """
+import json, torch
+from attnkit import attention, _cpu
+from attnkit.backends import decode, tiled, tiled_native
+from attnkit.functional import which_backend
+from oracle import naive_attention
+
+torch.manual_seed(0)
+q, k, v = (torch.randn(1, 4, 37, 40) for _ in range(3))
+report = {"features": sorted(_cpu.features())}
+errors = {}
+for dtype in (torch.float32, torch.bfloat16):
+    x = [t.to(dtype, copy=True).requires_grad_() for t in (q, k, v)]
+    choice = which_backend(*x, backend="tiled", causal=True)
+    report[str(dtype)] = [choice.path, choice.products]
+    out = attention(*x, backend="tiled", causal=True)
+    x64 = [t.detach().double().requires_grad_() for t in x]
+    out64, _, _ = naive_attention(*x64, causal=True)
+    grads = torch.autograd.grad(out.float().sum(), x)
+    grads64 = torch.autograd.grad(out64.sum(), x64)
+    errors[str(dtype)] = max(
+        (a.double() - b).abs().max().item() for a, b in zip((out, *grads), (out64, *grads64))
+    )
+tiled._fast_half_matmul = lambda dtype, device: True  # bf16 products: the portable route here
+x = [t.bfloat16() for t in (q, k, v)]
+report["forced"] = which_backend(*x, backend="tiled").products
+out64, _, _ = naive_attention(*(t.double() for t in x))
+errors["forced"] = (attention(*x, backend="tiled").double() - out64).abs().max().item()
+step = attention(q[:, :, :1], k, v, backend="decode")
+step64, _, _ = naive_attention(q[:, :, :1].double(), k.double(), v.double())
+errors["decode"] = (step.double() - step64).abs().max().item()
+report["builds"] = [tiled_native.KERNEL.name(), decode.KERNEL.name()]
+report["errors"] = errors
+print(json.dumps(report))
+"""
+
+
+@pytest.mark.skipif("avx2" not in _cpu.features(), reason="this CPU has no AVX2 to narrow to")
+def test_the_suite_can_run_this_cpu_as_an_avx2_one():
+    """ATTNKIT_CPU_FEATURES=avx2 in a fresh process: kernels built for AVX2 alone (a second build on
+    a CPU with AVX-512), bf16 multiplied in float32, and every path still exact."""
+    env = {**os.environ, _cpu.ENV: "avx2"}
+    tests = Path(__file__).parent
+    result = subprocess.run(
+        [sys.executable, "-c", AS_AVX2], env=env, cwd=tests, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert set(report["features"]) <= {"avx2", "fma", "f16c"}
+    assert report["torch.float32"] == ["native", "float32"]
+    assert report["torch.bfloat16"] == ["native", "float32"]  # no bf16 units on an AVX2 CPU
+    assert report["forced"] == "bf16-portable"  # the AVX2 build has no vdpbf16ps
+    assert all("avx512" not in name for name in report["builds"])
+    errors = report["errors"]
+    assert errors["torch.float32"] < 1e-5 and errors["decode"] < 1e-5
+    assert errors["torch.bfloat16"] < 0.1 and errors["forced"] < 0.05
