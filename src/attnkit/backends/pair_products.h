@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -175,7 +176,19 @@ inline void pack_row_pairs(const T* x, int64_t rows, int64_t cols, int64_t ld, P
     Pair* o = out + p * ldb;
     const T* top = x + 2 * p * ld;
     const T* bottom = 2 * p + 1 < rows ? top + ld : nullptr;
-    for (int64_t c = 0; c < cols; ++c) {
+    int64_t c = 0;
+#if defined(__AVX512BF16__)
+    if constexpr (std::is_same_v<T, float>) {  // the backward's P and dS: 16 pairs at a time
+      for (; bottom && !clean && c + 16 <= cols; c += 16) {
+        const __m256i low = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(top + c));
+        const __m256i high = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(bottom + c));
+        const __m512i words = _mm512_or_si512(_mm512_cvtepu16_epi32(low),
+                                              _mm512_slli_epi32(_mm512_cvtepu16_epi32(high), 16));
+        _mm512_storeu_si512(o + c, words);
+      }
+    }
+#endif
+    for (; c < cols; ++c) {
       Bf16 low = bits_of(top[c]), high = bottom ? bits_of(bottom[c]) : 0;
       if (clean) {
         low = finite(low) ? low : 0;

@@ -24,6 +24,7 @@
 #include <cstring>
 #include <limits>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -58,39 +59,76 @@ inline float exp_nonpositive(float x) {
   return x < -87.f ? 0.f : (x == x ? p : x);  // NaN stays NaN
 }
 
-// row[j] = exp(row[j] - top) for j < n, returning their sum; -inf gives 0 and a NaN stays NaN. The
-// softmax's hottest loop after the block products: with AVX-512, 16 lanes at a time as 2^k * p(f)
-// with vroundscaleps and vscalefps, which handle the range without the selects of exp_nonpositive
-// (measured on Zen 5: twice as fast as the compiler's vectorisation of it); elsewhere that.
-inline float exp_row(float* row, int64_t n, float top) {
+// exp(x) on 16 lanes for x <= 0, -inf or NaN, as 2^k * p(f) with vroundscaleps and vscalefps,
+// which handle the range without the selects of exp_nonpositive: -inf gives 0, NaN stays NaN.
+#if defined(__AVX512F__)
+inline __m512 exp16(__m512 x) {
+  // max(lowest, x) keeps a NaN x; below -140, 2^k underflows to exactly 0
+  x = _mm512_max_ps(_mm512_set1_ps(-140.f), x);
+  const __m512 y = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 k = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(y, k);
+  __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, k);
+}
+#endif
+
+// The backward's probabilities: row[j] = exp(row[j] - shift), exactly 0 where row[j] is -inf (a
+// masked key, even in a row whose shift is NaN); a NaN score stays NaN.
+inline void probs_row(float* row, int64_t n, float shift) {
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  const __m512 lse = _mm512_set1_ps(shift), masked = _mm512_set1_ps(kNegInf);
+  for (; j + 16 <= n; j += 16) {
+    const __m512 x = _mm512_loadu_ps(row + j);
+    const __mmask16 hidden = _mm512_cmp_ps_mask(x, masked, _CMP_EQ_OQ);
+    const __m512 e = exp16(_mm512_sub_ps(x, lse));
+    _mm512_storeu_ps(row + j, _mm512_mask_mov_ps(e, hidden, _mm512_setzero_ps()));
+  }
+#endif
+  for (; j < n; ++j) row[j] = row[j] == kNegInf ? 0.f : exp_nonpositive(row[j] - shift);
+}
+
+// The softmax's hottest loop after the block products: out[j] = exp(row[j] - top) for j < n,
+// returning their sum (row without NaN, top finite). With AVX-512, 16 lanes at a time (exp16;
+// measured on Zen 5: twice as fast as the compiler's vectorisation of exp_nonpositive), and with
+// AVX512-BF16 straight into bf16 when Out is bf16 bits, so the float32 row is never stored.
+template <typename Out>
+inline float exp_row(const float* row, int64_t n, float top, Out* out) {
   float sum = 0.f;
   int64_t j = 0;
 #if defined(__AVX512F__)
-  const __m512 shift = _mm512_set1_ps(top), lowest = _mm512_set1_ps(-140.f);
-  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
-  __m512 total = _mm512_setzero_ps();
-  for (; j + 16 <= n; j += 16) {
-    // max(lowest, x) keeps a NaN x; below -140, 2^k underflows to exactly 0
-    const __m512 x = _mm512_max_ps(lowest, _mm512_sub_ps(_mm512_loadu_ps(row + j), shift));
-    const __m512 y = _mm512_mul_ps(x, log2e);
-    const __m512 k = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(y, k);
-    __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    const __m512 e = _mm512_scalef_ps(p, k);
-    _mm512_storeu_ps(row + j, e);
-    total = _mm512_add_ps(total, e);
+  if constexpr (std::is_same_v<Out, float> || pairs::kHasAvx512Bf16) {
+    const __m512 shift = _mm512_set1_ps(top);
+    __m512 total = _mm512_setzero_ps();
+    for (; j + 16 <= n; j += 16) {
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(row + j), shift));
+      total = _mm512_add_ps(total, e);
+      if constexpr (std::is_same_v<Out, float>) {
+        _mm512_storeu_ps(out + j, e);
+      } else {
+#if defined(__AVX512BF16__)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j), (__m256i)_mm512_cvtneps_pbh(e));
+#endif
+      }
+    }
+    sum = _mm512_reduce_add_ps(total);
   }
-  sum = _mm512_reduce_add_ps(total);
 #endif
   for (; j < n; ++j) {
-    row[j] = exp_nonpositive(row[j] - top);
-    sum += row[j];
+    const float e = exp_nonpositive(row[j] - top);
+    sum += e;
+    if constexpr (std::is_same_v<Out, float>) {
+      out[j] = e;
+    } else {
+      out[j] = pairs::round(e);
+    }
   }
   return sum;
 }
@@ -122,6 +160,9 @@ inline float tanh_fast(float x) {
 typedef float Float16 __attribute__((vector_size(64)));
 typedef int32_t Int16 __attribute__((vector_size(64)));
 
+// With `any_nonfinite`, an infinity makes it NaN too: the row_max of raw scores, which lets a row
+// with nothing to mask skip Scoring::apply's pass.
+template <bool any_nonfinite = false>
 inline float row_max(const float* x, int64_t n) {
   constexpr int kLanes = 16;
   Float16 lanes;
@@ -132,13 +173,14 @@ inline float row_max(const float* x, int64_t n) {
     Float16 chunk;
     std::memcpy(&chunk, x + j, sizeof chunk);
     lanes = chunk > lanes ? chunk : lanes;
+    if constexpr (any_nonfinite) chunk -= chunk;  // 0, or NaN for an infinity or a NaN
     nan |= chunk != chunk;
   }
   float top = kNegInf;
   bool any_nan = false;
   for (; j < n; ++j) {
     top = x[j] > top ? x[j] : top;
-    any_nan |= x[j] != x[j];
+    any_nan |= any_nonfinite ? !finite(x[j]) : x[j] != x[j];
   }
   for (int u = 0; u < kLanes; ++u) {
     top = lanes[u] > top ? lanes[u] : top;
@@ -190,6 +232,14 @@ struct Scoring {
     const int64_t lo = left >= 0 ? std::max<int64_t>(0, first - left) : 0;
     const int64_t hi = right >= 0 ? std::min(s, last + right + 1) : s;
     return {lo, std::max(lo, hi)};
+  }
+
+  // Whether the raw scores of query i over keys [j0, j0 + n) are its scores as they are: nothing
+  // modifies or masks them (they still turn NaN where not finite).
+  bool plain(int64_t i, int64_t j0, int64_t n) const {
+    if (softcap > 0.f || alibi || bias.data || allowed.data || key_mask) return false;
+    const auto [lo, hi] = visible(i, j0, j0 + n);
+    return lo == j0 && hi == j0 + n;
   }
 
   // Row `row` (query i of head `head`, keys j0 .. j0 + n) of raw scores becomes the masked scores
@@ -375,7 +425,7 @@ struct Float32Blocks {
   // Row r of P from its scores: exp(score - top) in place; returns their sum. `top` is finite and
   // the row holds no NaN (a row with one is poisoned before).
   float weights(float* row, int64_t n, float top, int64_t, int64_t, Scratch&) const {
-    return exp_row(row, n, top);
+    return exp_row(row, n, top, row);
   }
   // Row r of P when it adds nothing (no key allowed so far, or poisoned).
   void no_weights(float* row, int64_t n, int64_t, int64_t, Scratch&) const {
@@ -499,10 +549,8 @@ struct Bf16Blocks {
     row[2 * key_pairs(j0, n) - 1] = 0;
     return row + j0 % 2;
   }
-  float weights(float* row, int64_t n, float top, int64_t r, int64_t j0, Scratch& w) const {
-    const float sum = exp_row(row, n, top);
-    pairs::round_row(row, n, key_row(w, r, j0, n));  // in L1 still
-    return sum;
+  float weights(const float* row, int64_t n, float top, int64_t r, int64_t j0, Scratch& w) const {
+    return exp_row(row, n, top, key_row(w, r, j0, n));
   }
   void no_weights(const float*, int64_t n, int64_t r, int64_t j0, Scratch& w) const {
     Bf16* out = key_row(w, r, j0, n);
@@ -598,7 +646,13 @@ std::tuple<torch::Tensor, torch::Tensor> forward_blocks(const Blocks& blocks, co
         blocks.scores(bh, i0, bq, kv, j0, n, sp, scratch);  // S = Q K^T
         for (int64_t r = 0; r < bq; ++r) {
           float* row = sp + r * ld;
-          sc.apply(row, capped.data(), batch, head, i0 + r, j0, n);
+          float block_top;
+          if (sc.plain(i0 + r, j0, n)) {  // one pass, not two: a non-finite score makes it NaN
+            block_top = row_max<true>(row, n);
+          } else {
+            sc.apply(row, capped.data(), batch, head, i0 + r, j0, n);
+            block_top = row_max(row, n);
+          }
           if (!clean_block) {  // selection, not multiplication: only the keys a row sees touch it
             touched.resize(bq * dv);
             for (int64_t j = 0; j < n; ++j) {
@@ -607,7 +661,6 @@ std::tuple<torch::Tensor, torch::Tensor> forward_blocks(const Blocks& blocks, co
               for (int64_t c = 0; c < dv; ++c) touched[r * dv + c] |= !finite_value(value[c]);
             }
           }
-          const float block_top = row_max(row, n);
           poisoned[r] |= block_top != block_top;
           const float top = std::max(m[r], block_top);
           if (top == kNegInf || poisoned[r]) {  // nothing allowed so far, or NaN: adds nothing
@@ -692,11 +745,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> backward_
             for (int64_t r = 0; r < bq; ++r) {
               float* row = p + r * ld;
               sc.apply(row, capping ? capped.data() + r * n : nullptr, batch, head, i0 + r, j0, n);
-              const float shift = lp[bh * t + i0 + r];
-#pragma omp simd
-              for (int64_t j = 0; j < n; ++j) {  // P; exactly 0 for a masked key, even in a NaN row
-                row[j] = row[j] == kNegInf ? 0.f : exp_nonpositive(row[j] - shift);
-              }
+              probs_row(row, n, lp[bh * t + i0 + r]);  // P
               std::fill(row + n, row + ld, 0.f);  // the padding of a pair product's rows
             }
             blocks.add_dv(p, bh, i0, bq, j0, n, dv_head, scratch);  // dV += P^T dO
