@@ -92,7 +92,8 @@ inline void probs_row(float* row, int64_t n, float shift) {
     _mm512_storeu_ps(row + j, _mm512_mask_mov_ps(e, hidden, _mm512_setzero_ps()));
   }
 #endif
-  for (; j < n; ++j) row[j] = row[j] == kNegInf ? 0.f : exp_nonpositive(row[j] - shift);
+#pragma omp simd
+  for (int64_t i = j; i < n; ++i) row[i] = row[i] == kNegInf ? 0.f : exp_nonpositive(row[i] - shift);
 }
 
 // The softmax's hottest loop after the block products: out[j] = exp(row[j] - top) for j < n,
@@ -121,13 +122,14 @@ inline float exp_row(const float* row, int64_t n, float top, Out* out) {
     sum = _mm512_reduce_add_ps(total);
   }
 #endif
-  for (; j < n; ++j) {
-    const float e = exp_nonpositive(row[j] - top);
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = j; i < n; ++i) {  // the whole row where AVX-512 is not built for
+    const float e = exp_nonpositive(row[i] - top);
     sum += e;
     if constexpr (std::is_same_v<Out, float>) {
-      out[j] = e;
+      out[i] = e;
     } else {
-      out[j] = pairs::round(e);
+      out[i] = pairs::round(e);
     }
   }
   return sum;
@@ -155,22 +157,25 @@ inline float tanh_fast(float x) {
 }
 
 // The largest of x[0 .. n), -inf for n = 0, NaN if any is NaN. GCC does not vectorise a running max
-// of floats without -ffinite-math-only (which -inf masking forbids), so sixteen lanes are kept in a
-// vector of the compiler's own (generic vectors: one AVX-512 register, or two AVX ones, or four SSE).
-typedef float Float16 __attribute__((vector_size(64)));
-typedef int32_t Int16 __attribute__((vector_size(64)));
+// of floats without -ffinite-math-only (which -inf masking forbids), so the lanes are kept in a
+// vector of the compiler's own: one register wide (16 lanes with AVX-512, else 8; wider generic
+// vectors compile to spills on AVX2). With `any_nonfinite`, an infinity makes it NaN too: the
+// row_max of raw scores, which lets a row with nothing to mask skip Scoring::apply's pass.
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+#else
+constexpr int kLanes = 8;
+#endif
+typedef float FloatLanes __attribute__((vector_size(4 * kLanes)));
+typedef int32_t IntLanes __attribute__((vector_size(4 * kLanes)));
 
-// With `any_nonfinite`, an infinity makes it NaN too: the row_max of raw scores, which lets a row
-// with nothing to mask skip Scoring::apply's pass.
 template <bool any_nonfinite = false>
 inline float row_max(const float* x, int64_t n) {
-  constexpr int kLanes = 16;
-  Float16 lanes;
-  for (int u = 0; u < kLanes; ++u) lanes[u] = kNegInf;
-  Int16 nan = {};
+  FloatLanes lanes = FloatLanes{} + kNegInf;  // a whole vector at once, not lane by lane
+  IntLanes nan = {};
   int64_t j = 0;
   for (; j + kLanes <= n; j += kLanes) {
-    Float16 chunk;
+    FloatLanes chunk;
     std::memcpy(&chunk, x + j, sizeof chunk);
     lanes = chunk > lanes ? chunk : lanes;
     if constexpr (any_nonfinite) chunk -= chunk;  // 0, or NaN for an infinity or a NaN
