@@ -16,6 +16,16 @@ from attnkit import _cpu
 from attnkit.backends import _native
 
 
+@pytest.fixture
+def every_extension(monkeypatch):
+    """A CPU that has every extension attnkit knows (the probe's cache is emptied before and after),
+    so that the narrowing tests check something on any CPU."""
+    _cpu._features.cache_clear()
+    monkeypatch.setattr(_cpu, "_detected", lambda: _cpu.KNOWN)
+    yield
+    _cpu._features.cache_clear()
+
+
 def test_the_probe_reports_known_extensions_only():
     assert _cpu.features() <= _cpu.KNOWN
     if "avx512f" in _cpu.features():  # every AVX-512 CPU has AVX2 too
@@ -58,38 +68,61 @@ def test_avx2_hides_the_half_precision_units(monkeypatch):
     assert "(ATTNKIT_CPU_FEATURES=avx2)" in _cpu.describe()
 
 
-def test_bf16_products_are_fast_exactly_with_avx512_bf16_or_amx(monkeypatch):
-    for spec, fast in (("avx512_bf16", "avx512_bf16"), ("amx", "amx_bf16"), ("avx512", None)):
-        monkeypatch.setenv(_cpu.ENV, spec)
-        expected = fast is not None and fast in _cpu.features()
-        assert _cpu.fast_half_products(torch.bfloat16) == expected
+def test_bf16_products_are_fast_exactly_with_avx512_bf16_or_amx(monkeypatch, every_extension):
+    for spec, fast in (("avx512_bf16", True), ("amx_bf16", True), ("avx512", False), ("", True)):
+        monkeypatch.setenv(_cpu.ENV, spec)  # "": not narrowed
+        assert _cpu.fast_half_products(torch.bfloat16) == fast
+    monkeypatch.setenv(_cpu.ENV, "avx512_bf16")
+    assert not _cpu.fast_half_products(torch.float16)  # fp16 needs AMX-FP16
+    monkeypatch.setenv(_cpu.ENV, "amx")
+    assert _cpu.fast_half_products(torch.float16)
+    assert _cpu.parse("amx") >= _cpu.parse("avx512_bf16")  # every AMX CPU has AVX512-BF16
 
 
-@pytest.mark.parametrize("spec", ["avx2", "avx512", "avx512_bf16", "none"])
-def test_a_build_is_named_after_every_extension_it_enables(spec, monkeypatch):
+@pytest.mark.parametrize(
+    "spec, named",
+    [
+        ("none", "baseline"),
+        ("avx2", "avx2_fma_f16c"),
+        ("avx512", "avx2_fma_f16c_avx512f_avx512bw_avx512vl_avx512dq"),
+        ("avx512_bf16", "avx2_fma_f16c_avx512f_avx512bw_avx512vl_avx512dq_avx512bf16"),
+        ("amx", "avx2_fma_f16c_avx512f_avx512bw_avx512vl_avx512dq_avx512bf16"),
+    ],
+)
+def test_a_build_is_named_after_every_extension_it_enables(
+    spec, named, monkeypatch, every_extension
+):
     """A build for one CPU is never loaded on another that lacks an extension it uses: the
     extensions are in its name, and its flags enable nothing else."""
     monkeypatch.setenv(_cpu.ENV, spec)
     tag, flags = _native._isa_flags()
-    enabled = {flag for flag in flags if flag in _native._FLAGS.values()}
-    named = set(tag.split("_")) - {"baseline"}
-    assert named == {
-        name.replace("_", "") for name, flag in _native._FLAGS.items() if flag in enabled
-    }
-    assert enabled <= {_native._FLAGS[name] for name in _cpu.features() if name in _native._FLAGS}
+    assert tag == named
+    isa_flags = [flag for flag in flags if flag in _native._FLAGS.values()]
+    assert [
+        _native._FLAGS[name] for name in _native._FLAGS if name.replace("_", "") in named.split("_")
+    ] == isa_flags
+    assert ("-mprefer-vector-width=512" in flags) == ("avx512f" in named)
     kernel = _native.Kernel("tiled.cpp", ("-O3",))
-    assert kernel.name().startswith(f"attnkit_tiled_{tag}_")
-    if spec == "none" or not {"avx2", "fma"} <= _cpu.features():
-        assert (tag, flags) == ("baseline", [])
+    assert kernel.name().startswith(f"attnkit_tiled_{named}_")
 
 
-def test_builds_for_different_cpus_have_different_names(monkeypatch):
+def test_builds_for_different_cpus_have_different_names(monkeypatch, every_extension):
     kernel = _native.Kernel("tiled.cpp", ("-O3",))
-    names = {}  # the flags of each narrowing -> the build's name
+    names = set()
     for spec in ("none", "avx2", "avx512", "avx512_bf16"):
         monkeypatch.setenv(_cpu.ENV, spec)
-        names[tuple(_native._isa_flags()[1])] = kernel.name()
-    assert len(set(names.values())) == len(names)
+        names.add(kernel.name())
+    assert len(names) == 4
+
+
+def test_the_probe_narrows_what_this_cpu_has(monkeypatch):
+    """On the real CPU: the build's extensions are among those the CPU has."""
+    _, flags = _native._isa_flags()
+    for name, flag in _native._FLAGS.items():
+        if flag in flags:
+            assert name in _cpu.features()
+    monkeypatch.setenv(_cpu.ENV, "")
+    assert _cpu.features() == _cpu._detected()  # blank: not narrowed
 
 
 AS_AVX2 = """
@@ -115,7 +148,10 @@ for dtype in (torch.float32, torch.bfloat16):
     errors[str(dtype)] = max(
         (a.double() - b).abs().max().item() for a, b in zip((out, *grads), (out64, *grads64))
     )
-tiled._fast_half_matmul = lambda dtype, device: True  # bf16 products: the portable route here
+tiled._fast_half_matmul = lambda dtype, device: True  # bf16 products, in the loop here
+x = [t.bfloat16() for t in (q, k, v)]
+report["half"] = which_backend(*x, backend="tiled").products
+tiled_native.pair_products = lambda kernel: "portable"  # and in the kernel's portable route
 x = [t.bfloat16() for t in (q, k, v)]
 report["forced"] = which_backend(*x, backend="tiled").products
 out64, _, _ = naive_attention(*(t.double() for t in x))
@@ -143,7 +179,8 @@ def test_the_suite_can_run_this_cpu_as_an_avx2_one():
     assert set(report["features"]) <= {"avx2", "fma", "f16c"}
     assert report["torch.float32"] == ["native", "float32"]
     assert report["torch.bfloat16"] == ["native", "float32"]  # no bf16 units on an AVX2 CPU
-    assert report["forced"] == "bf16-portable"  # the AVX2 build has no vdpbf16ps
+    assert report["half"] == "bfloat16"  # the AVX2 build has no vdpbf16ps: the loop
+    assert report["forced"] == "bf16-portable"
     assert all("avx512" not in name for name in report["builds"])
     errors = report["errors"]
     assert errors["torch.float32"] < 1e-5 and errors["decode"] < 1e-5

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from attnkit import attention
 from attnkit.backends import BACKENDS, tiled
 from attnkit.functional import which_backend
+from conftest import expected_products, force_path
 from oracle import naive_attention
 
 # (b, h, h_kv, t, s, d)
@@ -124,7 +125,10 @@ def test_score_modifiers_match_oracle(backend, name, causal):
         torch.testing.assert_close(g, g64.float())
 
 
-@pytest.mark.parametrize("backend", [*PATHS, "tiled:half", "tiled:portable"], indirect=True)
+HALF_PATHS = ["tiled:half", "tiled:half-loop", "tiled:portable"]
+
+
+@pytest.mark.parametrize("backend", [*PATHS, *HALF_PATHS], indirect=True)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("causal", [False, True])
 def test_low_precision_within_twice_the_naive_error(backend, dtype, causal):
@@ -145,9 +149,9 @@ def test_low_precision_within_twice_the_naive_error(backend, dtype, causal):
         assert max_error(g, g64) <= 3 * max_error(g_naive, g64) + 1e-6
 
 
-# The half-precision products of the C++ kernel (bf16 blocks multiplied in pairs with float32 sums,
-# tiled:half with AVX512-BF16 where the build has it, tiled:portable on every CPU) on every shape,
-# mask kind and modifier, forward and backward, within the rule for low precision.
+# The half-precision products (in the C++ kernel, bf16 blocks multiplied in pairs with float32
+# sums: tiled:half with AVX512-BF16 where the build has it, tiled:portable on every CPU) on every
+# shape, mask kind and modifier, forward and backward, within the rule for low precision.
 HALF_CASES = {
     **{
         f"{name} {kind}": (shape, kind, {}) for name, shape in SHAPES.items() for kind in MASK_KINDS
@@ -156,27 +160,95 @@ HALF_CASES = {
 }
 
 
-@pytest.mark.parametrize("backend", ["tiled:half", "tiled:portable"], indirect=True)
-@pytest.mark.parametrize("case", HALF_CASES.values(), ids=HALF_CASES.keys())
-@pytest.mark.parametrize("causal", [False, True])
-def test_bf16_block_products_within_the_low_precision_rule(backend, case, causal):
-    shape, mask_kind, options = case
-    q, k, v, masks = make_inputs(shape, dtype=torch.bfloat16, mask_kind=mask_kind)
+def check_half_products(path, q, k, v, masks, **options):
+    """The output and the gradients (of q, k, v, and of the slopes if they are learnable) of the
+    forced half-precision ``path``, within twice (three times) the naive bf16 path's error."""
     masks = {n: m if m.dtype == torch.bool else m.bfloat16() for n, m in masks.items()}
-    choice = which_backend(q, k, v, **masks, causal=causal, backend=backend, **options)
-    assert choice.path == "native" and choice.products.startswith("bf16-")
-    out = attention(q, k, v, **masks, causal=causal, backend=backend, **options)
-    inputs64, out64, _, _ = oracle64(q, k, v, masks, causal=causal, **options)
-    naive_inputs = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-    naive_out, _, _ = naive_attention(*naive_inputs, **masks, causal=causal, **options)
+    choice = which_backend(q, k, v, **masks, backend="tiled", **options)
+    assert (choice.path, choice.products) == expected_products(path)
+    slopes = options.get("alibi_slopes")
+    learnable = slopes is not None and slopes.requires_grad
+
+    def run(fn, dtype, slopes_dtype, call_masks):
+        leaves = [x.detach().to(dtype, copy=True).requires_grad_() for x in (q, k, v)]
+        call_options = dict(options)
+        if learnable:
+            call_options["alibi_slopes"] = slopes.detach().to(slopes_dtype, copy=True)
+            leaves.append(call_options["alibi_slopes"].requires_grad_())
+        return fn(*leaves[:3], **call_masks, **call_options), leaves
+
+    def naive(*args, **kwargs):
+        return naive_attention(*args, **kwargs)[0]
+
+    def tiled_call(*args, **kwargs):
+        return attention(*args, backend="tiled", **kwargs)
+
+    masks64 = {n: m if m.dtype == torch.bool else m.double() for n, m in masks.items()}
+    out, leaves = run(tiled_call, torch.bfloat16, torch.float32, masks)
+    naive_out, naive_leaves = run(naive, torch.bfloat16, torch.float32, masks)
+    out64, leaves64 = run(naive, torch.float64, torch.float64, masks64)
     assert out.dtype == torch.bfloat16
     assert max_error(out, out64) <= 2 * max_error(naive_out, out64) + 1e-6
     dout = torch.randn_like(out)
-    exact = grads(out64, inputs64, dout.double())
     for g, g_naive, g64 in zip(
-        grads(out, (q, k, v), dout), grads(naive_out, naive_inputs, dout), exact
+        grads(out, leaves, dout),
+        grads(naive_out, naive_leaves, dout),
+        grads(out64, leaves64, dout.double()),
     ):
         assert max_error(g, g64) <= 3 * max_error(g_naive, g64) + 1e-6
+    return out
+
+
+@pytest.mark.parametrize("path", ["tiled:half", "tiled:portable"])
+@pytest.mark.parametrize("case", HALF_CASES.values(), ids=HALF_CASES.keys())
+@pytest.mark.parametrize("causal", [False, True])
+def test_bf16_block_products_within_the_low_precision_rule(path, case, causal, monkeypatch):
+    shape, mask_kind, options = case
+    force_path(monkeypatch, path)
+    q, k, v, masks = make_inputs(shape, dtype=torch.bfloat16, mask_kind=mask_kind)
+    check_half_products(path, q, k, v, masks, causal=causal, **options)
+
+
+@pytest.mark.parametrize("path", ["tiled:half", "tiled:portable"])
+@pytest.mark.parametrize("blocks", [(19, 45), (256, 512)])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"causal": True},
+        {"window": (37, 5)},  # key blocks that start at odd keys
+        {"causal": True, "softcap": 3.0, "alibi_slopes": "learnable"},
+    ],
+    ids=["full", "causal", "window", "alibi+softcap"],
+)
+def test_bf16_block_products_at_the_kernels_own_block_sizes(path, blocks, options, monkeypatch):
+    """Blocks of 8+ rows and of several 32-column tiles, rows of 16+ keys: the microkernel's main
+    tile and the 16-lane loops, which the tests' tiny tiles never reach."""
+    force_path(monkeypatch, path)
+    monkeypatch.setattr(tiled, "BLOCK_Q", blocks[0])
+    monkeypatch.setattr(tiled, "BLOCK_K", blocks[1])
+    q, k, v, masks = make_inputs(
+        (1, 4, 2, 150, 333, 64), dtype=torch.bfloat16, mask_kind="key_mask"
+    )
+    if options.get("alibi_slopes") == "learnable":
+        options = {**options, "alibi_slopes": torch.tensor([0.5, 0.25, 0.1, 0.05]).requires_grad_()}
+    out = check_half_products(path, q, k, v, masks, **options)
+    # padding that holds NaN and infinities gives the same results, bit for bit, as zeros there
+    padding = ~masks["key_mask"]
+    dirty = [x.detach().clone() for x in (k, v)]
+    dirty[0][padding[:, None].expand_as(dirty[0][..., 0])] = float("nan")
+    dirty[1][padding[:, None].expand_as(dirty[1][..., 0])] = float("inf")
+    clean = [x.detach().masked_fill(padding[:, None, :, None], 0.0) for x in (k, v)]
+    for kv in (dirty, clean):
+        kv[0].requires_grad_()
+    results = []
+    for kk, vv in (dirty, clean):
+        qq = q.detach().clone().requires_grad_()
+        o = attention(qq, kk, vv, **masks, backend="tiled", **options)
+        results.append((o, *torch.autograd.grad(o.float().sum(), (qq, kk))))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+    assert torch.isfinite(out).all()
 
 
 @pytest.mark.parametrize("backend", PATHS, indirect=True)

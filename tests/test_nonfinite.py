@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from attnkit import attention
 from attnkit.backends import BACKENDS, tiled
 from attnkit.functional import which_backend
+from conftest import expected_products, force_path
 from oracle import selected_attention
 
 NAN, INF = float("nan"), float("inf")
@@ -21,6 +22,7 @@ NAN, INF = float("nan"), float("inf")
 PATHS = ["reference", "sdpa", "tiled", "tiled:loop", "decode"]
 GENERAL = ["reference", "tiled", "tiled:loop", "sdpa"]  # every path with masks and modifiers
 OWN_GENERAL = ["reference", "tiled", "tiled:loop"]  # attnkit's own kernels among them
+HALF_PATHS = ["tiled:half", "tiled:portable"]  # bf16 block products (see conftest.force_path)
 
 
 def run(path, q, k, v, monkeypatch, **options):
@@ -248,22 +250,23 @@ def test_property_every_backend_follows_the_one_rule(
         monkeypatch.undo()
 
 
-@pytest.mark.parametrize("path", ["tiled", "tiled:loop"])
+@pytest.mark.parametrize("path", ["tiled", "tiled:loop", "tiled:half", "tiled:portable"])
 def test_a_nan_row_leaves_the_gradients_of_other_rows_finite(path, monkeypatch):
     """The backward takes P and dS as exactly 0 at a masked key, even in a row that a NaN made
-    NaN: neither a stale soft-cap value (C++) nor exp(-inf - NaN) reaches the other rows."""
-    if path == "tiled:loop":
-        monkeypatch.setattr(tiled, "_native_kernel", lambda device, dtype: None)
+    NaN: neither a stale soft-cap value (C++) nor exp(-inf - NaN) reaches the other rows, nor
+    a thread's buffers from one batch row to the next."""
+    force_path(monkeypatch, path)
     monkeypatch.setattr(tiled, "BLOCK_Q", 4)
     monkeypatch.setattr(tiled, "BLOCK_K", 4)
-    q, k, v = torch.randn(2, 1, 10, 8), torch.randn(2, 1, 10, 8), torch.randn(2, 1, 10, 8)
+    dtype = torch.bfloat16 if path in HALF_PATHS else torch.float32
+    q, k, v = (torch.randn(2, 1, 10, 8, dtype=dtype) for _ in range(3))
     q[0, 0, 6] = NAN  # batch row 0, one query late in the sequence
     leaves = [x.requires_grad_() for x in (q, k, v)]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # both batch rows on one thread, sharing its buffers
     try:
         out = attention(*leaves, causal=True, softcap=2.0, backend="tiled")
-        dq, dk, dv = torch.autograd.grad(out[1].sum() + out[0, 0, :6].sum(), leaves)
+        dq, dk, dv = torch.autograd.grad(out[1].float().sum() + out[0, 0, :6].float().sum(), leaves)
     finally:
         torch.set_num_threads(threads)
     assert torch.isfinite(out[1]).all()
@@ -301,9 +304,6 @@ def test_a_nan_in_the_lse_gradient_stays_in_its_row(path, monkeypatch):
     assert (~torch.isfinite(dk[0, 0, :2])).all() and torch.isfinite(dk[0, 0, 2:]).all()
 
 
-HALF_PATHS = ["tiled:half", "tiled:portable"]  # bf16 block products in the C++ kernel
-
-
 def bf16_scenarios():
     """(name, q, k, v, options, the rows of out that must be finite) in bf16, one non-finite
     value each, where a pair product could carry it to a neighbour: next to a masked key, in a
@@ -333,12 +333,11 @@ def bf16_scenarios():
 
 @pytest.mark.parametrize("path", HALF_PATHS)
 def test_the_half_precision_products_keep_the_rule(path, monkeypatch):
-    from conftest import force_path
-
     for name, q, k, v, options, finite_rows in bf16_scenarios():
         with monkeypatch.context() as patch:
             backend = force_path(patch, path)
-            assert which_backend(q, k, v, backend=backend, **options).products.startswith("bf16-")
+            choice = which_backend(q, k, v, backend=backend, **options)
+            assert (choice.path, choice.products) == expected_products(path)
             inputs = [x.clone().requires_grad_() for x in (q, k, v)]
             out = attention(*inputs, backend=backend, **options)
             grads = torch.autograd.grad(out.float().sum(), inputs)

@@ -14,7 +14,7 @@ behave as an AVX2 one. It takes levels and single extensions, separated by comma
 ``avx2``        avx2, fma, f16c
 ``avx512``      the avx2 level and avx512f, avx512bw, avx512vl, avx512dq
 ``avx512_bf16`` the avx512 level and avx512_bf16
-``amx``         amx_tile, amx_bf16, amx_fp16
+``amx``         the avx512_bf16 level and amx_tile, amx_bf16, amx_fp16
 ==============  ===========================================================
 
 It can only narrow: an extension the CPU lacks is never reported. An unknown name raises
@@ -58,7 +58,7 @@ LEVELS: dict[str, frozenset[str]] = {
     "avx2": _AVX2,
     "avx512": _AVX512,
     "avx512_bf16": _AVX512 | {"avx512_bf16"},
-    "amx": frozenset({"amx_tile", "amx_bf16", "amx_fp16"}),
+    "amx": _AVX512 | {"avx512_bf16", "amx_tile", "amx_bf16", "amx_fp16"},
 }
 
 # The extensions that matter to a reader of a benchmark, in the order they are shown.
@@ -118,8 +118,10 @@ def _features(spec: str | None) -> frozenset[str]:
 
 
 def features() -> frozenset[str]:
-    """The extensions attnkit may use on this CPU: those it has, narrowed by ``ATTNKIT_CPU_FEATURES``."""
-    return _features(os.environ.get(ENV))
+    """The extensions attnkit may use on this CPU: those it has, narrowed by ``ATTNKIT_CPU_FEATURES``
+    (unset or blank: not narrowed)."""
+    spec = os.environ.get(ENV, "").strip()
+    return _features(spec or None)
 
 
 def has(*names: str) -> bool:
@@ -142,5 +144,6 @@ def describe() -> str:
     """The extensions that matter, as a benchmark prints them: ``avx2 avx512f avx512_bf16 -amx``."""
     present = features()
     shown = [name if name in present else f"-{name}" for name in SHOWN]
-    narrowed = f" ({ENV}={os.environ[ENV]})" if ENV in os.environ else ""
+    spec = os.environ.get(ENV, "").strip()
+    narrowed = f" ({ENV}={spec})" if spec else ""
     return " ".join(shown) + narrowed

@@ -7,11 +7,11 @@ import math
 import pytest
 import torch
 
-from attnkit import attention
+from attnkit import _cpu, attention
 from attnkit.backends import (
     AUTO_ORDER,
     BACKENDS,
-    HALF_NATIVE_MIN_SCORES,
+    HALF_NATIVE_FROM,
     Request,
     resolve_backend,
     tiled,
@@ -122,7 +122,7 @@ def test_auto_takes_tiled_for_half_precision_training_without_fast_half_products
     assert resolve_backend("auto", plain, *qkv(dtype=torch.bfloat16)).name == "sdpa"  # inference
     assert resolve_backend("auto", plain, *qkv(requires_grad=True)).name == "sdpa"  # fp32
     monkeypatch.setattr(tiled, "_fast_half_matmul", lambda dtype, device: True)
-    monkeypatch.setattr(tiled_native, "pair_products", lambda kernel: "portable")
+    monkeypatch.setattr(tiled_native, "pair_products", lambda kernel: None)  # bf16 in the loop
     assert (
         resolve_backend("auto", plain, *qkv(dtype=torch.bfloat16, requires_grad=True)).name
         == "sdpa"
@@ -133,19 +133,28 @@ def test_auto_takes_tiled_for_half_precision_training_without_fast_half_products
 def test_auto_takes_tiled_for_bf16_where_the_kernel_multiplies_with_avx512_bf16(
     monkeypatch, requires_grad
 ):
-    """Decided from the CPU's features: the kernel's route for bf16 blocks, and the sizes."""
+    """Decided from the CPU's features (the kernel's route for bf16 blocks, no AMX) and sizes."""
     plain = Request(masks=Masks(), scale=1.0)
     monkeypatch.setattr(tiled, "_fast_half_matmul", lambda dtype, device: True)
     monkeypatch.setattr(tiled_native, "pair_products", lambda kernel: "avx512_bf16")
-    side = math.isqrt(HALF_NATIVE_MIN_SCORES)
-    for n, expected in ((side, "tiled"), (side // 2, "sdpa")):
-        inputs = qkv(n=n, dtype=torch.bfloat16, requires_grad=requires_grad)
-        assert resolve_backend("auto", plain, *inputs).name == expected
-    fp16 = qkv(n=side, dtype=torch.float16, requires_grad=requires_grad)
-    assert resolve_backend("auto", plain, *fp16).name == "sdpa"  # fp16: no pair products
+    monkeypatch.setattr(_cpu, "has", lambda *names: False)  # no AMX
+    rows, scores = HALF_NATIVE_FROM["training" if requires_grad else "inference"]
+
+    def backend(t, s, dtype=torch.bfloat16):
+        q = torch.empty(1, 12, t, 64, dtype=dtype, requires_grad=requires_grad)
+        k, v = (torch.empty(1, 12, s, 64, dtype=dtype, requires_grad=requires_grad) for _ in "kv")
+        return resolve_backend("auto", plain, q, k, v).name
+
+    side = math.isqrt(scores)
+    assert backend(max(side, rows), max(side, rows)) == "tiled"
+    assert backend(side // 2, side // 2) == "sdpa"  # too few scores
+    assert backend(rows // 2, 4 * scores // rows) == "sdpa"  # too few rows: packing K, V dominates
+    assert backend(side, side, torch.float16) == "sdpa"  # fp16: no pair products
+    monkeypatch.setattr(_cpu, "has", lambda *names: "amx_bf16" in names)
+    assert backend(side, side) == "sdpa"  # with AMX, SDPA's kernel has it: not measured
+    monkeypatch.setattr(_cpu, "has", lambda *names: False)
     monkeypatch.setattr(tiled_native, "pair_products", lambda kernel: "portable")
-    inputs = qkv(n=side, dtype=torch.bfloat16, requires_grad=requires_grad)
-    assert resolve_backend("auto", plain, *inputs).name == "sdpa"  # the slow, portable route
+    assert backend(side, side) == "sdpa"  # the slow, portable route
 
 
 @pytest.mark.parametrize(

@@ -231,12 +231,19 @@ def test_a_narrowed_cpu_multiplies_bf16_in_float32(features, monkeypatch):
     assert ran == ["attnkit::tiled_native_forward"]
 
 
-def test_the_bf16_products_name_the_route_the_build_has():
+def test_bf16_runs_the_kernel_only_where_its_build_has_avx512_bf16(monkeypatch):
+    """Elsewhere the portable pair products would be the slow way: the loop multiplies in bf16."""
     kernel = tiled_native.KERNEL.load()
-    route = "avx512_bf16" if kernel.has_avx512_bf16() else "portable"
-    assert tiled_native.products(kernel, torch.bfloat16) == f"bf16-{route}"
+    monkeypatch.setattr(tiled, "_fast_half_matmul", lambda dtype, device: True)
+    q, k, v = qkv(dtype=torch.bfloat16)
+    choice = which_backend(q, k, v, backend="tiled")
+    if kernel.has_avx512_bf16():
+        assert (choice.path, choice.products) == ("native", "bf16-avx512_bf16")
+    else:
+        assert (choice.path, choice.products) == ("loop", "bfloat16")
     # a build has vdpbf16ps exactly when it was built for a CPU with AVX512-BF16
     assert kernel.has_avx512_bf16() == ("avx512bf16" in tiled_native.KERNEL.name())
+    assert tiled_native.KERNEL.name() == kernel.__name__  # once loaded, the loaded build's name
 
 
 def test_a_kernel_that_cannot_be_built_falls_back_to_the_loop_with_a_warning(monkeypatch):

@@ -22,8 +22,8 @@ torch.compile           yes        yes   loop   no      dynamo cannot trace C++
 memory                  O(t s)     O(t s) with a mask    O((t + s) d)
 ======================  =========  ====  =====  ======  =====
 
-The tiled backend runs its C++ kernel (``tiled.cpp``) where the block products are float32 on a
-CPU and its PyTorch loop elsewhere; both support the same options.
+The tiled backend runs its C++ kernel (``tiled.cpp``) on a CPU where the block products are float32,
+or bf16 on a CPU with AVX512-BF16, and its PyTorch loop elsewhere; both support the same options.
 
 The decode backend (:mod:`attnkit.backends.decode`) is for decoding: CPU tensors without gradients,
 at most 16 query rows per key/value head. A causal mask is no option there: with one query it
@@ -38,8 +38,13 @@ quarter of the keys, where it would need a dense ALiBi/window mask of more than
 backend's C++ kernel runs (it applies those masks while the scores are in cache, SDPA reads a
 materialised mask), for half-precision inputs that need gradients on a CPU without fast
 half-precision products (SDPA's backward there ran 4x slower than the tiled kernel's at N=4096),
-and for bf16 inputs from :data:`HALF_NATIVE_MIN_SCORES` scores on a CPU with AVX512-BF16, where the
-C++ kernel multiplies bf16 blocks itself (0.6-0.7x SDPA's time from 1024 x 1024 on Zen 5).
+and for bf16 inputs from the sizes of :data:`HALF_NATIVE_FROM` on a CPU with AVX512-BF16 and no AMX,
+where the C++ kernel multiplies bf16 blocks itself (0.5-0.7x SDPA's time from 1024 x 1024 on Zen 5).
+
+Which thresholds hold where: :data:`DENSE_MASK_LIMIT` is memory, the same on every CPU; the window
+rule (a quarter of the keys) counts the scores SDPA computes for nothing; :data:`NATIVE_MIN_SCORES`
+(float32, a dense positional mask) was measured on Zen 3 (AVX2) and again on Zen 5 (AVX-512); the
+two half-precision rules are chosen from the CPU's features (:mod:`attnkit._cpu`).
 :func:`choose_backend` (public as :func:`attnkit.functional.which_backend`) also says which path
 runs and why. A backend named explicitly that cannot do what was asked raises, naming the option;
 nothing falls back silently.
@@ -52,6 +57,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from attnkit import _cpu
 from attnkit.backends import decode, reference, sdpa, tiled
 from attnkit.backends.base import AttentionOutput, Backend, BackendFn, Request, wants_grad
 
@@ -78,17 +84,22 @@ DENSE_MASK_LIMIT = 2**24
 
 # The fewest scores (t * s) from which the tiled C++ kernel overtakes SDPA given a dense positional
 # mask (ALiBi, a window, causal with t != s). b=1, h=12, d=64, fp32, forward / forward+backward, tiled
-# vs SDPA: at 64 x 64 0.6-1.5x (Python's set-up shows), at 256 x 256 0.2-1.0x, at 1024 x 1024
-# 0.14-0.8x, at 4096 x 4096 0.09-0.7x (ALiBi causal best, causal with t = s / 2 least).
+# vs SDPA. Zen 3 (AVX2): at 64 x 64 0.6-1.5x (Python's set-up shows), at 256 x 256 0.2-1.0x, at
+# 1024 x 1024 0.14-0.8x, at 4096 x 4096 0.09-0.7x (ALiBi causal best, causal with t = s / 2 least).
+# Zen 5 (AVX-512), ALiBi causal and a window of t / 2: at 64 x 64 0.69-1.10x, at 128 x 128
+# 0.42-1.14x, at 256 x 256 0.33-0.99x, at 1024 x 1024 0.13-0.49x. The same on both kinds.
 NATIVE_MIN_SCORES = 256 * 256
 
 
-# The fewest scores (t * s) from which the tiled C++ kernel's bf16 products (AVX512-BF16) overtake
-# SDPA's bf16 kernel. Zen 5, b=1 h=12 d=64, tiled vs SDPA, forward / forward+backward: at 128 x 128
-# 1.5-2.0x / 0.75-0.86x, at 256 x 256 0.97-1.08x / 0.74-0.76x, at 512 x 512 0.71-0.84x / 0.65-0.69x,
-# at 1024 x 1024 0.60-0.69x / 0.66x. Chosen from the CPU's features: without AVX512-BF16 the kernel
-# multiplies bf16 in float32 and this rule does not apply.
-HALF_NATIVE_MIN_SCORES = 256 * 256
+# The fewest query rows t and scores t * s from which the tiled C++ kernel's bf16 products
+# (AVX512-BF16) overtake SDPA's bf16 kernel, without and with gradients. Zen 5, b=1 h=12 d=64, tiled
+# vs SDPA, forward / forward+backward: t = s = 128 1.5-2.0x / 0.75-0.86x, 256 0.97-1.08x /
+# 0.74-0.76x, 512 0.71-0.84x / 0.65-0.69x, 1024 0.60-0.69x / 0.66x; s = 8192 and t = 32 1.55x /
+# 1.44x, t = 64 1.04x / 0.85x, t = 128 0.73x / 0.55x (below that, packing K and V costs more than
+# the few rows gain). Chosen from the CPU's features: without AVX512-BF16 the kernel multiplies
+# bf16 in float32 and this rule does not apply; with AMX, SDPA's bf16 kernel multiplies on AMX and
+# the comparison has not been measured, so it does not apply there either.
+HALF_NATIVE_FROM = {"inference": (128, 512 * 512), "training": (64, 128 * 128)}
 
 
 def _tiled_beats_sdpa(request: Request, q: Tensor, k: Tensor, v: Tensor) -> str | None:
@@ -98,9 +109,12 @@ def _tiled_beats_sdpa(request: Request, q: Tensor, k: Tensor, v: Tensor) -> str 
     half = q.dtype in (torch.bfloat16, torch.float16)
     if half and wants_grad(q, k, v) and not tiled._fast_half_matmul(q.dtype, q.device):
         return f"SDPA's {q.dtype} backward is slow on a CPU without fast half-precision products"
+    rows, scores = HALF_NATIVE_FROM["training" if wants_grad(q, k, v) else "inference"]
     if (
         q.device.type == "cpu"
-        and t * s >= HALF_NATIVE_MIN_SCORES
+        and t >= rows
+        and t * s >= scores
+        and not _cpu.has("amx_bf16")
         and tiled.runs_native(q)
         and tiled.products(q) == "bf16-avx512_bf16"
     ):
@@ -149,8 +163,8 @@ class BackendChoice(NamedTuple):
             kernel); ``"float64"`` for ``reference``.
         reason: why, in a sentence.
         products: the dtype of the block products (for tiled's C++ kernel with bf16 products,
-            also how: ``"bf16-avx512_bf16"`` or ``"bf16-portable"``); None for sdpa, whose
-            kernel torch chooses.
+            also how: ``"bf16-avx512_bf16"``); None for sdpa, whose kernel torch chooses, and for
+            tiled under ``torch.compile``, whose compiled loop inductor chooses.
     """
 
     backend: str
@@ -232,7 +246,7 @@ __all__ = [
     "AUTO_ORDER",
     "BACKENDS",
     "DENSE_MASK_LIMIT",
-    "HALF_NATIVE_MIN_SCORES",
+    "HALF_NATIVE_FROM",
     "AttentionOutput",
     "Backend",
     "BackendChoice",

@@ -71,6 +71,10 @@ class Kernel:
         return Path(__file__).with_name(self.source)
 
     def name(self) -> str:
+        """The build's name: once loaded, the loaded one's; before, the one a build would have now
+        (its instruction-set tag, and a hash of the sources and flags)."""
+        if self._module is not None:
+            return self._module.__name__
         isa, flags = _isa_flags()
         stem = self.path.stem
         headers = sorted(self.path.parent.glob("*.h"))  # what the source may include

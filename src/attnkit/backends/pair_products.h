@@ -7,7 +7,7 @@
 //
 //   C (m x n, row stride ldc) (+)= sum over p of A2(i, p) B2(p, j), where
 //   A2(i, p) = a[i * a_row + p * a_pair]: one word, two neighbours of row i of A (any strides);
-//   B2(p, j) = b[p * ldb + j]: row p of pairs of B, its columns contiguous, padded to kPairCols.
+//   B2(p, j) = b[p * ldb + j]: row p of pairs of B, its columns contiguous, padded to kCols.
 //
 // Route, measured on an AMD EPYC Zen 5 (AVX512-BF16, no AMX), one thread, 240 x 64 x 512 and
 // 240 x 512 x 64 blocks: this kernel 178-228 GFLOP/s; torch's bf16 matmul from C++ (`at::mm_out`,
@@ -31,8 +31,10 @@
 
 namespace pairs {
 
-using Pair = uint32_t;
-using Bf16 = uint16_t;  // the bits of a bf16 value
+// Both may alias any other type: rows are written as bf16 values and read back as pairs, and
+// torch's at::BFloat16 storage is read as bits.
+typedef uint32_t Pair __attribute__((__may_alias__));
+typedef uint16_t Bf16 __attribute__((__may_alias__));  // the bits of a bf16 value
 
 constexpr int64_t kCols = 32;  // columns of C per tile: two vectors of 16 lanes
 constexpr int kRows = 8;       // rows of C per tile: 16 accumulators, plus operands, fit 32 registers

@@ -1,16 +1,20 @@
 // The tiled kernel in C++: the loop of tiled.py (FlashAttention-2's online softmax, forward and
 // recomputing backward) with each block's score work fused into a few passes over a block that
-// stays in the CPU's cache, and the block products done by torch's own matrix product (MKL here).
+// stays in the CPU's cache. The block products are float32 ones by torch's own matrix product (MKL
+// here) for float32 operands, and bf16 ones with float32 sums (pair_products.h) for bf16 operands.
 //
 // The Python loop launches a dozen tensor operations per block, each a full pass over the block in
 // memory; here the masks, positions, soft-capping and the softmax update of a row are applied while
-// the row is hot. The algorithm, the block skipping and the numerics are those of tiled.py: float32
-// throughout, statistics kept per row, a row with no allowed key gives zeros and lse = -inf.
+// the row is hot. The algorithm, the block skipping and the numerics are those of tiled.py: scores,
+// statistics and accumulators in float32, statistics kept per row, a row with no allowed key gives
+// zeros and lse = -inf. With bf16 operands, the weights P (and in the backward dS) are rounded to
+// bf16 before they are multiplied.
 //
-// Layout (all float32 unless said, contiguous unless said):
-//   q (b, h, t, d), pre-scaled; k (b, h_kv, s, d); v (b, h_kv, s, dv);
-//   bias: float, allowed: bool, both expanded to (b, h, t, s) with any strides, or empty;
-//   key_mask (b, s) bool or empty; alibi (h,) or empty; softcap 0 for none;
+// Layout (contiguous unless said):
+//   q (b, h, t, d), pre-scaled; k (b, h_kv, s, d); v (b, h_kv, s, dv): all float32 or all bf16
+//   (bf16 with even d and dv);
+//   bias: float32, allowed: bool, both expanded to (b, h, t, s) with any strides, or empty;
+//   key_mask (b, s) bool or empty; alibi (h,) float32 or empty; softcap 0 for none;
 //   window (left, right) around p(i) = i + s - t, -1 unbounded.
 // Query head i uses key/value head i / (h / h_kv).
 
@@ -123,7 +127,7 @@ inline float exp_row(const float* row, int64_t n, float top, Out* out) {
   }
 #endif
 #pragma omp simd reduction(+ : sum)
-  for (int64_t i = j; i < n; ++i) {  // the whole row where AVX-512 is not built for
+  for (int64_t i = j; i < n; ++i) {  // the rest, or all of it without the 16-lane loop
     const float e = exp_nonpositive(row[i] - top);
     sum += e;
     if constexpr (std::is_same_v<Out, float>) {
@@ -810,8 +814,9 @@ bool fast_pairs(int64_t route) {
 
 }  // namespace
 
-// Returns out (b, h, t, dv) and lse (b, h, t), float32. Operands all float32 or all bf16 (`route`
-// says how bf16 blocks are multiplied; see fast_pairs).
+// Returns out (b, h, t, dv) and lse (b, h, t), float32; with bf16 operands out is a view of rows
+// padded to a multiple of 32 columns. Operands all float32 or all bf16 (`route` says how bf16
+// blocks are multiplied; see fast_pairs).
 std::tuple<torch::Tensor, torch::Tensor> forward(
     torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor bias, torch::Tensor allowed,
     torch::Tensor key_mask, torch::Tensor alibi, double softcap, int64_t left, int64_t right,

@@ -5,10 +5,9 @@ half-precision ones on CPUs without fast half-precision products) or bf16 (bf16 
 AVX512-BF16 or AMX), outside ``torch.compile``'s tracing, and where it could be built
 (:mod:`attnkit.backends._native`).
 
-bf16 blocks are multiplied in pairs with float32 sums (``pair_products.h``): with AVX512-BF16's
-``vdpbf16ps`` where the build has it, else by a portable version of the same sums, slow, which the
-tests use to check that path on any CPU. Scores, softmax statistics and accumulators are float32
-either way.
+bf16 blocks are multiplied in pairs with float32 sums (``pair_products.h``), with AVX512-BF16's
+``vdpbf16ps``, in builds for CPUs that have it; a portable version of the same sums, slow, lets the
+tests check that path on any CPU. Scores, softmax statistics and accumulators are float32.
 
 This module takes the operands as the kernel wants them (contiguous, q pre-scaled, in the products'
 dtype) and the call's plan (:class:`attnkit.backends.tiled_loop.Plan`), and passes the masks in the
@@ -42,18 +41,24 @@ def marked(name: str) -> contextlib.AbstractContextManager:
 
 
 def kernel_for(device: torch.device, matmul_dtype: torch.dtype) -> ModuleType | None:
-    """The C++ kernel if it can run a call with these block products, else None."""
+    """The C++ kernel if it can run a call with these block products, else None: float32 products
+    always, bf16 ones where its build multiplies them with AVX512-BF16 (elsewhere the loop's bf16
+    matrix products, oneDNN's, are the faster way)."""
     if device.type != "cpu" or matmul_dtype not in (torch.float32, torch.bfloat16):
         return None
     if torch.compiler.is_compiling():  # dynamo traces the PyTorch loop; it cannot trace C++
         return None
-    return KERNEL.load()
+    kernel = KERNEL.load()
+    if kernel is not None and matmul_dtype == torch.bfloat16 and pair_products(kernel) is None:
+        return None
+    return kernel
 
 
-def pair_products(kernel: ModuleType) -> str:
+def pair_products(kernel: ModuleType) -> str | None:
     """How the kernel multiplies bf16 blocks: ``"avx512_bf16"`` (``vdpbf16ps``) where its build
-    has it, else ``"portable"``."""
-    return "avx512_bf16" if kernel.has_avx512_bf16() else "portable"
+    has it, else None (bf16 products then run in the loop). The tests return ``"portable"`` here to
+    run the kernel's portable version of the same sums on any CPU."""
+    return "avx512_bf16" if kernel.has_avx512_bf16() else None
 
 
 def products(kernel: ModuleType, matmul_dtype: torch.dtype) -> str:
