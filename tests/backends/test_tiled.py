@@ -326,8 +326,10 @@ def test_the_cpp_kernel_refuses_operands_that_do_not_fit_with_a_message():
     q, k, v = torch.randn(1, 2, 5, 4), torch.randn(1, 1, 7, 4), torch.randn(1, 1, 7, 4)
     empty_float, empty_bool = torch.empty(0), torch.empty(0, dtype=torch.bool)
 
-    def forward(bias=empty_float, key_mask=empty_bool, alibi=empty_float, blocks=(4, 4)):
-        return kernel.forward(q, k, v, bias, empty_bool, key_mask, alibi, 0.0, -1, -1, *blocks, 0)
+    def forward(
+        operands=(q, k, v), bias=empty_float, key_mask=empty_bool, alibi=empty_float, blocks=(4, 4)
+    ):
+        return kernel.forward(*operands, bias, empty_bool, key_mask, alibi, 0.0, -1, -1, *blocks, 0)
 
     assert forward()[0].shape == (1, 2, 5, 4)
     with pytest.raises(RuntimeError, match=r"bias must be \(b, h, t, s\)"):
@@ -338,52 +340,9 @@ def test_the_cpp_kernel_refuses_operands_that_do_not_fit_with_a_message():
         forward(alibi=torch.ones(3))
     with pytest.raises(RuntimeError, match="block sizes must be positive"):
         forward(blocks=(0, 4))
-    with pytest.raises(
-        RuntimeError,
-        match=r"and v \(b, h_kv, s, dv\) disagree",
-    ):
-        kernel.forward(
-            q,
-            k[:, :, :6],
-            v,
-            empty_float,
-            empty_bool,
-            empty_bool,
-            empty_float,
-            0.0,
-            -1,
-            -1,
-            4,
-            4,
-            0,
-        )
+    with pytest.raises(RuntimeError, match=r"and v \(b, h_kv, s, dv\) disagree"):
+        forward((q, k[:, :, :6], v))
     with pytest.raises(RuntimeError, match="all float32 or all bfloat16"):
-        kernel.forward(
-            q.bfloat16(),
-            k,
-            v,
-            empty_float,
-            empty_bool,
-            empty_bool,
-            empty_float,
-            0.0,
-            -1,
-            -1,
-            4,
-            4,
-            0,
-        )
+        forward((q.bfloat16(), k, v))
     with pytest.raises(RuntimeError, match="even last dim"):
-        kernel.forward(
-            *(x[..., :3].bfloat16().contiguous() for x in (q, k, v)),
-            empty_float,
-            empty_bool,
-            empty_bool,
-            empty_float,
-            0.0,
-            -1,
-            -1,
-            4,
-            4,
-            0,
-        )
+        forward(tuple(x[..., :3].bfloat16().contiguous() for x in (q, k, v)))
