@@ -128,12 +128,13 @@ def which_backend(
     backend: str = "auto",
 ) -> BackendChoice:
     """What :func:`attention` would run for these arguments, without running it: the backend, the
-    path inside it (its C++ kernel or its PyTorch loop) and why. The same checks run, and the same
+    path inside it (its C++ kernel or its PyTorch loop), why, and its block products (float32, or
+    bf16 with AVX512-BF16, ...; they depend on the CPU, see :mod:`attnkit._cpu`). The same checks run, and the same
     errors are raised, as in :func:`attention`; the answer depends on the tensors' dtype, device and
     ``requires_grad``, on grad mode and on transforms in effect, as the call's would.
 
     Returns:
-        A :class:`~attnkit.backends.BackendChoice` ``(backend, path, reason)``.
+        A :class:`~attnkit.backends.BackendChoice` ``(backend, path, reason, products)``.
 
     Example:
         >>> q = k = v = torch.randn(1, 8, 128, 64)
