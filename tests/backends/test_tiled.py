@@ -327,9 +327,16 @@ def test_the_cpp_kernel_refuses_operands_that_do_not_fit_with_a_message():
     empty_float, empty_bool = torch.empty(0), torch.empty(0, dtype=torch.bool)
 
     def forward(
-        operands=(q, k, v), bias=empty_float, key_mask=empty_bool, alibi=empty_float, blocks=(4, 4)
+        operands=(q, k, v),
+        bias=empty_float,
+        key_mask=empty_bool,
+        alibi=empty_float,
+        blocks=(4, 4),
+        route=0,
     ):
-        return kernel.forward(*operands, bias, empty_bool, key_mask, alibi, 0.0, -1, -1, *blocks, 0)
+        return kernel.forward(
+            *operands, bias, empty_bool, key_mask, alibi, 0.0, -1, -1, *blocks, route
+        )
 
     assert forward()[0].shape == (1, 2, 5, 4)
     with pytest.raises(RuntimeError, match=r"bias must be \(b, h, t, s\)"):
@@ -346,3 +353,9 @@ def test_the_cpp_kernel_refuses_operands_that_do_not_fit_with_a_message():
         forward((q.bfloat16(), k, v))
     with pytest.raises(RuntimeError, match="even last dim"):
         forward(tuple(x[..., :3].bfloat16().contiguous() for x in (q, k, v)))
+    bf16 = tuple(x.bfloat16() for x in (q, k, v))
+    with pytest.raises(RuntimeError, match="unknown route 7"):
+        forward(bf16, route=7)
+    if not kernel.has_avx512_bf16():
+        with pytest.raises(RuntimeError, match="this build has no AVX512-BF16 products"):
+            forward(bf16, route=1)
