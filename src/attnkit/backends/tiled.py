@@ -29,8 +29,9 @@ Precision: softmax statistics and accumulators are float32 (float64 for float64 
 products run in the input dtype where the hardware has fast half-precision products (CUDA; on a CPU,
 bf16 with AVX512-BF16 or AMX and fp16 with AMX-FP16, as :mod:`attnkit._cpu` reports); elsewhere
 half-precision blocks are multiplied in float32, which is both faster and more accurate there (bf16
-GEMM without hardware support is ~400x slower than fp32 on AVX2). The C++ kernel multiplies bf16
-blocks itself with float32 sums, so scores are never rounded to bf16; fp16 products run the loop.
+GEMM without hardware support is ~400x slower than fp32 on AVX2). Where its build has AVX512-BF16,
+the C++ kernel multiplies bf16 blocks itself with float32 sums, so scores are never rounded to bf16;
+other half-precision products run in the loop.
 
 Shapes: ``b`` batch, ``h`` query heads, ``h_kv`` key/value heads, ``g = h / h_kv``, ``t`` queries,
 ``s`` keys, ``d`` head dim, ``bq``/``bk`` block sizes.

@@ -1,8 +1,8 @@
 """The tiled backend's C++ kernel (``tiled.cpp``): the same algorithm as the PyTorch loop of
 :mod:`attnkit.backends.tiled_loop`, with each block's score work fused into a few passes over rows
 that stay in cache. It runs on a CPU where the block products are float32 (float32 inputs, and
-half-precision ones on CPUs without fast half-precision products) or bf16 (bf16 inputs on CPUs with
-AVX512-BF16 or AMX), outside ``torch.compile``'s tracing, and where it could be built
+half-precision ones on CPUs without fast half-precision products) or bf16 (bf16 inputs where its
+build has AVX512-BF16), outside ``torch.compile``'s tracing, and where it could be built
 (:mod:`attnkit.backends._native`).
 
 bf16 blocks are multiplied in pairs with float32 sums (``pair_products.h``), with AVX512-BF16's
