@@ -45,29 +45,34 @@ def force_path(monkeypatch: pytest.MonkeyPatch, path: str) -> str:
     """Force a path inside a backend, whatever the CPU, and return the backend's name.
 
     ``"tiled:loop"``: the tiled backend's PyTorch loop. ``"tiled:half"``: half-precision block
-    products, as on CPUs with AVX512-BF16 or AMX: bf16 ones in the C++ kernel where its build has
-    AVX512-BF16, else in the loop. ``"tiled:half-loop"``: half-precision products in the loop.
-    ``"tiled:portable"``: bf16 products in the C++ kernel by its portable version of the pair
-    products, which every CPU runs (slowly)."""
+    products, as on CPUs with AVX512-BF16 or AMX: bf16 ones in the C++ kernel, with AVX512-BF16
+    where its build has it, else by its portable version of the pair products, which every CPU
+    runs (slowly). ``"tiled:portable"``: always the portable version. ``"tiled:half-loop"``:
+    half-precision products in the loop."""
     name, _, inside = path.partition(":")
     if inside in ("loop", "half-loop"):
         monkeypatch.setattr(tiled, "_native_kernel", lambda device, dtype: None)
     if inside in ("half", "half-loop", "portable"):
         monkeypatch.setattr(tiled, "_fast_half_matmul", lambda dtype, device: True)
+    if inside == "half":
+        monkeypatch.setattr(tiled_native, "pair_products", _built_route)
     if inside == "portable":
         monkeypatch.setattr(tiled_native, "pair_products", lambda kernel: "portable")
     return name
 
 
+def _built_route(kernel) -> str:
+    return "avx512_bf16" if kernel.has_avx512_bf16() else "portable"
+
+
 def expected_products(path: str) -> tuple[str, str]:
     """``(path, products)`` that which_backend reports for bf16 inputs on a forced ``path`` (one of
     force_path's half-precision ones), on this CPU's build."""
+    if path == "tiled:half-loop":
+        return "loop", "bfloat16"
     if path == "tiled:portable":
         return "native", "bf16-portable"
-    kernel = tiled_native.KERNEL.load()
-    if path == "tiled:half" and kernel is not None and kernel.has_avx512_bf16():
-        return "native", "bf16-avx512_bf16"
-    return "loop", "bfloat16"
+    return "native", f"bf16-{_built_route(tiled_native.KERNEL.load())}"
 
 
 @pytest.fixture
