@@ -755,7 +755,6 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> backward_
               float* row = p + r * ld;
               sc.apply(row, capping ? capped.data() + r * n : nullptr, batch, head, i0 + r, j0, n);
               probs_row(row, n, lp[bh * t + i0 + r]);  // P
-              std::fill(row + n, row + ld, 0.f);  // the padding of a pair product's rows
             }
             blocks.add_dv(p, bh, i0, bq, j0, n, dv_head, scratch);  // dV += P^T dO
             blocks.dprobs(bh, i0, bq, kv, j0, n, ds, scratch);      // dP = dO V^T
@@ -767,7 +766,6 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> backward_
               for (int64_t j = 0; j < n; ++j) {  // dS = P (dP - D): 0 where P is, whatever dP holds
                 dr[j] = pr[j] == 0.f ? 0.f : pr[j] * (dr[j] - di);
               }
-              std::fill(dr + n, dr + ld, 0.f);
               if (alibi_grad) {  // score -= slope |p(i) - j|, after the soft-cap
                 const float pos = static_cast<float>(i0 + r + s - t - j0);
                 float dslope = 0.f;
