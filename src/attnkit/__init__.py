@@ -1,10 +1,10 @@
 """attnkit: attention mechanisms on PyTorch, from the textbook's first dot product to fused kernels.
 
-The layers, bottom up: input checks (``_checks``) and one mask convention (:mod:`attnkit.masks`,
+The layers, bottom up: input checks (``_checks``) and one mask convention ([`attnkit.masks`][attnkit.masks],
 True = may attend, causal aligned bottom-right); backends in a small registry
-(:mod:`attnkit.backends`); the one entry point :func:`attnkit.functional.attention`; thin modules
-(:mod:`attnkit.modules`); the chapter's first steps (:mod:`attnkit.textbook`); and for decoding, a
-preallocated :class:`KVCache` and :class:`RotaryEmbedding` positions.
+([`attnkit.backends`][attnkit.backends]); the one entry point [`attnkit.functional.attention`][attnkit.functional.attention]; thin modules
+([`attnkit.modules`][attnkit.modules]); the chapter's first steps ([`attnkit.textbook`][attnkit.textbook]); and for decoding, a
+preallocated [`KVCache`][attnkit.cache.KVCache] and [`RotaryEmbedding`][attnkit.positions.RotaryEmbedding] positions.
 """
 
 from attnkit import functional

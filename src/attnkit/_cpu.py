@@ -18,7 +18,7 @@ behave as an AVX2 one. It takes levels and single extensions, separated by comma
 ==============  ===========================================================
 
 It can only narrow: an extension the CPU lacks is never reported. An unknown name raises
-:class:`ValueError`.
+`ValueError`.
 
 Example:
     >>> from attnkit import _cpu

@@ -27,15 +27,16 @@ class KVCache(nn.Module):
         num_kv_heads: key/value heads of the layer (fewer than its query heads under GQA).
         max_len: the most tokens the cache will see (prompt and generated).
         head_dim: width of one head.
-        dtype, device: of the buffers; keys and values given to :meth:`update` must match.
+        dtype: of the buffers; keys and values given to [`update`][attnkit.cache.KVCache.update] must match it.
+        device: of the buffers; likewise.
         window: keep only what a layer with ``window=W`` needs: ``W - 1 + max_chunk`` slots instead
             of ``max_len``.
-        max_chunk: the longest chunk one :meth:`update` takes; defaults to ``window`` for a windowed
+        max_chunk: the longest chunk one [`update`][attnkit.cache.KVCache.update] takes; defaults to ``window`` for a windowed
             cache and to ``max_len`` otherwise.
 
     The buffers are not persistent: they move with ``.to()`` but stay out of ``state_dict()``. Keys
     and values are stored detached: the cache is for inference. Under ``torch.compile`` the modules
-    call :meth:`update_static` instead of :meth:`update`, so that a step compiles once.
+    call [`update_static`][attnkit.cache.KVCache.update_static] instead of [`update`][attnkit.cache.KVCache.update], so that a step compiles once.
 
     Example:
         >>> cache = KVCache(1, 4, max_len=128, head_dim=64)
@@ -164,7 +165,8 @@ class KVCache(nn.Module):
         """Append a chunk and return the keys and values a query of that chunk may need.
 
         Args:
-            k, v: ``(b, h_kv, n, d)`` keys and values of the next ``n >= 1`` tokens.
+            k: ``(b, h_kv, n, d)`` keys of the next ``n >= 1`` tokens.
+            v: ``(b, h_kv, n, d)`` their values.
             key_mask: ``(b, n)`` bool, False for padding (left padding of a ragged prompt).
 
         Returns:
@@ -208,7 +210,7 @@ class KVCache(nn.Module):
     def update_static(
         self, k: Tensor, v: Tensor, *, key_mask: Tensor | None = None
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """:meth:`update` for a step under ``torch.compile``, where no Python int may change from one
+        """[`update`][attnkit.cache.KVCache.update] for a step under ``torch.compile``, where no Python int may change from one
         token to the next (each value would compile anew): the chunk goes to the slots that the
         tensor ``filled`` points at, and the whole buffers come back, with the mask of the slots
         that hold a real key. The step then sees ``capacity`` keys, the empty ones masked, so its

@@ -1,8 +1,8 @@
 """Plain-text walkthroughs of attention, as the chapter presents it: the query's scores, its weights,
 its context vector, then the whole weight and context matrices.
 
-Everything here formats what :func:`attnkit.simple_self_attention` computes; nothing is recomputed.
-:func:`explain_model` does the same for a real model's weights (:mod:`attnkit.models`): where each
+Everything here formats what [`attnkit.simple_self_attention`][attnkit.textbook.simple_self_attention] computes; nothing is recomputed.
+[`explain_model`][attnkit.explain.explain_model] does the same for a real model's weights ([`attnkit.models`][attnkit.models]): where each
 token of one head attends, and a summary of every head of a layer.
 """
 

@@ -1,7 +1,7 @@
 """``attention(q, k, v, ...)``: the one entry point that every attnkit module calls.
 
-It checks the inputs, gathers the masks into one :class:`~attnkit.masks.Masks`, then runs the backend
-that :func:`~attnkit.backends.choose_backend` picks. Semantics, with queries aligned bottom-right
+It checks the inputs, gathers the masks into one [`Masks`][attnkit.masks.Masks], then runs the backend
+that [`choose_backend`][attnkit.backends.choose_backend] picks. Semantics, with queries aligned bottom-right
 (query ``i`` sits at ``p(i) = i + s - t``):
 
 - score = ``(q . k) * scale``, ``scale = 1 / sqrt(d)`` by default;
@@ -18,7 +18,7 @@ that :func:`~attnkit.backends.choose_backend` picks. Semantics, with queries ali
   in attnkit's own kernels (``reference``, ``tiled``, ``decode``).
 
 Every returned tensor carries gradients to every input that needs one, also twice
-(``create_graph=True``); :func:`which_backend` says which backend and path a call runs, and why.
+(``create_graph=True``); [`which_backend`][attnkit.functional.which_backend] says which backend and path a call runs, and why.
 
 Shapes: ``b`` batch, ``h`` query heads, ``h_kv`` key/value heads, ``t`` query length, ``s`` key
 length, ``d`` head dim.
@@ -62,7 +62,7 @@ def attention(
         key_mask: ``(b, s)`` bool, True for a real token, False for padding.
         causal: key ``j`` is visible to query ``i`` iff ``j <= i + s - t`` (bottom-right aligned).
         window: ``(left, right)`` positions around ``p(i)`` that a query sees; -1 is unbounded.
-        alibi_slopes: ``(h,)`` ALiBi slopes (see :func:`attnkit.alibi_slopes`).
+        alibi_slopes: ``(h,)`` ALiBi slopes (see [`attnkit.alibi_slopes`][attnkit.masks.alibi_slopes]).
         softcap: caps scores smoothly to ``(-softcap, softcap)`` (Gemma 2).
         scale: multiplies ``q . k``; defaults to ``1 / sqrt(d)``.
         dropout_p: dropout probability on the weights, applied whenever > 0 (pass 0 in eval).
@@ -70,7 +70,7 @@ def attention(
             float32 (float64 for float64 inputs), ``-inf`` for a query with no key.
         return_weights: also return the softmax weights before dropout, ``(b, h, t, s)``, q's dtype.
         backend: ``"auto"`` (the fastest backend that computes exactly this request), or a name in
-            :data:`attnkit.backends.BACKENDS`.
+            [`attnkit.backends.BACKENDS`][attnkit.backends.BACKENDS].
 
     Returns:
         ``out`` ``(b, h, t, d_v)``, or a tuple ``(out, lse)``, ``(out, weights)`` or
@@ -82,6 +82,7 @@ def attention(
             that cannot do an option in use.
 
     Example:
+        >>> import torch
         >>> q = torch.randn(2, 8, 5, 64); k = v = torch.randn(2, 2, 7, 64)  # GQA: 8 q heads, 2 kv
         >>> attention(q, k, v, causal=True).shape
         torch.Size([2, 8, 5, 64])
@@ -127,16 +128,17 @@ def which_backend(
     return_weights: bool = False,
     backend: str = "auto",
 ) -> BackendChoice:
-    """What :func:`attention` would run for these arguments, without running it: the backend, the
+    """What [`attention`][attnkit.functional.attention] would run for these arguments, without running it: the backend, the
     path inside it (its C++ kernel or its PyTorch loop), why, and its block products (float32, or
-    bf16 with AVX512-BF16, ...; they depend on the CPU, see :mod:`attnkit._cpu`). The same checks run, and the same
-    errors are raised, as in :func:`attention`; the answer depends on the tensors' dtype, device and
+    bf16 with AVX512-BF16, ...; they depend on the CPU, see `attnkit._cpu`). The same checks run, and the same
+    errors are raised, as in [`attention`][attnkit.functional.attention]; the answer depends on the tensors' dtype, device and
     ``requires_grad``, on grad mode and on transforms in effect, as the call's would.
 
     Returns:
-        A :class:`~attnkit.backends.BackendChoice` ``(backend, path, reason, products)``.
+        A [`BackendChoice`][attnkit.backends.BackendChoice] ``(backend, path, reason, products)``.
 
     Example:
+        >>> import torch
         >>> q = k = v = torch.randn(1, 8, 128, 64)
         >>> which_backend(q, k, v, causal=True).backend
         'sdpa'
@@ -176,7 +178,7 @@ def _request(
     return_lse,
     return_weights,
 ) -> Request:
-    """Check the arguments of :func:`attention` and gather them into a :class:`Request`."""
+    """Check the arguments of [`attention`][attnkit.functional.attention] and gather them into a [`Request`][attnkit.backends.base.Request]."""
     _checks.check_qkv(q, k, v)
     b, h, t, _ = q.shape
     s = k.shape[-2]

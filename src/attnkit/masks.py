@@ -75,7 +75,7 @@ def window_mask(
 
 def alibi_bias(slopes: Tensor, t: int, s: int, *, query_slots: Tensor | None = None) -> Tensor:
     """``(h, t, s)`` ALiBi bias ``-slope * |p(i) - j|`` (Press et al., 2022), in the slopes' dtype;
-    ``query_slots`` as in :func:`window_mask`."""
+    ``query_slots`` as in [`window_mask`][attnkit.masks.window_mask]."""
     q_pos = query_positions(t, s, slopes.device) if query_slots is None else query_slots
     distance = q_pos[:, None] - torch.arange(s, device=slopes.device)
     return -slopes[:, None, None] * distance.abs().to(slopes.dtype)  # (h, 1, 1) * (t, s)
@@ -131,8 +131,8 @@ class Masks(NamedTuple):
     """Everything that decides which keys a query may see, kept structured until a backend needs it.
     (A NamedTuple rather than a frozen dataclass: built on every call, in half the time.)
 
-    The reference and SDPA backends materialise it with :meth:`allowed`; a tiled kernel asks for one
-    block at a time (``rows``/``cols``) and skips the blocks that :meth:`window` empties.
+    The reference and SDPA backends materialise it with [`allowed`][attnkit.masks.Masks.allowed]; a tiled kernel asks for one
+    block at a time (``rows``/``cols``) and skips the blocks that ``window`` empties.
 
     Attributes:
         window: ``(left, right)`` in positions around ``p(i)``, -1 unbounded, causal folded in; None

@@ -4,7 +4,7 @@ Face transformers.
 RoPE rotates each pair of channels ``(x[i], x[i + d/2])`` of a query or key at position ``p`` by the
 angle ``p * base^(-2i/d)``. The score of a query at ``p`` and a key at ``p'`` then depends on ``p - p'``
 only, so a key cached at its own position never needs rotating again. (ALiBi, the other way to give
-attention positions, is a score bias: see :func:`attnkit.alibi_slopes`.)
+attention positions, is a score bias: see [`attnkit.alibi_slopes`][attnkit.masks.alibi_slopes].)
 
 Shapes: ``b`` batch, ``h`` heads, ``t`` tokens, ``d`` head dim.
 """

@@ -1,7 +1,7 @@
 """The chapter's first steps: attention as a dot product, a softmax and a weighted sum.
 
 These functions keep every intermediate so a learner can print it; the modules in
-:mod:`attnkit.modules` compute the same thing through :func:`attnkit.functional.attention`.
+[`attnkit.modules`][attnkit.modules] compute the same thing through [`attnkit.functional.attention`][attnkit.functional.attention].
 
 Shapes: ``b`` batch, ``t`` tokens (queries), ``s`` keys, ``e`` embedding width.
 """
@@ -86,7 +86,7 @@ def attend(
             normalisation the chapter shows first; it assumes non-negative scores).
 
     Returns:
-        An :class:`AttentionResult` with ``scores``, ``weights`` (like ``scores``) and ``context``
+        An [`AttentionResult`][attnkit.textbook.AttentionResult] with ``scores``, ``weights`` (like ``scores``) and ``context``
         ``(..., e)``.
 
     Example:
@@ -142,7 +142,7 @@ def simple_self_attention(
         causal: if True, token ``i`` attends only to tokens ``0..i``.
 
     Returns:
-        :class:`AttentionResult` with ``scores`` and ``weights`` ``(..., t, t)`` and ``context``
+        [`AttentionResult`][attnkit.textbook.AttentionResult] with ``scores`` and ``weights`` ``(..., t, t)`` and ``context``
         ``(..., t, e)``.
 
     Example:

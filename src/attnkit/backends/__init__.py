@@ -1,4 +1,4 @@
-"""The backend registry: a name -> :class:`Backend` (a function and the options it supports).
+"""The backend registry: a name -> [`Backend`][attnkit.backends.base.Backend] (a function and the options it supports).
 
 ======================  =========  ====  =====  ======  =====
 option                  reference  sdpa  tiled  decode  notes
@@ -25,27 +25,27 @@ memory                  O(t s)     O(t s) with a mask    O((t + s) d)
 The tiled backend runs its C++ kernel (``tiled.cpp``) on a CPU where the block products are float32,
 or bf16 on a CPU with AVX512-BF16, and its PyTorch loop elsewhere; both support the same options.
 
-The decode backend (:mod:`attnkit.backends.decode`) is for decoding: CPU tensors without gradients,
+The decode backend ([`attnkit.backends.decode`][attnkit.backends.decode]) is for decoding: CPU tensors without gradients,
 at most 16 query rows per key/value head. A causal mask is no option there: with one query it
-masks nothing (:func:`attnkit.masks.merge_window` drops it).
+masks nothing ([`attnkit.masks.merge_window`][attnkit.masks.merge_window] drops it).
 
-``"auto"`` takes the first backend of :data:`AUTO_ORDER` that supports every option in use and does
+``"auto"`` takes the first backend of [`AUTO_ORDER`][attnkit.backends.AUTO_ORDER] that supports every option in use and does
 not refuse the tensors (a backend's ``refuses`` says why it cannot run them: device, dtype, sizes,
 gradients, a transform, tracing), with these exceptions measured with ``attnkit bench``: the tiled
 kernel where SDPA would compute every score of a sliding window that shows each query at most a
 quarter of the keys, where it would need a dense ALiBi/window mask of more than
-:data:`DENSE_MASK_LIMIT` elements or of any size from :data:`NATIVE_MIN_SCORES` scores when the tiled
+[`DENSE_MASK_LIMIT`][attnkit.backends.DENSE_MASK_LIMIT] elements or of any size from [`NATIVE_MIN_SCORES`][attnkit.backends.NATIVE_MIN_SCORES] scores when the tiled
 backend's C++ kernel runs (it applies those masks while the scores are in cache, SDPA reads a
 materialised mask), for half-precision inputs that need gradients on a CPU without fast
 half-precision products (SDPA's backward there ran 4x slower than the tiled kernel's at N=4096),
-and for bf16 inputs from the sizes of :data:`HALF_NATIVE_FROM` on a CPU with AVX512-BF16 and no AMX,
+and for bf16 inputs from the sizes of [`HALF_NATIVE_FROM`][attnkit.backends.HALF_NATIVE_FROM] on a CPU with AVX512-BF16 and no AMX,
 where the C++ kernel multiplies bf16 blocks itself (0.5-0.7x SDPA's time from 1024 x 1024 on Zen 5).
 
-Which thresholds hold where: :data:`DENSE_MASK_LIMIT` is memory, the same on every CPU; the window
-rule (a quarter of the keys) counts the scores SDPA computes for nothing; :data:`NATIVE_MIN_SCORES`
+Which thresholds hold where: [`DENSE_MASK_LIMIT`][attnkit.backends.DENSE_MASK_LIMIT] is memory, the same on every CPU; the window
+rule (a quarter of the keys) counts the scores SDPA computes for nothing; [`NATIVE_MIN_SCORES`][attnkit.backends.NATIVE_MIN_SCORES]
 (float32, a dense positional mask) was measured on Zen 3 (AVX2) and again on Zen 5 (AVX-512); the
-two half-precision rules are chosen from the CPU's features (:mod:`attnkit._cpu`).
-:func:`choose_backend` (public as :func:`attnkit.functional.which_backend`) also says which path
+two half-precision rules are chosen from the CPU's features (`attnkit._cpu`).
+[`choose_backend`][attnkit.backends.choose_backend] (public as [`attnkit.functional.which_backend`][attnkit.functional.which_backend]) also says which path
 runs and why. A backend named explicitly that cannot do what was asked raises, naming the option;
 nothing falls back silently.
 """
@@ -72,34 +72,37 @@ BACKENDS: dict[str, Backend] = {
     "tiled": Backend("tiled", tiled.tiled, _MASKS | _EXTRAS, tiled.refuses),
     "decode": Backend("decode", decode.decode, frozenset({"key_mask"}), decode.refuses),
 }
+"""The backends by name, each with the options it supports; ``backend=`` takes one of these names
+or ``"auto"``."""
 
-# Fastest first: the one-pass decode kernel for a few queries over a cache, SDPA's fused kernel when
-# it can do the request, then the O(N)-memory tiled kernel.
 AUTO_ORDER: tuple[str, ...] = ("decode", "sdpa", "tiled", "reference")
+"""Fastest first: the one-pass decode kernel for a few queries over a cache, SDPA's fused kernel
+when it can do the request, then the O(N)-memory tiled kernel."""
 
-# The largest mask SDPA is given to materialise (elements; 64 MiB of float32) before "auto" prefers
-# the tiled kernel, which needs none.
 DENSE_MASK_LIMIT = 2**24
+"""The largest mask SDPA is given to materialise (elements; 64 MiB of float32) before "auto"
+prefers the tiled kernel, which needs none."""
 
 
-# The fewest scores (t * s) from which the tiled C++ kernel overtakes SDPA given a dense positional
-# mask (ALiBi, a window, causal with t != s). b=1, h=12, d=64, fp32, forward / forward+backward, tiled
-# vs SDPA. Zen 3 (AVX2): at 64 x 64 0.6-1.5x (Python's set-up shows), at 256 x 256 0.2-1.0x, at
-# 1024 x 1024 0.14-0.8x, at 4096 x 4096 0.09-0.7x (ALiBi causal best, causal with t = s / 2 least).
-# Zen 5 (AVX-512), ALiBi causal and a window of t / 2: at 64 x 64 0.69-1.10x, at 128 x 128
-# 0.42-1.14x, at 256 x 256 0.33-0.99x, at 1024 x 1024 0.13-0.49x. The same on both kinds.
 NATIVE_MIN_SCORES = 256 * 256
+"""The fewest scores (t * s) from which the tiled C++ kernel overtakes SDPA given a dense
+positional mask (ALiBi, a window, causal with t != s). b=1, h=12, d=64, fp32, forward /
+forward+backward, tiled vs SDPA. Zen 3 (AVX2): at 64 x 64 0.6-1.5x (Python's set-up shows), at
+256 x 256 0.2-1.0x, at 1024 x 1024 0.14-0.8x, at 4096 x 4096 0.09-0.7x (ALiBi causal best,
+causal with t = s / 2 least). Zen 5 (AVX-512), ALiBi causal and a window of t / 2: at 64 x 64
+0.69-1.10x, at 128 x 128 0.42-1.14x, at 256 x 256 0.33-0.99x, at 1024 x 1024 0.13-0.49x. The
+same on both kinds."""
 
 
-# The fewest query rows t and scores t * s from which the tiled C++ kernel's bf16 products
-# (AVX512-BF16) overtake SDPA's bf16 kernel, without and with gradients. Zen 5, b=1 h=12 d=64, tiled
-# vs SDPA, forward / forward+backward: t = s = 128 1.5-2.0x / 0.75-0.86x, 256 0.97-1.08x /
-# 0.74-0.76x, 512 0.71-0.84x / 0.65-0.69x, 1024 0.60-0.69x / 0.66x; s = 8192 and t = 32 1.55x /
-# 1.44x, t = 64 1.04x / 0.85x, t = 128 0.73x / 0.55x (below that, packing K and V costs more than
-# the few rows gain). Chosen from the CPU's features: without AVX512-BF16 the kernel multiplies
-# bf16 in float32 and this rule does not apply; with AMX, SDPA's bf16 kernel multiplies on AMX and
-# the comparison has not been measured, so it does not apply there either.
 HALF_NATIVE_FROM = {"inference": (128, 512 * 512), "training": (64, 128 * 128)}
+"""The fewest query rows t and scores t * s from which the tiled C++ kernel's bf16 products
+(AVX512-BF16) overtake SDPA's bf16 kernel, without and with gradients. Zen 5, b=1 h=12 d=64,
+tiled vs SDPA, forward / forward+backward: t = s = 128 1.5-2.0x / 0.75-0.86x, 256 0.97-1.08x /
+0.74-0.76x, 512 0.71-0.84x / 0.65-0.69x, 1024 0.60-0.69x / 0.66x; s = 8192 and t = 32 1.55x /
+1.44x, t = 64 1.04x / 0.85x, t = 128 0.73x / 0.55x (below that, packing K and V costs more than
+the few rows gain). Chosen from the CPU's features: without AVX512-BF16 the kernel multiplies
+bf16 in float32 and this rule does not apply; with AMX, SDPA's bf16 kernel multiplies on AMX and
+the comparison has not been measured, so it does not apply there either."""
 
 
 def _tiled_beats_sdpa(request: Request, q: Tensor, k: Tensor, v: Tensor) -> str | None:
@@ -153,10 +156,10 @@ def _why_not(backend: Backend, options: frozenset[str], request: Request, q, k, 
 
 
 class BackendChoice(NamedTuple):
-    """What :func:`attnkit.functional.which_backend` reports.
+    """What [`attnkit.functional.which_backend`][attnkit.functional.which_backend] reports.
 
     Attributes:
-        backend: the name of the backend that runs, a key of :data:`BACKENDS`.
+        backend: the name of the backend that runs, a key of [`BACKENDS`][attnkit.backends.BACKENDS].
         path: the code inside it: ``"native"`` (its C++ kernel) or ``"loop"`` (its PyTorch loop)
             for ``tiled``; ``"native"`` for ``decode``; ``"torch"`` for ``sdpa`` (torch's own
             kernel); ``"float64"`` for ``reference``.
@@ -237,7 +240,7 @@ def choose_backend(name: str, request: Request, q: Tensor, k: Tensor, v: Tensor)
 
 
 def resolve_backend(name: str, request: Request, q: Tensor, k: Tensor, v: Tensor) -> Backend:
-    """The backend that will run ``request`` (see :func:`choose_backend`)."""
+    """The backend that will run ``request`` (see [`choose_backend`][attnkit.backends.choose_backend])."""
     return BACKENDS[choose_backend(name, request, q, k, v).backend]
 
 

@@ -1,4 +1,4 @@
-"""attnkit's C++ kernels: each built once with :mod:`torch.utils.cpp_extension`, then cached.
+"""attnkit's C++ kernels: each built once with `torch.utils.cpp_extension`, then cached.
 
 A kernel is one ``.cpp`` file next to this module (with the ``.h`` files beside it). The first use builds it (about a minute; ninja and
 a C++ compiler are needed), torch caches the build in ``TORCH_EXTENSIONS_DIR`` and later processes
@@ -34,7 +34,7 @@ _FLAGS = {
 
 
 def _isa_flags() -> tuple[str, list[str]]:
-    """The instruction-set flags of a build for this CPU (from :func:`attnkit._cpu.features`; not
+    """The instruction-set flags of a build for this CPU (from `attnkit._cpu.features`; not
     -march=native, which would enable extensions the probe was told to hide), and a tag naming
     every extension they enable, which keeps builds for different CPUs apart: a build is never
     loaded on a CPU that lacks an extension it uses."""
@@ -57,7 +57,7 @@ class Kernel:
         source: the ``.cpp`` file, beside this module.
         cflags: optimisation flags (the instruction-set flags are added); part of the build's name,
             so that a change of flags rebuilds.
-        build_seconds: how long the last :meth:`load` took to build or to load the cached build.
+        build_seconds: how long the last `load` took to build or to load the cached build.
     """
 
     source: str
@@ -83,7 +83,7 @@ class Kernel:
         return f"attnkit_{stem}_{isa}_{hashlib.sha1(key).hexdigest()[:10]}"
 
     def load(self) -> ModuleType | None:
-        """The compiled module, or None when it cannot be built (the reason: :meth:`available`)."""
+        """The compiled module, or None when it cannot be built (the reason: `available`)."""
         if self._module is not None or self._failure is not None:
             return self._module
         if os.environ.get("ATTNKIT_NATIVE", "1") == "0":

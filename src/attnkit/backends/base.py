@@ -36,7 +36,7 @@ class Request(NamedTuple):
 
     @property
     def options(self) -> frozenset[str]:
-        """The options in use, named as the arguments of :func:`attnkit.functional.attention`."""
+        """The options in use, named as the arguments of [`attnkit.functional.attention`][attnkit.functional.attention]."""
         window, key_mask, attn_mask = self.masks.window, self.masks.key_mask, self.masks.attn_mask
         used = []
         if attn_mask is not None:

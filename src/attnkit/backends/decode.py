@@ -4,18 +4,18 @@ Each decoding step reads the whole cache, so its speed is the memory bus's. torc
 path compute ``q . K`` and ``weights . V`` as two matrix-vector products, reading the cache twice per
 query head group, and in bf16 on CPUs without bf16 matrix units they run several times slower than
 the bus. This backend runs a small C++ kernel (``decode.cpp``, built once with
-:mod:`torch.utils.cpp_extension` and cached) that streams each key/value head once for all the query
+`torch.utils.cpp_extension` and cached) that streams each key/value head once for all the query
 rows that share it (GQA groups included), with FlashAttention's online softmax; the splits of the keys
 that the threads share are merged here.
 
 It computes plain scaled dot-product attention with an optional ``key_mask`` (ragged batches), for
 CPU tensors in float32, bfloat16 or float16 that need no gradient, with at most
-:data:`MAX_ROWS` query rows per key/value head. Where the kernel cannot be built (no C++ compiler;
-or ``ATTNKIT_NATIVE=0``), :func:`available` says why and ``auto`` uses SDPA instead.
+[`MAX_ROWS`][attnkit.backends.decode.MAX_ROWS] query rows per key/value head. Where the kernel cannot be built (no C++ compiler;
+or ``ATTNKIT_NATIVE=0``), [`available`][attnkit.backends.decode.available] says why and ``auto`` uses SDPA instead.
 
-The same kernel file has the other half of a decoding step's memory traffic: :func:`linear`, the
+The same kernel file has the other half of a decoding step's memory traffic: [`linear`][attnkit.backends.decode.linear], the
 projections of a few token rows, which stream the layer's weights once on every thread (the modules
-call it through :func:`attnkit.modules._common.project`, and fall back to ``nn.Linear`` likewise).
+call it through `attnkit.modules._common.project`, and fall back to ``nn.Linear`` likewise).
 """
 
 from __future__ import annotations
@@ -29,9 +29,11 @@ from torch.overrides import has_torch_function
 from attnkit.backends._native import Kernel
 from attnkit.backends.base import AttentionOutput, Request, forward_ad_active
 
-MAX_ROWS = 16  # query rows per key/value head (GQA group size x queries)
+MAX_ROWS = 16
+"""The most query rows per key/value head (GQA group size x queries) the kernel takes."""
 MAX_HEAD_DIM = 256
-MIN_KEYS_PER_SPLIT = 1024  # the shortest split of the keys that a thread streams on its own
+MIN_KEYS_PER_SPLIT = 1024
+"""The shortest split of the keys that a thread streams on its own."""
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _NO_MASK = torch.empty(0, dtype=torch.bool)
 
@@ -73,8 +75,8 @@ def refuses(request: Request, q: Tensor, k: Tensor, v: Tensor) -> str | None:
 
 def decode(q: Tensor, k: Tensor, v: Tensor, request: Request) -> AttentionOutput:
     """Shapes ``q (b, h, t, d)``, ``k`` and ``v`` ``(b, h_kv, s, d)``, few query rows (see
-    :func:`refuses`). The kernel groups the query heads of each key/value head and splits the keys
-    so that every thread has work, into no more than ``s //`` :data:`MIN_KEYS_PER_SPLIT` splits."""
+    [`refuses`][attnkit.backends.decode.refuses]). The kernel groups the query heads of each key/value head and splits the keys
+    so that every thread has work, into no more than ``s //`` [`MIN_KEYS_PER_SPLIT`][attnkit.backends.decode.MIN_KEYS_PER_SPLIT] splits."""
     kernel = KERNEL.load()
     if kernel is None:
         raise RuntimeError(f"backend 'decode' is unavailable: {available()[1]}")
@@ -84,8 +86,8 @@ def decode(q: Tensor, k: Tensor, v: Tensor, request: Request) -> AttentionOutput
 
 
 def runs_linear(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None]) -> bool:
-    """Whether :func:`linear` computes exactly what ``torch.nn.functional.linear`` would for each
-    weight and bias: at most :data:`MAX_ROWS` rows of plain CPU tensors of one dtype (float32,
+    """Whether [`linear`][attnkit.backends.decode.linear] computes exactly what ``torch.nn.functional.linear`` would for each
+    weight and bias: at most [`MAX_ROWS`][attnkit.backends.decode.MAX_ROWS] rows of plain CPU tensors of one dtype (float32,
     bfloat16 or float16), contiguous weights and biases, nothing that needs a gradient; outside
     autocast, tracing, ``torch.compile``, ``torch.func`` transforms and ``__torch_function__`` or
     dispatch modes; with the kernel built (checked last, so that a training step never builds it)."""
@@ -121,7 +123,7 @@ def runs_linear(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | 
 
 def linear(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None]) -> list[Tensor]:
     """``[torch.nn.functional.linear(x, w, b) for w, b in zip(weights, biases)]`` for the few rows
-    of a decoding step (see :func:`runs_linear`), in one pass of the threads over every weight (the
+    of a decoding step (see [`runs_linear`][attnkit.backends.decode.runs_linear]), in one pass of the threads over every weight (the
     query, key and value projections of a token in one call). MKL's matrix-vector product ran on
     one thread at half the memory bus's speed on the CPU this was measured on."""
     return KERNEL.load().linear(x, list(weights), list(biases))

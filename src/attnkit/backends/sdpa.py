@@ -1,6 +1,6 @@
 """The SDPA backend: torch's fused ``scaled_dot_product_attention``.
 
-torch's ``is_causal=True`` aligns the mask top-left, attnkit bottom-right (see :mod:`attnkit.masks`);
+torch's ``is_causal=True`` aligns the mask top-left, attnkit bottom-right (see [`attnkit.masks`][attnkit.masks]);
 the two agree only when ``t == s``, so ``is_causal`` is used only then and an explicit mask otherwise.
 ALiBi becomes a float mask added to the scores. SDPA has no soft-capping and returns neither weights
 nor the log-sum-exp: asking for those raises in the dispatcher.
@@ -11,9 +11,9 @@ Three things around the call keep it to attnkit's rules:
   its value would still be NaN.
 - torch's fused CPU kernel treats a row whose scores are all NaN or ``-inf`` as a row with no key and
   returns zeros; attnkit's rule makes a row NaN as soon as a key it sees has a non-finite score
-  (:func:`rows_made_nan`).
+  ([`rows_made_nan`][attnkit.backends.sdpa.rows_made_nan]).
 - torch's fused kernels have no double backward. Where one ran and a gradient is wanted, the output
-  passes through :class:`_TwiceDifferentiable`: the identity, whose backward with
+  passes through `_TwiceDifferentiable`: the identity, whose backward with
   ``create_graph=True`` differentiates the reference backend's recomputation instead.
 """
 
@@ -93,7 +93,7 @@ def rows_made_nan(
 
     One pass over q and k and, with a dense mask, over the mask: ``O((t + s) d + t s)`` next to the
     kernel's ``O(t s d)``. Branches on data only where Python may (see
-    :func:`~attnkit.backends.nonfinite.can_branch_on_data`), so ``torch.compile`` and ``vmap`` stay
+    [`can_branch_on_data`][attnkit.backends.nonfinite.can_branch_on_data]), so ``torch.compile`` and ``vmap`` stay
     whole."""
     h, h_kv = q.shape[1], k.shape[1]
     bad_q = nonfinite_rows(q)[..., None]  # (b, h, t, 1)

@@ -1,10 +1,10 @@
 """The tiled backend: FlashAttention-2's online softmax, block by block.
 
-Two implementations of one algorithm: the PyTorch loop of :mod:`attnkit.backends.tiled_loop`, the
-readable shape of it, and ``tiled.cpp`` (:mod:`attnkit.backends.tiled_native`), which runs where the
+Two implementations of one algorithm: the PyTorch loop of [`attnkit.backends.tiled_loop`][attnkit.backends.tiled_loop], the
+readable shape of it, and ``tiled.cpp`` ([`attnkit.backends.tiled_native`][attnkit.backends.tiled_native]), which runs where the
 block products are float32 on a CPU: there a dozen tensor operations per block, each a pass over
 the block in memory, become a few passes over a row that is in cache. Both are tested against the
-float64 oracle, option by option. This module chooses between them (:func:`_native_kernel`) and
+float64 oracle, option by option. This module chooses between them (`_native_kernel`) and
 holds what they share: the autograd function, its ``vmap`` rule and the weights.
 
 The forward walks over blocks of ``block_q`` queries; for each it streams blocks of ``block_k`` keys,
@@ -27,7 +27,7 @@ at the reference's ``O(t * s)`` memory for that call.
 
 Precision: softmax statistics and accumulators are float32 (float64 for float64 inputs). The matrix
 products run in the input dtype where the hardware has fast half-precision products (CUDA; on a CPU,
-bf16 with AVX512-BF16 or AMX and fp16 with AMX-FP16, as :mod:`attnkit._cpu` reports); elsewhere
+bf16 with AVX512-BF16 or AMX and fp16 with AMX-FP16, as `attnkit._cpu` reports); elsewhere
 half-precision blocks are multiplied in float32, which is both faster and more accurate there (bf16
 GEMM without hardware support is ~400x slower than fp32 on AVX2). Where its build has AVX512-BF16,
 the C++ kernel multiplies bf16 blocks itself with float32 sums, so scores are never rounded to bf16;
@@ -69,7 +69,7 @@ _NAN = float("nan")
 
 def _fast_half_matmul(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether ``dtype`` matrix products are fast on ``device`` (else blocks go through float32):
-    on a CPU, from :func:`attnkit._cpu.fast_half_products`."""
+    on a CPU, from `attnkit._cpu.fast_half_products`."""
     return device.type != "cpu" or _cpu.fast_half_products(dtype)
 
 
@@ -225,7 +225,7 @@ def runs_native(q: Tensor) -> bool:
 
 def products(q: Tensor) -> str:
     """The block products of a tiled call on ``q``: in the C++ kernel ``"float32"``,
-    ``"bf16-avx512_bf16"`` or ``"bf16-portable"`` (:func:`attnkit.backends.tiled_native.products`);
+    ``"bf16-avx512_bf16"`` or ``"bf16-portable"`` ([`attnkit.backends.tiled_native.products`][attnkit.backends.tiled_native.products]);
     in the loop, the dtype torch multiplies in (``"float32"``, ``"float64"``, ``"bfloat16"``, ...)."""
     matmul_dtype = _matmul_dtype(_call_dtype(q), q.device)
     kernel = _native_kernel(q.device, matmul_dtype)

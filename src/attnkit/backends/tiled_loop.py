@@ -2,7 +2,7 @@
 recomputing backward, in ordinary tensor operations. It is the readable shape of the algorithm and
 the path for float64, half-precision block products, ``torch.compile`` (which traces it into one
 graph) and ``torch.func`` transforms; ``tiled.cpp`` runs the same algorithm where the products are
-float32 on a CPU. :mod:`attnkit.backends.tiled` chooses between them and holds the autograd function.
+float32 on a CPU. [`attnkit.backends.tiled`][attnkit.backends.tiled] chooses between them and holds the autograd function.
 
 Shapes: ``b`` batch, ``h_kv`` key/value heads, ``g`` query heads per key/value head, ``t``
 queries, ``s`` keys, ``d`` head dim, ``bq``/``bk`` block sizes.
@@ -92,7 +92,7 @@ class Plan:
     ) -> tuple[Tensor, Tensor | None]:
         """The masked scores of one block, ``(b, h_kv, g, bq, bk)`` in ``stats_dtype``, and
         ``tanh(u / softcap)`` (for the backward) when soft-capping. ``q_blk`` and ``k_blk`` come
-        through :func:`~attnkit.backends.nonfinite.nan_rows` and the slopes are NaN where not
+        through [`nan_rows`][attnkit.backends.nonfinite.nan_rows] and the slopes are NaN where not
         finite, so a score made non-finite by the inputs is NaN; only a mask gives -inf (a +inf
         bias makes the row's max +inf, hence NaN)."""
         req = self.request

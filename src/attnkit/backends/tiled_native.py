@@ -1,16 +1,16 @@
 """The tiled backend's C++ kernel (``tiled.cpp``): the same algorithm as the PyTorch loop of
-:mod:`attnkit.backends.tiled_loop`, with each block's score work fused into a few passes over rows
+[`attnkit.backends.tiled_loop`][attnkit.backends.tiled_loop], with each block's score work fused into a few passes over rows
 that stay in cache. It runs on a CPU where the block products are float32 (float32 inputs, and
 half-precision ones on CPUs without fast half-precision products) or bf16 (bf16 inputs where its
 build has AVX512-BF16), outside ``torch.compile``'s tracing, and where it could be built
-(:mod:`attnkit.backends._native`).
+(`attnkit.backends._native`).
 
 bf16 blocks are multiplied in pairs with float32 sums (``pair_products.h``), with AVX512-BF16's
 ``vdpbf16ps``, in builds for CPUs that have it; a portable version of the same sums, slow, lets the
 tests check that path on any CPU. Scores, softmax statistics and accumulators are float32.
 
 This module takes the operands as the kernel wants them (contiguous, q pre-scaled, in the products'
-dtype) and the call's plan (:class:`attnkit.backends.tiled_loop.Plan`), and passes the masks in the
+dtype) and the call's plan ([`attnkit.backends.tiled_loop.Plan`][attnkit.backends.tiled_loop.Plan]), and passes the masks in the
 kernel's form.
 """
 
@@ -62,7 +62,7 @@ def pair_products(kernel: ModuleType) -> str | None:
 
 
 def products(kernel: ModuleType, matmul_dtype: torch.dtype) -> str:
-    """The block products as :func:`attnkit.functional.which_backend` names them: ``"float32"``,
+    """The block products as [`attnkit.functional.which_backend`][attnkit.functional.which_backend] names them: ``"float32"``,
     ``"bf16-avx512_bf16"`` or ``"bf16-portable"``."""
     return "float32" if matmul_dtype == torch.float32 else f"bf16-{pair_products(kernel)}"
 

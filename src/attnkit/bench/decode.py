@@ -4,7 +4,7 @@ Three measurements, in one run:
 
 - **step**: one query over a key/value cache of ``length`` positions, ``b x h`` query heads over
   ``h_kv`` key/value heads (MHA and GQA), attnkit next to torch SDPA and the naive formula on the same
-  :class:`~attnkit.KVCache` views, every dtype of one length and layout timed in the same
+  [`KVCache`][attnkit.cache.KVCache] views, every dtype of one length and layout timed in the same
   interleaved rounds (so that "bf16 vs fp32" is a ratio of one run), each call after reading a
   256 MiB buffer that empties the CPU caches (as the other layers of a model do between two steps
   of one layer; without it, whichever implementation runs second finds a small cache still in L3).
@@ -14,7 +14,7 @@ Three measurements, in one run:
 - **cache memory**: bytes of each cache layout (GQA, sliding window, bf16) against the full fp32 MHA
   cache.
 - **generation**: tokens per second for ``new_tokens`` tokens after prompts of each length, through a
-  :class:`~attnkit.MultiHeadAttention` layer of width ``h * d``, cached (one step per token) and
+  [`MultiHeadAttention`][attnkit.modules.multihead.MultiHeadAttention] layer of width ``h * d``, cached (one step per token) and
   recomputed (the full causal forward over the prompt and every token so far, per token; timed on
   ``recompute_samples`` evenly spaced steps, which stand for the rest), in ``generation_rounds``
   interleaved rounds: the speed-up is the median of the rounds' ratios.

@@ -1,5 +1,5 @@
-"""What ``attnkit bench`` measures: one :class:`Case` per (implementation, shape, dtype, options),
-and :func:`prepare`, which allocates a case's inputs and returns the call to time.
+"""What ``attnkit bench`` measures: one [`Case`][attnkit.bench.peers.Case] per (implementation, shape, dtype, options),
+and [`prepare`][attnkit.bench.peers.prepare], which allocates a case's inputs and returns the call to time.
 
 Kernel cases take ``q, k, v`` ``(b, h, n, d)``; module cases take ``x`` ``(b, n, e)`` with
 ``e = h * d`` and include the projections. The peers are what a PyTorch user would otherwise run:
@@ -204,7 +204,7 @@ def _module_fn(case: Case) -> tuple[Callable[[Tensor], Tensor], torch.nn.Module]
 
 
 def path_of(choice: BackendChoice) -> str:
-    """A :class:`attnkit.backends.BackendChoice` as a table shows it: ``"tiled native
+    """A [`attnkit.backends.BackendChoice`][attnkit.backends.BackendChoice] as a table shows it: ``"tiled native
     bf16-avx512_bf16"``, ``"decode native float32"``, ``"sdpa torch"``."""
     products = choice.products if choice.products != choice.path else None
     return " ".join(filter(None, (choice.backend, choice.path, products)))
@@ -212,7 +212,7 @@ def path_of(choice: BackendChoice) -> str:
 
 def runs(case: Case) -> str | None:
     """For an attnkit kernel case, the backend, path and block products that run it, as
-    :func:`attnkit.functional.which_backend` reports them (e.g. ``"tiled native float32"``); else
+    [`attnkit.functional.which_backend`][attnkit.functional.which_backend] reports them (e.g. ``"tiled native float32"``); else
     None."""
     if case.group == "module" or not case.impl.startswith("attnkit-"):
         return None

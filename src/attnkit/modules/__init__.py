@@ -1,5 +1,5 @@
 """attnkit's attention modules: thin layers of projections and reshapes around one call to
-:func:`attnkit.functional.attention`."""
+[`attnkit.functional.attention`][attnkit.functional.attention]."""
 
 from attnkit.modules.cross import AdditiveAttention, CrossAttention
 from attnkit.modules.multihead import MultiHeadAttention

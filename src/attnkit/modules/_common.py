@@ -32,13 +32,13 @@ _LINEAR_FORWARD = nn.Linear.forward
 
 
 def project(layer: nn.Linear, x: Tensor) -> Tensor:
-    """``layer(x)``, through :func:`project_all`."""
+    """``layer(x)``, through `project_all`."""
     return project_all((layer,), x)[0]
 
 
 def project_all(layers: Sequence[nn.Linear], x: Tensor) -> list[Tensor]:
     """``[layer(x) for layer in layers]``. A decoding step's few rows, without gradients, go to the
-    decode kernel's matrix-vector product (:func:`attnkit.backends.decode.linear`), which streams the
+    decode kernel's matrix-vector product ([`attnkit.backends.decode.linear`][attnkit.backends.decode.linear]), which streams the
     weights of all the layers in one pass on every thread; a layer that is not a plain ``nn.Linear``
     (a subclass, hooks, a ``forward`` of its own) is called as a module, and so are the others."""
     if (
@@ -81,7 +81,7 @@ def merge_heads(x: Tensor) -> Tensor:
 
 def module_window(window: int | None, causal: bool) -> tuple[int, int] | None:
     """A module's ``window=W``: the last ``W`` positions (itself included) when causal, else ``W``
-    positions centred on itself; as ``(left, right)`` for :func:`attnkit.functional.attention`."""
+    positions centred on itself; as ``(left, right)`` for [`attnkit.functional.attention`][attnkit.functional.attention]."""
     if window is None:
         return None
     _checks.check_positive_int(window, "window")

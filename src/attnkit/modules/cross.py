@@ -2,7 +2,7 @@
 
 ``CrossAttention`` is multi-head scaled dot-product attention over a memory; ``AdditiveAttention``
 is Bahdanau's additive scoring ``v^T tanh(W_q q + W_k k)`` followed by the same softmax and weighted
-sum (:func:`attnkit.attend`).
+sum ([`attnkit.attend`][attnkit.textbook.attend]).
 
 Masks: ``key_mask`` ``(b, s)`` is True for a real encoder token, False for padding.
 
@@ -42,7 +42,8 @@ class CrossAttention(ProjectedAttention):
         dropout: dropout on the attention weights, in training mode only.
         qkv_bias: add a bias to the query, key and value projections.
         out_bias: add a bias to the output projection.
-        device, dtype: for the parameters.
+        device: where the parameters live.
+        dtype: the parameters' dtype.
 
     Example:
         >>> cross = CrossAttention(32, 48, 64, 4)
@@ -89,7 +90,7 @@ class CrossAttention(ProjectedAttention):
         """Args:
             x: ``(b, t, d_q)`` decoder states (or unbatched ``(t, d_q)``).
             memory: ``(b, s, d_kv)`` encoder states (or unbatched ``(s, d_kv)``).
-            cache: a :class:`~attnkit.KVCache` (``num_heads`` key/value heads, ``max_len >= s``)
+            cache: a [`KVCache`][attnkit.cache.KVCache] (``num_heads`` key/value heads, ``max_len >= s``)
                 for decoding: the first call projects ``memory`` into it, later calls reuse those
                 keys and values and ignore ``memory`` and ``key_mask`` (which may then be None).
             key_mask: ``(b, s)`` bool, True for a real encoder token.
@@ -147,7 +148,8 @@ class AdditiveAttention(nn.Module):
         d_query: width of the decoder state.
         d_key: width of the encoder states.
         d_hidden: width of the hidden layer that scores each (query, key) pair.
-        device, dtype: for the parameters.
+        device: where the parameters live.
+        dtype: the parameters' dtype.
 
     Example:
         >>> attn = AdditiveAttention(16, 8, 32)

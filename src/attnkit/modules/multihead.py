@@ -4,7 +4,7 @@ attention share key/value heads between query heads.
 
 Masks: True = may attend. ``key_mask`` ``(b, s)`` is True for a real token; ``attn_mask`` is bool or
 a float added to the scores, broadcastable to ``(b, h, t, s)``. A causal mask for ``t != s`` aligns
-bottom-right (see :mod:`attnkit.masks`).
+bottom-right (see [`attnkit.masks`][attnkit.masks]).
 
 Shapes: ``b`` batch, ``t`` query tokens, ``s`` key tokens, ``h`` heads, ``h_kv`` key/value heads,
 ``d`` head dim = ``d_out / h``, ``e`` embed width. Module boundaries are ``(b, t, e)``, the attention
@@ -37,8 +37,8 @@ from attnkit.positions import RotaryEmbedding
 
 class ProjectedAttention(nn.Module):
     """Projections, head split, the attention call and the output projection, shared by
-    :class:`MultiHeadAttention` (keys from the input itself) and
-    :class:`~attnkit.CrossAttention` (keys from a memory)."""
+    [`MultiHeadAttention`][attnkit.modules.multihead.MultiHeadAttention] (keys from the input itself) and
+    [`CrossAttention`][attnkit.modules.cross.CrossAttention] (keys from a memory)."""
 
     def __init__(
         self,
@@ -115,7 +115,7 @@ class ProjectedAttention(nn.Module):
         **score_options: Any,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """The attention call and the output projection; ``score_options`` go to
-        :func:`attnkit.functional.attention` (window, ALiBi, softcap)."""
+        [`attnkit.functional.attention`][attnkit.functional.attention] (window, ALiBi, softcap)."""
         result = attention(
             queries,
             keys,
@@ -178,13 +178,14 @@ class MultiHeadAttention(ProjectedAttention):
         window: each token sees at most ``window`` positions: the last ones, itself included, when
             causal; centred on itself otherwise. None means no limit.
         alibi: add ALiBi's linear distance penalty with the standard slopes
-            (:func:`attnkit.alibi_slopes`).
+            ([`attnkit.alibi_slopes`][attnkit.masks.alibi_slopes]).
         rope: rotary position embeddings on queries and keys: True for a
-            :class:`~attnkit.RotaryEmbedding` with base 10000 and ``max_len = context_length``
+            [`RotaryEmbedding`][attnkit.positions.RotaryEmbedding] with base 10000 and ``max_len = context_length``
             (4096 when that is None), or a ``RotaryEmbedding`` of your own.
         softcap: cap the scores smoothly to ``(-softcap, softcap)`` (Gemma 2 uses 50).
         out_bias: add a bias to the output projection.
-        device, dtype: for the parameters.
+        device: where the parameters live.
+        dtype: the parameters' dtype.
 
     Raises:
         ValueError: ``d_out`` not divisible by ``num_heads``, ``num_heads`` not divisible by
@@ -270,7 +271,7 @@ class MultiHeadAttention(ProjectedAttention):
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Args:
             x: ``(b, t, d_in)`` or unbatched ``(t, d_in)``.
-            cache: a :class:`~attnkit.KVCache` of this layer (``num_kv_heads``, ``head_dim``) for
+            cache: a [`KVCache`][attnkit.cache.KVCache] of this layer (``num_kv_heads``, ``head_dim``) for
                 decoding: the chunk ``x`` comes after the ``cache.position`` tokens it holds, and
                 its keys and values are appended. Prefill in chunks of any size, then one token at
                 a time. Causal modules only, without gradients (under ``torch.no_grad()``); under
@@ -338,7 +339,7 @@ class MultiHeadAttention(ProjectedAttention):
     ) -> Tensor:
         """A cached step under ``torch.compile``. No Python int may change from one token to the
         next (each value would compile anew), so the step attends over the cache's whole buffers
-        (:meth:`KVCache.update_static`), with the empty slots and the positions masked from the
+        ([`KVCache.update_static`][attnkit.cache.KVCache.update_static]), with the empty slots and the positions masked from the
         ``(t,)`` slots of the queries: its shapes never change and it compiles once."""
         t = queries.shape[2]
         slots = cache.next_slots(t)  # where this chunk goes: the queries' positions

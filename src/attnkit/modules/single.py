@@ -2,7 +2,7 @@
 
 ``SelfAttention`` adds trainable ``W_q, W_k, W_v`` and the ``1/sqrt(d_out)`` scaling;
 ``CausalAttention`` adds the causal mask and dropout; ``MultiHeadAttentionWrapper`` stacks
-independent causal heads. All of them compute through :func:`attnkit.functional.attention`.
+independent causal heads. All of them compute through [`attnkit.functional.attention`][attnkit.functional.attention].
 
 Masks use one convention everywhere: True = may attend. Causal means token ``i`` attends to tokens
 ``0..i``.
@@ -37,7 +37,8 @@ class SelfAttention(nn.Module):
             causal; centred on itself otherwise. None means no limit.
         alibi: add ALiBi's linear distance penalty (slope ``1/256`` for a single head).
         softcap: cap the scores smoothly to ``(-softcap, softcap)``.
-        device, dtype: for the parameters, as in torch's own modules.
+        device: where the parameters live, as in torch's own modules.
+        dtype: the parameters' dtype, as in torch's own modules.
 
     Example:
         >>> attn = SelfAttention(3, 2)
@@ -84,7 +85,9 @@ class SelfAttention(nn.Module):
         """Build the module from explicit ``(d_in, d_out)`` matrices, used as ``x @ W``.
 
         Args:
-            W_q, W_k, W_v: the projection matrices, all ``(d_in, d_out)``.
+            W_q: the query projection, ``(d_in, d_out)``.
+            W_k: the key projection, ``(d_in, d_out)``.
+            W_v: the value projection, ``(d_in, d_out)``.
             scale: multiplies the scores; None means ``1/sqrt(d_out)``, ``1.0`` leaves them unscaled.
         """
         for name, W in (("W_q", W_q), ("W_k", W_k), ("W_v", W_v)):
@@ -173,8 +176,11 @@ class CausalAttention(SelfAttention):
         context_length: the longest input accepted.
         dropout: dropout probability on the attention weights, in training mode only.
         qkv_bias: add a bias to the three projections.
-        window, alibi, softcap: as in :class:`SelfAttention`.
-        device, dtype: for the parameters.
+        window: as in [`SelfAttention`][attnkit.modules.single.SelfAttention].
+        alibi: likewise.
+        softcap: likewise.
+        device: where the parameters live.
+        dtype: the parameters' dtype.
     """
 
     causal = True
@@ -214,8 +220,8 @@ class CausalAttention(SelfAttention):
 
 
 class MultiHeadAttentionWrapper(nn.Module):
-    """Multi-head attention as ``num_heads`` independent :class:`CausalAttention` heads whose outputs
-    are concatenated: output width ``num_heads * d_out``. :class:`~attnkit.MultiHeadAttention` is the
+    """Multi-head attention as ``num_heads`` independent [`CausalAttention`][attnkit.modules.single.CausalAttention] heads whose outputs
+    are concatenated: output width ``num_heads * d_out``. [`MultiHeadAttention`][attnkit.modules.multihead.MultiHeadAttention] is the
     efficient version (one projection for all heads, and an output projection).
 
     Args:
@@ -225,7 +231,8 @@ class MultiHeadAttentionWrapper(nn.Module):
         dropout: dropout on the attention weights, in training mode only.
         num_heads: number of heads.
         qkv_bias: add a bias to the projections.
-        device, dtype: for the parameters.
+        device: where the parameters live.
+        dtype: the parameters' dtype.
     """
 
     def __init__(
