@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: demo test lint format clean browser
+.PHONY: demo test docs lint format clean browser
 
 # The venv is rebuilt whenever the package's requirements or the pins change.
 $(STAMP): pyproject.toml constraints.txt
@@ -15,6 +15,10 @@ $(STAMP): pyproject.toml constraints.txt
 
 demo: $(STAMP)
 	$(BIN)/attnkit explain
+
+# The documentation site, from docs/ and the docstrings, into site/ (not committed).
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests examples
@@ -36,4 +40,4 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix src tests examples
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis build dist src/*.egg-info
+	rm -rf $(VENV) site .pytest_cache .ruff_cache .hypothesis build dist src/*.egg-info

@@ -9,13 +9,13 @@ products; ``auto`` and the benchmark read it too.
 tests) as a machine of a lesser kind: ``ATTNKIT_CPU_FEATURES=avx2`` makes a CPU with AVX512-BF16
 behave as an AVX2 one. It takes levels and single extensions, separated by commas or spaces:
 
-==============  ===========================================================
-``none``        no extension: the compiler's baseline x86-64
-``avx2``        avx2, fma, f16c
-``avx512``      the avx2 level and avx512f, avx512bw, avx512vl, avx512dq
-``avx512_bf16`` the avx512 level and avx512_bf16
-``amx``         the avx512_bf16 level and amx_tile, amx_bf16, amx_fp16
-==============  ===========================================================
+| level | extensions |
+|---|---|
+| ``none`` | no extension: the compiler's baseline x86-64 |
+| ``avx2`` | avx2, fma, f16c |
+| ``avx512`` | the avx2 level and avx512f, avx512bw, avx512vl, avx512dq |
+| ``avx512_bf16`` | the avx512 level and avx512_bf16 |
+| ``amx`` | the avx512_bf16 level and amx_tile, amx_bf16, amx_fp16 |
 
 It can only narrow: an extension the CPU lacks is never reported. An unknown name raises
 `ValueError`.

@@ -7,7 +7,7 @@ True for a real token and False for padding.
 
 Queries and keys are aligned **bottom-right**: query ``i`` of ``t`` sits at absolute position
 ``p(i) = i + s - t``, so the last query is level with the last key. This is what a decoder needs when
-``t`` new tokens attend to ``s`` cached keys. For ``t = 2, s = 5`` a causal mask is::
+``t`` new tokens attend to ``s`` cached keys. For ``t = 2, s = 5`` a causal mask is:
 
     keys     0 1 2 3 4
     query 0  1 1 1 1 0      p(0) = 3

@@ -1,26 +1,22 @@
 """The backend registry: a name -> [`Backend`][attnkit.backends.base.Backend] (a function and the options it supports).
 
-======================  =========  ====  =====  ======  =====
-option                  reference  sdpa  tiled  decode  notes
-======================  =========  ====  =====  ======  =====
-causal, window          yes        yes   yes    no      sdpa: a bool mask unless causal with
-                                                        t == s; tiled: skips the blocks they empty
-attn_mask, key_mask     yes        yes   yes    key_mask
-attn_mask_grad          yes        yes   no     no      a float attn_mask that requires grad
-alibi_slopes            yes        yes   yes    no      sdpa: a float mask of shape (h, t, s)
-softcap                 yes        no    yes    no
-dropout_p               yes        yes   no     no
-return_lse              yes        no    yes    no      with gradients
-return_weights          yes        no    yes    no      tiled: recomputed from the lse
-double backward         yes        yes   yes    no      sdpa, tiled: through the reference's
-                                                        recomputation (O(t s) memory for it)
-vmap                    yes        yes   yes    no
-func.grad, jacrev       yes        yes   no     no      sdpa: one level of gradients
-forward-mode AD         yes        no    no     no      jvp, jacfwd
-torch.jit.trace         yes        yes   no     no      tiled's block loop would be frozen
-torch.compile           yes        yes   loop   no      dynamo cannot trace C++
-memory                  O(t s)     O(t s) with a mask    O((t + s) d)
-======================  =========  ====  =====  ======  =====
+| option | reference | sdpa | tiled | decode | notes |
+|---|---|---|---|---|---|
+| causal, window | yes | yes | yes | no | sdpa: a bool mask unless causal with t == s; tiled: skips the blocks they empty |
+| attn_mask, key_mask | yes | yes | yes | key_mask | |
+| attn_mask_grad | yes | yes | no | no | a float attn_mask that requires grad |
+| alibi_slopes | yes | yes | yes | no | sdpa: a float mask of shape (h, t, s) |
+| softcap | yes | no | yes | no | |
+| dropout_p | yes | yes | no | no | |
+| return_lse | yes | no | yes | no | with gradients |
+| return_weights | yes | no | yes | no | tiled: recomputed from the lse |
+| double backward | yes | yes | yes | no | sdpa, tiled: through the reference's recomputation (O(t s) memory for it) |
+| vmap | yes | yes | yes | no | |
+| func.grad, jacrev | yes | yes | no | no | sdpa: one level of gradients |
+| forward-mode AD | yes | no | no | no | jvp, jacfwd |
+| torch.jit.trace | yes | yes | no | no | tiled's block loop would be frozen |
+| torch.compile | yes | yes | loop | no | dynamo cannot trace C++ |
+| memory | O(t s) | O(t s) with a mask | O((t + s) d) | O(h d) | |
 
 The tiled backend runs its C++ kernel (``tiled.cpp``) on a CPU where the block products are float32,
 or bf16 on a CPU with AVX512-BF16, and its PyTorch loop elsewhere; both support the same options.
