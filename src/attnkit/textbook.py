@@ -20,8 +20,9 @@ from attnkit.masks import causal_mask
 
 Normalize = Literal["softmax", "sum"]
 
-# The chapter's running example: "Your journey starts with one step", one 3-d embedding per token.
 JOURNEY_TOKENS: tuple[str, ...] = ("Your", "journey", "starts", "with", "one", "step")
+"""The tokens of the chapter's running example, "Your journey starts with one step"."""
+
 JOURNEY_EMBEDDINGS: tuple[tuple[float, float, float], ...] = (
     (0.43, 0.15, 0.89),  # Your
     (0.55, 0.87, 0.66),  # journey
@@ -30,6 +31,7 @@ JOURNEY_EMBEDDINGS: tuple[tuple[float, float, float], ...] = (
     (0.77, 0.25, 0.10),  # one
     (0.05, 0.80, 0.55),  # step
 )
+"""The chapter's 3-dimensional embedding of each of [`JOURNEY_TOKENS`][attnkit.textbook.JOURNEY_TOKENS]."""
 
 
 @dataclass(frozen=True)

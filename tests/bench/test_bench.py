@@ -132,3 +132,10 @@ def test_decode_smoke_runs_end_to_end(tmp_path, capsys):
 def test_decode_bench_rejects_kv_heads_that_do_not_divide_h(capsys):
     assert main(["bench", "--decode", "--smoke", "--h", "6", "--kv-heads", "4"]) == 2
     assert "--h (6) must be a multiple of every --kv-heads, got 4" in capsys.readouterr().err
+
+
+def test_the_kernel_report_names_both_kernels_after_the_decode_bench_is_imported():
+    import attnkit.bench.decode  # noqa: F401  (a submodule named like the decode backend)
+    from attnkit.bench import native_kernels
+
+    assert set(native_kernels()) == {"tiled.cpp", "decode.cpp"}

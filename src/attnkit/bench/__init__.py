@@ -16,7 +16,8 @@ from itertools import product
 from typing import ClassVar, TextIO
 
 from attnkit._progress import Progress
-from attnkit.backends import decode, tiled_native
+from attnkit.backends import decode as decode_backend
+from attnkit.backends import tiled_native
 from attnkit.bench.measure import Result, matmul_gflops, probe_memory, time_interleaved
 from attnkit.bench.peers import KERNEL_IMPLS, MODULE_IMPLS, Case, prepare, runs, supported
 from attnkit.bench.report import machine, write
@@ -90,7 +91,7 @@ def native_kernels() -> dict[str, dict]:
     """attnkit's C++ kernels, each built or loaded from torch's cache: how long that took, and
     why a kernel is unavailable (the tiled backend then runs its PyTorch loop)."""
     report = {}
-    for kernel in (tiled_native.KERNEL, decode.KERNEL):
+    for kernel in (tiled_native.KERNEL, decode_backend.KERNEL):
         usable, reason = kernel.available()
         report[kernel.source] = {
             "available": usable,
