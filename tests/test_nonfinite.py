@@ -350,3 +350,49 @@ def test_the_half_precision_products_keep_the_rule(path, monkeypatch):
             assert torch.isfinite(grads[0][..., finite_rows, :]).all(), name
         if "key_mask" in options:
             assert torch.equal(grads[1][0, 0, [3, 8]], torch.zeros(2, 8, dtype=torch.bfloat16))
+
+
+MOD_PATHS = ["reference", "tiled:loop"]  # the paths that take score_mod and block masks
+
+
+@pytest.mark.parametrize("path", MOD_PATHS)
+@pytest.mark.parametrize(
+    ("tensor", "row", "value"),
+    [("k", 5, NAN), ("k", 5, INF), ("v", 5, NAN), ("v", 5, -INF), ("q", 0, NAN), ("k", 1, NAN)],
+)
+def test_score_and_mask_functions_keep_the_rule(path, tensor, row, value, monkeypatch):
+    """Key 5 is hidden from every query but the last by mask_mod, key 1 is seen by all; a
+    relative bias is added by score_mod. The oracle gets the same as a float attn_mask."""
+    q, k, v = qkv(t=4, s=6)
+    {"q": q, "k": k, "v": v}[tensor][0, 0, row, 0] = value
+    table = torch.randn(2, 11)
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + table[h, q_idx - kv_idx + 5]
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (kv_idx < 5) | (q_idx == 3)
+
+    out, lse, weights = run(path, q, k, v, monkeypatch, score_mod=score_mod, mask_mod=mask_mod)
+    rows, keys = torch.arange(4)[:, None], torch.arange(6)
+    bias = table[torch.arange(2)[:, None, None], rows - keys + 5][None]  # (1, h, t, s)
+    as_mask = bias.masked_fill(~mask_mod(None, None, rows, keys), -INF)
+    out64, lse64, weights64 = selected_attention(q, k, v, attn_mask=as_mask)
+    assert_same(out, out64)
+    assert_same(lse, lse64)
+    assert_same(weights, weights64)
+
+
+@pytest.mark.parametrize("path", MOD_PATHS)
+def test_a_score_mod_masks_with_minus_infinity_and_spreads_nan(path, monkeypatch):
+    q, k, v = qkv(t=4, s=6)
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        score = torch.where(kv_idx == 2, -INF, score)  # masks key 2 for every query
+        return torch.where((q_idx == 1) & (kv_idx == 4), NAN, score)  # a NaN score in row 1
+
+    out, lse, _ = run(path, q, k, v, monkeypatch, score_mod=score_mod)
+    assert bool(out[:, :, 1].isnan().all()) and bool(lse[:, :, 1].isnan().all())
+    keep = [0, 2, 3]
+    without_key_2 = attention(q[:, :, keep], k[:, :, [0, 1, 3, 4, 5]], v[:, :, [0, 1, 3, 4, 5]])
+    torch.testing.assert_close(out[:, :, keep], without_key_2)

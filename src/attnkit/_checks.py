@@ -241,3 +241,42 @@ def check_alibi_slopes(slopes: object, num_heads: int, device: torch.device) -> 
         )
     check_same_device(slopes, "alibi_slopes", device)
     return slopes
+
+
+def check_block_mask(block_mask, mask_mod, b: int, h: int, t: int, s: int, device):
+    """``block_mask`` (a torch ``BlockMask`` built for ``(t, s)``, batches 1 or ``b``, heads 1 or
+    ``h``), or the one ``mask_mod`` builds, or None."""
+    if mask_mod is not None:
+        if block_mask is not None:
+            raise ValueError(
+                "give block_mask or mask_mod, not both (a BlockMask holds its mask_mod)"
+            )
+        if not callable(mask_mod):
+            raise TypeError(f"mask_mod must be a function, got {type(mask_mod).__name__}")
+        from attnkit.block_mask import create_block_mask
+
+        return create_block_mask(mask_mod, b, h, t, s, device=device)
+    if block_mask is None:
+        return None
+    from torch.nn.attention.flex_attention import BlockMask
+
+    if not isinstance(block_mask, BlockMask):
+        raise TypeError(f"block_mask must be a torch BlockMask, got {type(block_mask).__name__}")
+    if tuple(block_mask.seq_lengths) != (t, s):
+        raise ValueError(
+            f"block_mask was built for (Q_LEN, KV_LEN) = {tuple(block_mask.seq_lengths)}, but the "
+            f"call has t={t} queries and s={s} keys"
+        )
+    bq, bk = block_mask.BLOCK_SIZE
+    blocks = tuple(block_mask.kv_num_blocks.shape)
+    want = (-(-t // bq),)
+    if blocks[-1:] != want or blocks[0] not in (1, b) or blocks[1] not in (1, h):
+        raise ValueError(
+            f"block_mask's tables have shape {blocks} for BLOCK_SIZE {(bq, bk)}; this call needs "
+            f"(1 or {b}, 1 or {h}, {want[0]})"
+        )
+    if block_mask.kv_num_blocks.device != torch.device(device):
+        raise ValueError(
+            f"block_mask is on {block_mask.kv_num_blocks.device}, the queries on {device}"
+        )
+    return block_mask

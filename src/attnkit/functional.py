@@ -27,10 +27,12 @@ length, ``d`` head dim.
 from __future__ import annotations
 
 from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask
 
 from attnkit import _checks
 from attnkit.backends import BACKENDS, BackendChoice, Request, choose_backend
 from attnkit.masks import Masks, merge_window
+from attnkit.mods import MaskMod, ScoreMod, captured_tensors
 
 
 def attention(
@@ -48,6 +50,9 @@ def attention(
     dropout_p: float = 0.0,
     return_lse: bool = False,
     return_weights: bool = False,
+    score_mod: ScoreMod | None = None,
+    block_mask: BlockMask | None = None,
+    mask_mod: MaskMod | None = None,
     backend: str = "auto",
 ) -> Tensor | tuple[Tensor, ...]:
     """Scaled dot-product attention with every mask and score modifier, on any backend.
@@ -69,6 +74,15 @@ def attention(
         return_lse: also return the log-sum-exp of the (modified, masked) scores, ``(b, h, t)``,
             float32 (float64 for float64 inputs), ``-inf`` for a query with no key.
         return_weights: also return the softmax weights before dropout, ``(b, h, t, s)``, q's dtype.
+        score_mod: ``score_mod(score, b, h, q_idx, kv_idx) -> score``, torch FlexAttention's
+            signature, with ``q_idx`` in ``0..t-1`` and ``kv_idx`` in ``0..s-1``: changes each
+            score after ``scale``, ``softcap`` and ALiBi, before the masks; ``-inf`` masks the key.
+            Gradients reach the tensors it reads (see [`attnkit.mods`][attnkit.mods]).
+        block_mask: a torch ``BlockMask`` for ``(t, s)`` (from
+            [`create_block_mask`][attnkit.block_mask.create_block_mask] or torch's): keys outside
+            its blocks are masked, its ``mask_mod`` decides inside its partial blocks.
+        mask_mod: ``mask_mod(b, h, q_idx, kv_idx) -> bool``, a shorthand for
+            ``block_mask=create_block_mask(mask_mod, b, h, t, s)``.
         backend: ``"auto"`` (the fastest backend that computes exactly this request), or a name in
             [`attnkit.backends.BACKENDS`][attnkit.backends.BACKENDS].
 
@@ -101,6 +115,9 @@ def attention(
         dropout_p,
         return_lse,
         return_weights,
+        score_mod,
+        block_mask,
+        mask_mod,
     )
     out, lse, weights = BACKENDS[choose_backend(backend, request, q, k, v).backend].fn(
         q, k, v, request
@@ -126,6 +143,9 @@ def which_backend(
     dropout_p: float = 0.0,
     return_lse: bool = False,
     return_weights: bool = False,
+    score_mod: ScoreMod | None = None,
+    block_mask: BlockMask | None = None,
+    mask_mod: MaskMod | None = None,
     backend: str = "auto",
 ) -> BackendChoice:
     """What [`attention`][attnkit.functional.attention] would run for these arguments, without running it: the backend, the
@@ -159,6 +179,9 @@ def which_backend(
         dropout_p,
         return_lse,
         return_weights,
+        score_mod,
+        block_mask,
+        mask_mod,
     )
     return choose_backend(backend, request, q, k, v)
 
@@ -177,6 +200,9 @@ def _request(
     dropout_p,
     return_lse,
     return_weights,
+    score_mod=None,
+    block_mask=None,
+    mask_mod=None,
 ) -> Request:
     """Check the arguments of [`attention`][attnkit.functional.attention] and gather them into a [`Request`][attnkit.backends.base.Request]."""
     _checks.check_qkv(q, k, v)
@@ -188,6 +214,8 @@ def _request(
         _checks.check_attn_mask(attn_mask, q.dtype, (b, h, t, s), q.device)
     if alibi_slopes is not None:
         _checks.check_alibi_slopes(alibi_slopes, h, q.device)
+    if score_mod is not None and not callable(score_mod):
+        raise TypeError(f"score_mod must be a function, got {type(score_mod).__name__}")
     for flag, name in (
         (causal, "causal"),
         (return_lse, "return_lse"),
@@ -204,4 +232,7 @@ def _request(
         dropout_p=_checks.check_probability(dropout_p, "dropout_p"),
         return_lse=return_lse,
         return_weights=return_weights,
+        score_mod=score_mod,
+        block_mask=_checks.check_block_mask(block_mask, mask_mod, b, h, t, s, q.device),
+        mod_tensors=() if score_mod is None else captured_tensors(score_mod),
     )

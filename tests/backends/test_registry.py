@@ -168,7 +168,7 @@ def test_auto_takes_tiled_for_bf16_where_the_kernel_multiplies_with_avx512_bf16(
 )
 def test_auto_takes_the_cpp_kernel_over_sdpa_with_a_dense_positional_mask(masks, slopes):
     wanted = Request(masks=masks, scale=1.0, alibi_slopes=slopes)
-    assert tiled.runs_native(SHAPES[0])
+    assert tiled.runs_native(SHAPES[0], wanted)
     assert resolve_backend("auto", wanted, *SHAPES).name == "tiled"  # 1024 x 1024 scores
     assert resolve_backend("auto", wanted, *qkv(n=128)).name == "sdpa"  # below NATIVE_MIN_SCORES
     assert resolve_backend("auto", wanted, *qkv(dtype=torch.float64)).name == "sdpa"  # the loop

@@ -59,13 +59,16 @@ from attnkit.backends.base import AttentionOutput, Backend, BackendFn, Request, 
 
 _MASKS = frozenset({"causal", "window", "attn_mask", "key_mask", "alibi_slopes"})
 _EXTRAS = frozenset({"softcap", "return_lse", "return_weights"})
+_MODS = frozenset({"score_mod", "block_mask"})
 
 BACKENDS: dict[str, Backend] = {
     "reference": Backend(
-        "reference", reference.reference, _MASKS | _EXTRAS | {"dropout_p", "attn_mask_grad"}
+        "reference",
+        reference.reference,
+        _MASKS | _EXTRAS | _MODS | {"dropout_p", "attn_mask_grad"},
     ),
     "sdpa": Backend("sdpa", sdpa.sdpa, _MASKS | {"dropout_p", "attn_mask_grad"}, sdpa.refuses),
-    "tiled": Backend("tiled", tiled.tiled, _MASKS | _EXTRAS, tiled.refuses),
+    "tiled": Backend("tiled", tiled.tiled, _MASKS | _EXTRAS | _MODS, tiled.refuses),
     "decode": Backend("decode", decode.decode, frozenset({"key_mask"}), decode.refuses),
 }
 """The backends by name, each with the options it supports; ``backend=`` takes one of these names
@@ -114,7 +117,7 @@ def _tiled_beats_sdpa(request: Request, q: Tensor, k: Tensor, v: Tensor) -> str 
         and t >= rows
         and t * s >= scores
         and not _cpu.has("amx_bf16")
-        and tiled.products(q) == "bf16-avx512_bf16"  # the C++ kernel runs, with vdpbf16ps
+        and tiled.products(q, request) == "bf16-avx512_bf16"  # the C++ kernel runs, with vdpbf16ps
     ):
         return "its bf16 block products (AVX512-BF16) with float32 sums run faster than SDPA's"
     window = request.masks.window
@@ -130,7 +133,7 @@ def _tiled_beats_sdpa(request: Request, q: Tensor, k: Tensor, v: Tensor) -> str 
     mask_elements = t * s * (h if request.alibi_slopes is not None else 1)
     if mask_elements > DENSE_MASK_LIMIT:
         return f"SDPA would need a dense mask of {mask_elements} elements"
-    if t * s >= NATIVE_MIN_SCORES and tiled.runs_native(q):
+    if t * s >= NATIVE_MIN_SCORES and tiled.runs_native(q, request):
         return "the C++ kernel applies the positional mask that SDPA would read from memory"
     return None
 
@@ -171,12 +174,13 @@ class BackendChoice(NamedTuple):
     products: str | None = None
 
 
-def _path(backend: Backend, q: Tensor) -> tuple[str, str | None]:
+def _path(backend: Backend, request: Request, q: Tensor) -> tuple[str, str | None]:
     """The path inside ``backend`` that runs on ``q`` and its block products."""
     if backend.name == "tiled":
         if torch.compiler.is_compiling():
             return "loop", None
-        return ("native" if tiled.runs_native(q) else "loop"), tiled.products(q)
+        native = tiled.runs_native(q, request)
+        return ("native" if native else "loop"), tiled.products(q, request)
     return {
         "decode": ("native", "float32"),
         "sdpa": ("torch", None),
@@ -210,7 +214,7 @@ def choose_backend(name: str, request: Request, q: Tensor, k: Tensor, v: Tensor)
                     backend, reason = BACKENDS["tiled"], f"faster than sdpa here: {faster}"
             if passed:
                 reason += "; passed over: " + "; ".join(passed)
-            path, products = _path(backend, q)
+            path, products = _path(backend, request, q)
             return BackendChoice(backend.name, path, reason, products)
         raise AssertionError("the reference backend runs every request")  # pragma: no cover
     if name not in BACKENDS:
@@ -231,7 +235,7 @@ def choose_backend(name: str, request: Request, q: Tensor, k: Tensor, v: Tensor)
         usable, reason = decode.available()
         if not usable:
             raise ValueError(f"backend 'decode' is unavailable: {reason}; use backend='auto'")
-    path, products = _path(backend, q)
+    path, products = _path(backend, request, q)
     return BackendChoice(name, path, "named by the caller", products)
 
 

@@ -8,8 +8,10 @@ from typing import NamedTuple
 
 import torch
 from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask
 
 from attnkit.masks import Masks
+from attnkit.mods import ScoreMod
 
 
 class Request(NamedTuple):
@@ -24,6 +26,11 @@ class Request(NamedTuple):
         dropout_p: dropout on the attention weights (0 disables it).
         return_lse: also return the log-sum-exp of the scores, ``(b, h, t)``.
         return_weights: also return the softmax weights before dropout, ``(b, h, t, s)``.
+        score_mod: ``score_mod(score, b, h, q_idx, kv_idx)``, applied after ``scale``, ``softcap``
+            and ALiBi, before the masks (see [`attnkit.mods`][attnkit.mods]).
+        block_mask: a torch ``BlockMask`` of ``(t, s)``: the blocks it lists, its ``mask_mod``
+            applied in its partial blocks.
+        mod_tensors: the tensors ``score_mod`` reads that require grad (gradients reach them).
     """
 
     masks: Masks
@@ -33,6 +40,9 @@ class Request(NamedTuple):
     dropout_p: float = 0.0
     return_lse: bool = False
     return_weights: bool = False
+    score_mod: ScoreMod | None = None
+    block_mask: BlockMask | None = None
+    mod_tensors: tuple[Tensor, ...] = ()
 
     @property
     def options(self) -> frozenset[str]:
@@ -60,6 +70,10 @@ class Request(NamedTuple):
             used.append("return_lse")
         if self.return_weights:
             used.append("return_weights")
+        if self.score_mod is not None:
+            used.append("score_mod")
+        if self.block_mask is not None:
+            used.append("block_mask")
         return frozenset(used)
 
 

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from attnkit import block_mask, mods
 from attnkit.backends.base import AttentionOutput, Request
 from attnkit.backends.nonfinite import NAN, nan_unless_finite
 from attnkit.masks import alibi_bias, zero_padding
@@ -82,12 +83,20 @@ def reference(q: Tensor, k: Tensor, v: Tensor, request: Request) -> AttentionOut
         attn_scores = request.softcap * torch.tanh(attn_scores / request.softcap)
     if request.alibi_slopes is not None:
         attn_scores = attn_scores + alibi_bias(request.alibi_slopes.to(f64), t, s)
+    allowed = request.masks.allowed(t, s, q.device)
+    if request.score_mod is not None:  # a -inf it returns masks the key
+        attn_scores = nan_unless_finite(attn_scores)
+        b, h = q.shape[:2]
+        at = mods.Block.of(range(b), range(h), range(t), range(s), q.device)
+        attn_scores = mods.score(request.score_mod, attn_scores, at)
+        allowed = _both(allowed, attn_scores != float("-inf"))
+    if request.block_mask is not None:
+        allowed = _both(allowed, block_mask.allowed(request.block_mask, q.device))
     bias = request.masks.bias()
     if bias is not None:
         attn_scores = attn_scores + bias.to(f64)
     attn_scores = nan_unless_finite(attn_scores)  # a -inf bias still masks: allowed() says so
 
-    allowed = request.masks.allowed(t, s, q.device)
     attn_weights, lse = masked_softmax(attn_scores, allowed)
     dropped = F.dropout(attn_weights, request.dropout_p) if request.dropout_p else attn_weights
     context = weighted_values(dropped, values, allowed)  # (b, h, t, s) x (b, h, s, d_v)
@@ -99,6 +108,10 @@ def reference(q: Tensor, k: Tensor, v: Tensor, request: Request) -> AttentionOut
     )
 
 
+def _both(a: Tensor | None, b: Tensor) -> Tensor:
+    return b if a is None else a & b
+
+
 def differentiable_grads(
     q: Tensor,
     k: Tensor,
@@ -108,7 +121,7 @@ def differentiable_grads(
     dlse: Tensor | None,
     wanted: tuple[bool, ...],
 ) -> list[Tensor | None]:
-    """The gradients of q, k, v, the ALiBi slopes and a float mask (those ``wanted``) given the output's and the
+    """The gradients of q, k, v, the ALiBi slopes, a float mask and the tensors a ``score_mod`` reads (those ``wanted``) given the output's and the
     lse's (None: unused), as functions of the inputs: for the backward of a fused kernel run with
     ``create_graph=True``. This backend recomputes the call and autograd differentiates that, so
     the second derivatives are exact, at this backend's ``O(t s)`` memory."""
@@ -118,7 +131,7 @@ def differentiable_grads(
         if grad is not None:
             outputs.append(output)
             cotangents.append(grad.to(output.dtype))
-    every = (q, k, v, request.alibi_slopes, request.masks.attn_mask)
+    every = (q, k, v, request.alibi_slopes, request.masks.attn_mask, *request.mod_tensors)
     inputs = [x for x, w in zip(every, wanted) if w]
     grads = torch.autograd.grad(outputs, inputs, cotangents, create_graph=True, allow_unused=True)
     found = iter(grads)

@@ -44,6 +44,7 @@ from typing import NamedTuple
 
 import torch
 from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask
 
 from attnkit import _cpu
 from attnkit.backends import tiled_loop, tiled_native
@@ -59,6 +60,7 @@ from attnkit.backends.reference import differentiable_grads
 from attnkit.backends.tiled_loop import Plan
 from attnkit.backends.tiled_native import marked
 from attnkit.masks import Masks, zero_padding
+from attnkit.mods import ScoreMod
 
 BLOCK_Q = 256  # query rows per block
 BLOCK_K = 512  # keys per block: a (12 heads, 256, 512) fp32 score block is 6 MB, cache-resident
@@ -87,59 +89,69 @@ class _Spec(NamedTuple):
     softcap: float | None
     block_q: int
     block_k: int
+    score_mod: ScoreMod | None = None
+    block_mask: BlockMask | None = None
 
 
 def _plan(q: Tensor, k: Tensor, request: Request, spec: _Spec) -> Plan:
     return Plan.of(q, k, request, _matmul_dtype(q.dtype, q.device), spec.block_q, spec.block_k)
 
 
-def _request(spec: _Spec, slopes: Tensor | None, attn_mask: Tensor | None, key_mask: Tensor | None):
-    masks = Masks(spec.window, key_mask, attn_mask)
-    return Request(masks=masks, scale=spec.scale, softcap=spec.softcap, alibi_slopes=slopes)
+def _request(
+    spec: _Spec,
+    slopes: Tensor | None,
+    attn_mask: Tensor | None,
+    key_mask: Tensor | None,
+    mod_tensors: tuple[Tensor, ...] = (),
+) -> Request:
+    return Request(
+        masks=Masks(spec.window, key_mask, attn_mask),
+        scale=spec.scale,
+        softcap=spec.softcap,
+        alibi_slopes=slopes,
+        score_mod=spec.score_mod,
+        block_mask=spec.block_mask,
+        mod_tensors=mod_tensors,
+    )
 
 
 class _TiledAttention(torch.autograd.Function):
-    """``(out, lse)`` of one call. Saves only q, k, v, the masks, the output and the lse.
+    """``(out, lse)`` of one call. Saves only q, k, v, the masks, the output and the lse (and the
+    tensors a ``score_mod`` reads, in ``_TiledAttentionWithMods``).
 
     Written with ``setup_context`` and a ``vmap`` rule, so that ``torch.func.grad`` and ``vmap``
     run it; forward-mode AD is refused before it gets here (no jvp rule)."""
 
     @staticmethod
     def forward(q, k, v, alibi_slopes, attn_mask, key_mask, spec: _Spec):
-        plan = _plan(q, k, _request(spec, alibi_slopes, attn_mask, key_mask), spec)
-        kernel = _native_kernel(q.device, plan.matmul_dtype)
-        if kernel is not None:
-            out, lse = tiled_native.forward(kernel, _native_operands(q, k, v, plan), plan)
-        else:
-            with marked("attnkit::tiled_loop_forward"):
-                q5, k5 = nan_rows(_prescaled(q, plan)), nan_rows(_operand(k, plan))
-                out, lse = tiled_loop.forward(q5, k5, _operand(v, plan), plan)
-        return out.view((*q.shape[:-1], v.shape[-1])).to(q.dtype), lse.view(q.shape[:-1])
+        return _forward(q, k, v, alibi_slopes, attn_mask, key_mask, spec, ())
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, alibi_slopes, attn_mask, key_mask, spec = inputs
+        q, k, v, alibi_slopes, attn_mask, key_mask, spec, *mod_tensors = inputs
         out, lse = output
-        ctx.save_for_backward(q, k, v, alibi_slopes, attn_mask, key_mask, out, lse)
+        ctx.save_for_backward(q, k, v, alibi_slopes, attn_mask, key_mask, out, lse, *mod_tensors)
         ctx.spec = spec
         ctx.set_materialize_grads(False)  # an unused lse (or output) gets None, not zeros
 
     @staticmethod
     def backward(ctx, dout: Tensor | None, dlse: Tensor | None):
-        q, k, v, slopes, attn_mask, key_mask, out, lse = ctx.saved_tensors
+        q, k, v, slopes, attn_mask, key_mask, out, lse, *mod_tensors = ctx.saved_tensors
         wanted = ctx.needs_input_grad[:4]  # q, k, v, the slopes (a float mask has none here)
+        request = _request(ctx.spec, slopes, attn_mask, key_mask, tuple(mod_tensors))
         if torch.is_grad_enabled():  # create_graph=True: the gradients must be differentiable
-            request = _request(ctx.spec, slopes, attn_mask, key_mask)
+            wanted = (*wanted, False, *ctx.needs_input_grad[7:])
             grads = differentiable_grads(q, k, v, request, dout, dlse, wanted)
-            return *grads, None, None, None
-        plan = _plan(q, k, _request(ctx.spec, slopes, attn_mask, key_mask), ctx.spec)
+            return *grads[:4], None, None, None, *grads[5:]
+        plan = _plan(q, k, request, ctx.spec)
         if dout is None:
             dout = torch.zeros_like(out)
         delta = (dout.to(plan.stats_dtype) * out.to(plan.stats_dtype)).sum(dim=-1)  # dO_i . O_i
         if dlse is not None:  # d lse_i / d S_ij = P_ij: the lse's gradient joins D
             delta = delta - dlse.to(plan.stats_dtype)
         b, h, t, d = q.shape
-        kernel = _native_kernel(q.device, plan.matmul_dtype)
+        mod_grads: list[Tensor | None] = [None] * len(mod_tensors)
+        kernel = _kernel(q.device, plan.matmul_dtype, request)
         if kernel is not None:
             operands = _native_operands(q, k, v, plan)
             dq, dk, dv, dslopes = tiled_native.backward(
@@ -157,10 +169,12 @@ class _TiledAttention(torch.autograd.Function):
                     delta.view(grouped),
                     plan,
                     slopes_grad=wanted[3],
+                    mod_grads=mod_grads,
                 )
         dq = (dq * plan.request.scale).view(b, h, t, d)  # the scores used q * scale
         dslopes = None if dslopes is None else dslopes.to(slopes.dtype)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dslopes, None, None, None
+        dq, dk, dv = dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+        return dq, dk, dv, dslopes, None, None, None, *mod_grads
 
     @staticmethod
     def vmap(info, in_dims, q, k, v, alibi_slopes, attn_mask, key_mask, spec):
@@ -187,6 +201,29 @@ class _TiledAttention(torch.autograd.Function):
         return (out.unflatten(0, (size, b)), lse.unflatten(0, (size, b))), (0, 0)
 
 
+class _TiledAttentionWithMods(_TiledAttention):
+    """The same, for a call whose ``score_mod`` reads tensors that require grad: they follow the
+    spec as inputs, so that autograd sends them their gradients. (A separate class: dynamo, which
+    traces ``_TiledAttention`` under ``torch.compile``, mishandles a forward with ``*args``.)"""
+
+    @staticmethod
+    def forward(q, k, v, alibi_slopes, attn_mask, key_mask, spec: _Spec, *mod_tensors):
+        return _forward(q, k, v, alibi_slopes, attn_mask, key_mask, spec, mod_tensors)
+
+
+def _forward(q, k, v, alibi_slopes, attn_mask, key_mask, spec: _Spec, mod_tensors):
+    """The forward of both autograd functions: ``(out, lse)``."""
+    plan = _plan(q, k, _request(spec, alibi_slopes, attn_mask, key_mask, mod_tensors), spec)
+    kernel = _kernel(q.device, plan.matmul_dtype, plan.request)
+    if kernel is not None:
+        out, lse = tiled_native.forward(kernel, _native_operands(q, k, v, plan), plan)
+    else:
+        with marked("attnkit::tiled_loop_forward"):
+            q5, k5 = nan_rows(_prescaled(q, plan)), nan_rows(_operand(k, plan))
+            out, lse = tiled_loop.forward(q5, k5, _operand(v, plan), plan)
+    return out.view((*q.shape[:-1], v.shape[-1])).to(q.dtype), lse.view(q.shape[:-1])
+
+
 def _fold_batch(x: Tensor, dim: int | None, size: int) -> Tensor:
     """``x`` ``(b, ...)`` with a vmapped dim at ``dim`` (None: shared) -> ``(size * b, ...)``."""
     x = x.expand(size, *x.shape) if dim is None else x.movedim(dim, 0)
@@ -211,6 +248,14 @@ def _native_kernel(device: torch.device, matmul_dtype: torch.dtype) -> ModuleTyp
     return tiled_native.kernel_for(device, matmul_dtype)
 
 
+def _kernel(device: torch.device, matmul_dtype: torch.dtype, request: Request):
+    """The C++ kernel if it can run this call, else None: a ``score_mod`` or ``block_mask`` is
+    Python, which the C++ kernel cannot call, so they run in the loop."""
+    if request.score_mod is not None or request.block_mask is not None:
+        return None
+    return _native_kernel(device, matmul_dtype)
+
+
 def _call_dtype(q: Tensor) -> torch.dtype:
     """The dtype the kernel sees: q's, or the autocast dtype."""
     if torch.is_autocast_enabled(q.device.type):
@@ -218,17 +263,17 @@ def _call_dtype(q: Tensor) -> torch.dtype:
     return q.dtype
 
 
-def runs_native(q: Tensor) -> bool:
+def runs_native(q: Tensor, request: Request) -> bool:
     """Whether a tiled call on ``q`` runs the C++ kernel (building it, the first time)."""
-    return _native_kernel(q.device, _matmul_dtype(_call_dtype(q), q.device)) is not None
+    return _kernel(q.device, _matmul_dtype(_call_dtype(q), q.device), request) is not None
 
 
-def products(q: Tensor) -> str:
+def products(q: Tensor, request: Request) -> str:
     """The block products of a tiled call on ``q``: in the C++ kernel ``"float32"``,
     ``"bf16-avx512_bf16"`` or ``"bf16-portable"`` ([`attnkit.backends.tiled_native.products`][attnkit.backends.tiled_native.products]);
     in the loop, the dtype torch multiplies in (``"float32"``, ``"float64"``, ``"bfloat16"``, ...)."""
     matmul_dtype = _matmul_dtype(_call_dtype(q), q.device)
-    kernel = _native_kernel(q.device, matmul_dtype)
+    kernel = _kernel(q.device, matmul_dtype, request)
     if kernel is not None:
         return tiled_native.products(kernel, matmul_dtype)
     return str(matmul_dtype).removeprefix("torch.")
@@ -243,6 +288,12 @@ def refuses(request: Request, q: Tensor, k: Tensor, v: Tensor) -> str | None:
     if forward_ad_active():
         return (
             "forward-mode AD (torch.func.jvp, jacfwd, forward_ad): the tiled kernel has no jvp rule"
+        )
+    if (request.score_mod or request.block_mask) is not None and (
+        torch._C._are_functorch_transforms_active()
+    ):
+        return (
+            "score_mod or block_mask under a torch.func transform (the reference backend runs it)"
         )
     if gradient_levels(q, k, v, request.alibi_slopes):
         return (
@@ -274,12 +325,14 @@ def _weights(q: Tensor, k: Tensor, lse: Tensor, plan: Plan) -> Tensor:
     q, k, the slopes or the lse need one, as one block of ordinary differentiable operations (the
     weights are ``t x s`` anyway), whose gradient reaches the lse's and through it the kernel's."""
     b, h, t, _ = q.shape
-    differentiable = wants_grad(q, k, lse, plan.request.alibi_slopes)
+    differentiable = wants_grad(q, k, lse, plan.request.alibi_slopes, *plan.request.mod_tensors)
     q5, k = nan_rows(_prescaled(q, plan)), nan_rows(_operand(k, plan))
     lse = lse.view(plan.b, plan.h_kv, plan.groups, t)
     lse = lse.masked_fill(lse == _NEG_INF, 0.0)
     if differentiable:
-        scores, _ = plan.scores(plan.grouped_rows(q5, 0, t), k, 0, t, 0, plan.s, True)
+        scores, _, _ = plan.scores(
+            plan.grouped_rows(q5, 0, t), k, 0, t, 0, plan.s, True, whole=True
+        )
         probs = (scores - lse[..., None]).exp().masked_fill(scores == _NEG_INF, 0.0)
         return probs.view(b, h, t, plan.s)
     weights = q.new_zeros(b, plan.h_kv, plan.groups, t, plan.s)
@@ -287,7 +340,7 @@ def _weights(q: Tensor, k: Tensor, lse: Tensor, plan: Plan) -> Tensor:
         for i0, i1 in plan.query_blocks():
             q_blk = plan.grouped_rows(q5, i0, i1)
             for j0, j1, window in plan.key_blocks(i0, i1):
-                scores, _ = plan.scores(q_blk, k[:, :, j0:j1], i0, i1, j0, j1, window)
+                scores, _, _ = plan.scores(q_blk, k[:, :, j0:j1], i0, i1, j0, j1, window)
                 masked = scores == _NEG_INF  # 0 even in a row that a NaN score makes NaN
                 probs = scores.sub_(lse[:, :, :, i0:i1, None]).exp_().masked_fill_(masked, 0.0)
                 weights[:, :, :, i0:i1, j0:j1] = probs
@@ -307,9 +360,25 @@ def tiled(q: Tensor, k: Tensor, v: Tensor, request: Request) -> AttentionOutput:
     with torch.autocast(device, enabled=False):
         masks = request.masks
         k, v = zero_padding(k, masks.key_mask), zero_padding(v, masks.key_mask)
-        spec = _Spec(masks.window, request.scale, request.softcap, BLOCK_Q, BLOCK_K)
-        out, lse = _TiledAttention.apply(
-            q, k, v, request.alibi_slopes, masks.attn_mask, masks.key_mask, spec
+        spec = _Spec(
+            masks.window,
+            request.scale,
+            request.softcap,
+            BLOCK_Q,
+            BLOCK_K,
+            request.score_mod,
+            request.block_mask,
+        )
+        function = _TiledAttentionWithMods if request.mod_tensors else _TiledAttention
+        out, lse = function.apply(
+            q,
+            k,
+            v,
+            request.alibi_slopes,
+            masks.attn_mask,
+            masks.key_mask,
+            spec,
+            *request.mod_tensors,
         )
         weights = None
         if request.return_weights:

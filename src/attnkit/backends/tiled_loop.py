@@ -16,8 +16,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from attnkit import mods
 from attnkit.backends.base import Request
 from attnkit.backends.nonfinite import NAN, may_hold_nonfinite
+from attnkit.block_mask import BlockPlan
+from attnkit.block_mask import allowed as dense_allowed
 
 _NEG_INF = float("-inf")
 
@@ -43,6 +46,7 @@ class Plan:
     stats_dtype: torch.dtype  # dtype of scores, softmax statistics and accumulators
     block_q: int
     block_k: int
+    blocks: BlockPlan | None = None  # the block mask's tables, if one is given
 
     @staticmethod
     def of(
@@ -53,6 +57,10 @@ class Plan:
         block_q: int,
         block_k: int,
     ) -> Plan:
+        blocks = None
+        if request.block_mask is not None:  # the mask's own blocks, so that whole ones are skipped
+            blocks = BlockPlan(request.block_mask)
+            block_q, block_k = blocks.block_size
         return Plan(
             request=request,
             b=q.shape[0],
@@ -64,6 +72,7 @@ class Plan:
             stats_dtype=torch.promote_types(q.dtype, torch.float32),
             block_q=block_q,
             block_k=block_k,
+            blocks=blocks,
         )
 
     def query_blocks(self) -> Iterator[tuple[int, int]]:
@@ -71,13 +80,22 @@ class Plan:
             yield i0, min(i0 + self.block_q, self.t)
 
     def key_blocks(self, i0: int, i1: int) -> Iterator[tuple[int, int, bool]]:
-        """``(j0, j1, needs_window_mask)`` for the key blocks that queries ``i0..i1-1`` can see."""
+        """``(j0, j1, needs_window_mask)`` for the key blocks that queries ``i0..i1-1`` can see:
+        those in the window's range, and with a block mask, those it lists for these rows."""
         left, right = self.request.masks.window or (-1, -1)
         first, last = i0 + self.s - self.t, i1 - 1 + self.s - self.t  # p(i0), p(i1 - 1)
         lo = max(0, first - left) if left >= 0 else 0
         hi = min(self.s, last + right + 1) if right >= 0 else self.s
-        for j0 in range(lo, hi, self.block_k):
-            j1 = min(j0 + self.block_k, hi)
+        if self.blocks is None:
+            spans = ((j0, min(j0 + self.block_k, hi)) for j0 in range(lo, hi, self.block_k))
+        else:
+            listed = self.blocks.key_blocks[i0 // self.block_q]
+            spans = (
+                (max(kb * self.block_k, lo), min((kb + 1) * self.block_k, hi)) for kb in listed
+            )
+        for j0, j1 in spans:
+            if j0 >= j1:
+                continue
             inside = (left < 0 or j0 >= last - left) and (right < 0 or j1 - 1 <= first + right)
             yield j0, j1, not inside
 
@@ -88,13 +106,26 @@ class Plan:
         return (q_pos[:, None] - torch.arange(j0, j1, **factory)).abs_()
 
     def scores(
-        self, q_blk: Tensor, k_blk: Tensor, i0: int, i1: int, j0: int, j1: int, window: bool
-    ) -> tuple[Tensor, Tensor | None]:
-        """The masked scores of one block, ``(b, h_kv, g, bq, bk)`` in ``stats_dtype``, and
-        ``tanh(u / softcap)`` (for the backward) when soft-capping. ``q_blk`` and ``k_blk`` come
-        through [`nan_rows`][attnkit.backends.nonfinite.nan_rows] and the slopes are NaN where not
-        finite, so a score made non-finite by the inputs is NaN; only a mask gives -inf (a +inf
-        bias makes the row's max +inf, hence NaN)."""
+        self,
+        q_blk: Tensor,
+        k_blk: Tensor,
+        i0: int,
+        i1: int,
+        j0: int,
+        j1: int,
+        window: bool,
+        *,
+        tape: bool = False,
+        whole: bool = False,
+    ) -> tuple[Tensor, Tensor | None, tuple[Tensor, Tensor] | None]:
+        """The masked scores of one block, ``(b, h_kv, g, bq, bk)`` in ``stats_dtype``;
+        ``tanh(u / softcap)`` (for the backward) when soft-capping; and with ``tape``, the scores
+        before and after ``score_mod`` with the mod's graph between them (for its gradients).
+        ``q_blk`` and ``k_blk`` come through
+        [`nan_rows`][attnkit.backends.nonfinite.nan_rows] and the slopes are NaN where not finite,
+        so a score made non-finite by the inputs is NaN; only a mask (or ``score_mod``) gives -inf
+        (a +inf bias makes the row's max +inf, hence NaN). ``whole``: the block is every row and
+        key, and a block mask applies densely."""
         req = self.request
         b, h_kv, g = self.b, self.h_kv, self.groups
         raw = torch.matmul(q_blk, k_blk.transpose(-2, -1))  # (b, h_kv, g*bq, d) x (b, h_kv, d, bk)
@@ -108,6 +139,9 @@ class Plan:
             neg_slopes = -slopes.where(torch.isfinite(slopes), NAN).view(h_kv, g, 1, 1)
             distance = self.distance(i0, i1, j0, j1, q_blk.device)  # (bq, bk)
             scores = scores.addcmul_(neg_slopes, distance)  # one pass: score -= slope |p(i) - j|
+        recorded = None
+        if req.score_mod is not None:
+            scores, recorded = self._score_mod(scores, i0, i1, j0, j1, tape)
         bias = req.masks.bias(slice(i0, i1), slice(j0, j1))
         if bias is not None:
             scores = scores + _by_group(bias.to(self.stats_dtype), h_kv, g)
@@ -116,11 +150,61 @@ class Plan:
         )
         if allowed is not None:
             scores = scores.masked_fill(~_by_group(allowed, h_kv, g), _NEG_INF)
-        return scores, capped
+        if self.blocks is not None:
+            if whole:
+                allowed = dense_allowed(self.blocks.block_mask)
+            else:
+                qb, kb = i0 // self.block_q, j0 // self.block_k
+                allowed = self.blocks.allowed(qb, kb, range(i0, i1), range(j0, j1))
+            if allowed is not None:
+                scores = scores.masked_fill(~_by_group(allowed, h_kv, g), _NEG_INF)
+        return scores, capped, recorded
+
+    def _score_mod(
+        self, scores: Tensor, i0: int, i1: int, j0: int, j1: int, tape: bool
+    ) -> tuple[Tensor, tuple[Tensor, Tensor] | None]:
+        """``score_mod`` over one block, seen as ``(b, h, bq, bk)`` with the absolute indices of
+        its batches, heads, rows and keys; with ``tape``, also ``(before, after)`` with the mod's
+        graph between them."""
+        shape = scores.shape
+        at = mods.Block.of(
+            range(self.b),
+            range(self.h_kv * self.groups),
+            range(i0, i1),
+            range(j0, j1),
+            scores.device,
+        )
+        four_d = (self.b, self.h_kv * self.groups, i1 - i0, j1 - j0)
+        if not tape:
+            return mods.score(self.request.score_mod, scores.view(four_d), at).view(shape), None
+        before = scores.detach().view(four_d).requires_grad_()
+        with torch.enable_grad():
+            after = mods.score(self.request.score_mod, before, at)
+        return after.detach().clone().view(shape), (before, after)
 
     def grouped_rows(self, x: Tensor, i0: int, i1: int) -> Tensor:
         """Rows ``i0..i1`` of a ``(b, h_kv, g, t, n)`` tensor as one ``(b, h_kv, g*bq, n)`` block."""
         return x[:, :, :, i0:i1].reshape(self.b, self.h_kv, -1, x.shape[-1])
+
+
+def _through_score_mod(
+    recorded: tuple[Tensor, Tensor],
+    dscores: Tensor,
+    tensors: tuple[Tensor, ...],
+    mod_grads: list[Tensor | None],
+    masked: Tensor | None,
+) -> Tensor:
+    """The gradient of the scores before ``score_mod`` given that after it (``dscores``), adding
+    the gradients of the tensors the mod reads into ``mod_grads``."""
+    before, after = recorded
+    grads = torch.autograd.grad(
+        after, (before, *tensors), dscores.view(after.shape), allow_unused=True
+    )
+    for i, grad in enumerate(grads[1:]):
+        if grad is not None:
+            mod_grads[i] = grad if mod_grads[i] is None else mod_grads[i] + grad
+    dbefore = grads[0].view(dscores.shape)
+    return dbefore if masked is None else dbefore.masked_fill_(masked, 0.0)
 
 
 def _flat(x: Tensor) -> Tensor:
@@ -150,7 +234,8 @@ def forward(q5: Tensor, k: Tensor, v: Tensor, plan: Plan) -> tuple[Tensor, Tenso
     if careful:
         finite = torch.isfinite(v)
         clean_v, bad_v = v.where(finite, 0.0), (~finite).to(plan.matmul_dtype)
-    masked_blocks = plan.request.masks.attn_mask is not None  # key_mask padding is zero already
+    req = plan.request  # masks that may hide keys inside a block (key_mask padding is zero already)
+    masked_blocks = any(x is not None for x in (req.masks.attn_mask, req.score_mod, req.block_mask))
     for i0, i1 in plan.query_blocks():
         bq = i1 - i0
         q_blk = plan.grouped_rows(q5, i0, i1)  # (b, h_kv, g*bq, d)
@@ -161,7 +246,7 @@ def forward(q5: Tensor, k: Tensor, v: Tensor, plan: Plan) -> tuple[Tensor, Tenso
         touched = torch.zeros_like(acc)  # (b, h_kv, g, bq, d_v)
         touched_3d = touched.view(b * h_kv, g * bq, -1)
         for j0, j1, window in plan.key_blocks(i0, i1):
-            scores, _ = plan.scores(q_blk, k[:, :, j0:j1], i0, i1, j0, j1, window)
+            scores, _, _ = plan.scores(q_blk, k[:, :, j0:j1], i0, i1, j0, j1, window)
             values = v
             if careful and (window or masked_blocks):
                 values = clean_v
@@ -192,9 +277,12 @@ def backward(
     plan: Plan,
     *,
     slopes_grad: bool,
+    mod_grads: list[Tensor | None] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """Gradients of q (w.r.t. the pre-scaled q), k, v and the ALiBi slopes (if ``slopes_grad``), in
-    ``stats_dtype``. ``delta`` ``(b, h_kv, g, t)`` is ``D_i = dO_i . O_i - dlse_i``."""
+    ``stats_dtype``. ``delta`` ``(b, h_kv, g, t)`` is ``D_i = dO_i . O_i - dlse_i``. With a
+    ``score_mod``, ``mod_grads`` (one entry per tensor of ``request.mod_tensors``, None at first)
+    accumulates the gradients of the tensors it reads."""
     b, h_kv, g, _t, d = q5.shape
     lse = lse.masked_fill(lse == _NEG_INF, 0.0)  # empty rows: their scores are -inf, exp() = 0
     # A NaN row (NaN lse), a non-finite dP or D would put 0 * NaN at masked keys: select them out.
@@ -215,7 +303,9 @@ def backward(
         q_3d, do_3d = _flat(q_blk), _flat(do_blk)
         for j0, j1, window in plan.key_blocks(i0, i1):
             k_blk, v_blk = k[:, :, j0:j1], v[:, :, j0:j1]
-            scores, capped = plan.scores(q_blk, k_blk, i0, i1, j0, j1, window)
+            scores, capped, recorded = plan.scores(
+                q_blk, k_blk, i0, i1, j0, j1, window, tape=mod_grads is not None
+            )
             masked = scores == _NEG_INF if careful else None  # P and dS are exactly 0 there
             probs = scores.sub_(lse_blk).exp_()  # P, (b, h_kv, g, bq, bk)
             if masked is not None:
@@ -227,6 +317,10 @@ def backward(
             dscores = dprobs.to(plan.stats_dtype).view(probs.shape).sub_(delta_blk).mul_(probs)
             if masked is not None:
                 dscores.masked_fill_(masked, 0.0)  # 0 * a NaN dP from a hidden key's value
+            if recorded is not None:  # through score_mod, to its input and the tensors it reads
+                dscores = _through_score_mod(
+                    recorded, dscores, plan.request.mod_tensors, mod_grads, masked
+                )
             if dslopes is not None:  # score -= slope |p(i) - j|, added after the soft-cap
                 distance = plan.distance(i0, i1, j0, j1, q5.device)
                 dslopes.sub_((dscores * distance).sum(dim=(0, 3, 4)))

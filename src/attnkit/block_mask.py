@@ -1,0 +1,355 @@
+"""Block masks: which blocks of the score matrix a mask leaves, built without the dense mask.
+
+A [`BlockMask`](https://pytorch.org/docs/stable/nn.attention.flex_attention.html) (torch's own
+class) lists, for each block of ``Q_BLOCK_SIZE`` query rows, the key blocks of ``KV_BLOCK_SIZE``
+that hold an allowed score: *partial* blocks, where ``mask_mod`` must be applied, and *full* blocks,
+where every score is allowed and ``mask_mod`` is skipped. Blocks in neither list are never
+computed.
+
+torch's ``create_block_mask`` on a CPU evaluates ``mask_mod`` over the whole ``(B, H, Q_LEN,
+KV_LEN)`` grid at once (2.5 GiB for a causal mask at 16384²). attnkit's
+[`create_block_mask`][attnkit.block_mask.create_block_mask] takes the same arguments and returns
+the same block tables, but evaluates the mask tile by tile, at most
+[`WORK_ELEMENTS`][attnkit.block_mask.WORK_ELEMENTS] scores at a time, so its memory is the block
+tables plus one tile.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask
+
+from attnkit import mods
+
+WORK_ELEMENTS = 1 << 22
+"""The most mask elements evaluated at once (4 MiB of bools)."""
+
+
+def _device(device) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    accelerator = getattr(torch, "accelerator", None)
+    current = accelerator.current_accelerator() if accelerator is not None else None
+    return torch.device(current or "cpu")
+
+
+def _block_sizes(BLOCK_SIZE: int | tuple[int, int]) -> tuple[int, int]:
+    sizes = (BLOCK_SIZE, BLOCK_SIZE) if isinstance(BLOCK_SIZE, int) else tuple(BLOCK_SIZE)
+    if len(sizes) != 2 or not all(isinstance(n, int) and n > 0 for n in sizes):
+        raise ValueError(f"BLOCK_SIZE must be a positive int or a pair of them, got {BLOCK_SIZE!r}")
+    return sizes
+
+
+def create_block_mask(
+    mask_mod: mods.MaskMod,
+    B: int | None,
+    H: int | None,
+    Q_LEN: int,
+    KV_LEN: int,
+    device: torch.device | str | None = None,
+    BLOCK_SIZE: int | tuple[int, int] = 128,
+    _compile: bool = False,
+    separate_full_blocks: bool = True,
+    compute_dq_write_order: bool = False,
+    dq_kv_order: bool = True,
+) -> BlockMask:
+    """The block tables of ``mask_mod``, as torch's ``create_block_mask`` makes them, without the
+    dense mask.
+
+    Same parameters, order and defaults as torch 2.13's
+    ``torch.nn.attention.flex_attention.create_block_mask``, and a torch ``BlockMask`` back: equal
+    ``kv_num_blocks`` and ``full_kv_num_blocks``, and the same blocks listed first in
+    ``kv_indices``/``full_kv_indices``. A block past the end of a length not divisible by the
+    block size counts its missing rows or keys as masked, so it is never full, as in torch.
+
+    Args:
+        mask_mod: ``mask_mod(b, h, q_idx, kv_idx) -> bool``, True where the query may see the key.
+        B: batch size the mask depends on; None for 1 (the same for every batch).
+        H: query heads the mask depends on; None for 1.
+        Q_LEN: query length.
+        KV_LEN: key length.
+        device: where the tables live (torch's rule: the current accelerator, else the CPU).
+        BLOCK_SIZE: the block's query rows and keys, one int for both.
+        _compile: deprecated in torch and ignored here (a warning says so).
+        separate_full_blocks: False lists every non-empty block as partial.
+        compute_dq_write_order: torch's metadata for a deterministic GPU backward; computed by
+            torch when asked.
+        dq_kv_order: the order of that metadata.
+
+    Raises:
+        TypeError: ``mask_mod`` returns something other than a bool tensor.
+        ValueError: a length or block size that is not positive.
+    """
+    if _compile:
+        warnings.warn(
+            "create_block_mask(_compile=True) is deprecated in torch; attnkit ignores it",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+    B, H = B or 1, H or 1
+    for name, value in (("B", B), ("H", H), ("Q_LEN", Q_LEN), ("KV_LEN", KV_LEN)):
+        if not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    bq, bk = _block_sizes(BLOCK_SIZE)
+    device = _device(device)
+    partial, full = block_counts(mask_mod, B, H, Q_LEN, KV_LEN, bq, bk, device)
+    if not separate_full_blocks:
+        partial, full = partial | full, None
+    block_mask = BlockMask.from_kv_blocks(
+        *_ordered(partial),
+        *(_ordered(full) if full is not None else (None, None)),
+        BLOCK_SIZE=(bq, bk),
+        mask_mod=mask_mod,
+        seq_lengths=(Q_LEN, KV_LEN),
+    )
+    if compute_dq_write_order:
+        from torch.nn.attention.flex_attention import _compute_dq_write_order_from_block_mask
+
+        order, order_full = _compute_dq_write_order_from_block_mask(
+            block_mask, dq_kv_order=dq_kv_order
+        )
+        block_mask.dq_write_order, block_mask.dq_write_order_full = order, order_full
+        block_mask.dq_kv_order, block_mask.dq_kv_order_spt = None, dq_kv_order
+    return block_mask
+
+
+def block_counts(
+    mask_mod: mods.MaskMod, B: int, H: int, t: int, s: int, bq: int, bk: int, device
+) -> tuple[Tensor, Tensor]:
+    """``(partial, full)``: bool ``(B, H, ceil(t / bq), ceil(s / bk))``, the blocks that hold some
+    but not all allowed scores, and those that hold only allowed ones, from tiles of at most
+    [`WORK_ELEMENTS`][attnkit.block_mask.WORK_ELEMENTS] evaluations of ``mask_mod``."""
+    nq, nk = math.ceil(t / bq), math.ceil(s / bk)
+    some = torch.zeros(B, H, nq, nk, dtype=torch.bool, device=device)
+    every = torch.zeros(B, H, nq, nk, dtype=torch.bool, device=device)
+    tile_k = max(1, min(nk, WORK_ELEMENTS // (B * H * bq * bk)))
+    tile_q = max(1, min(nq, WORK_ELEMENTS // (B * H * bq * bk * tile_k)))
+    for qb in range(0, nq, tile_q):
+        rows = range(qb * bq, min((qb + tile_q) * bq, t))
+        for kb in range(0, nk, tile_k):
+            keys = range(kb * bk, min((kb + tile_k) * bk, s))
+            at = mods.Block.of(range(B), range(H), rows, keys, device)
+            allowed = mods.mask(mask_mod, at).expand(B, H, len(rows), len(keys))
+            pad = (0, -len(keys) % bk, 0, -len(rows) % bq)  # missing rows and keys: masked
+            if any(pad):
+                allowed = torch.nn.functional.pad(allowed, pad)
+            # as bytes: max and min over a block are several times faster than any and all
+            blocks = allowed.view(torch.uint8).reshape(B, H, -1, bq, allowed.shape[-1] // bk, bk)
+            where = (slice(None), slice(None), slice(qb, qb + blocks.shape[2]))
+            where += (slice(kb, kb + blocks.shape[4]),)
+            some[where] = blocks.amax(dim=5).amax(dim=3).bool()
+            every[where] = blocks.amin(dim=5).amin(dim=3).bool()
+    return some & ~every, every
+
+
+def _ordered(blocks: Tensor) -> tuple[Tensor, Tensor]:
+    """``(num_blocks, indices)`` of a ``(..., nq, nk)`` bool table: the listed blocks first, in
+    ascending order, as torch orders them."""
+    dense = blocks.to(torch.int32)
+    indices = torch.argsort(dense, dim=-1, descending=True, stable=True)
+    return dense.sum(dim=-1, dtype=torch.int32), indices.to(torch.int32)
+
+
+def tables(block_mask: BlockMask) -> tuple[Tensor, Tensor]:
+    """``(partial, full)``: bool ``(B, H, nq, nk)``, the blocks ``block_mask`` lists as partial
+    (``mask_mod`` applies) and as full (every score allowed). Entries past each row's count in
+    ``kv_indices`` are padding, and ignored."""
+
+    def dense(num: Tensor | None, indices: Tensor | None, nk: int) -> Tensor:
+        shape = (*block_mask.kv_num_blocks.shape, nk)
+        if num is None or indices is None:
+            return torch.zeros(shape, dtype=torch.bool, device=block_mask.kv_num_blocks.device)
+        listed = torch.arange(indices.shape[-1], device=indices.device) < num[..., None]
+        columns = indices.long().masked_fill(~listed, nk)  # padding goes to a spare column
+        table = torch.zeros((*shape[:-1], nk + 1), dtype=torch.bool, device=indices.device)
+        return table.scatter_(-1, columns, True)[..., :nk]
+
+    nk = -(-block_mask.seq_lengths[1] // block_mask.BLOCK_SIZE[1])
+    full = dense(block_mask.full_kv_num_blocks, block_mask.full_kv_indices, nk)
+    partial = dense(block_mask.kv_num_blocks, block_mask.kv_indices, nk) & ~full
+    return partial, full
+
+
+def allowed(block_mask: BlockMask, device=None) -> Tensor:
+    """The dense bool mask ``(B, H, t, s)`` that ``block_mask`` stands for: True in its full
+    blocks, ``mask_mod`` in its partial blocks, False elsewhere. ``O(t * s)``: for the reference
+    backend, which materialises the scores anyway."""
+    t, s = block_mask.seq_lengths
+    bq, bk = block_mask.BLOCK_SIZE
+    partial, full = tables(block_mask)
+    B, H = partial.shape[:2]
+    at = mods.Block.of(range(B), range(H), range(t), range(s), device or partial.device)
+    by_mod = mods.mask(block_mask.mask_mod, at).expand(B, H, t, s)
+
+    def spread(table: Tensor) -> Tensor:  # (B, H, nq, nk) -> (B, H, t, s)
+        return table.repeat_interleave(bq, dim=2)[:, :, :t].repeat_interleave(bk, dim=3)[..., :s]
+
+    return spread(full) | (spread(partial) & by_mod)
+
+
+class BlockPlan:
+    """A block mask as the tiled kernel walks it: for each block of query rows, the key blocks that
+    some batch and head needs, and for each of those the mask to apply (None where the block is
+    full for every batch and head, so ``mask_mod`` is skipped)."""
+
+    def __init__(self, block_mask: BlockMask):
+        self.block_mask = block_mask
+        self.partial, self.full = tables(block_mask)
+        listed = (self.partial | self.full).flatten(0, 1).any(dim=0)  # (nq, nk)
+        self.key_blocks = [row.nonzero().flatten().tolist() for row in listed]
+        self.all_full = self.full.flatten(0, 1).all(dim=0).tolist()
+
+    @property
+    def block_size(self) -> tuple[int, int]:
+        return tuple(self.block_mask.BLOCK_SIZE)
+
+    def allowed(self, qb: int, kb: int, rows: range, keys: range) -> Tensor | None:
+        """Bool ``(B, H, len(rows), len(keys))`` (B, H: 1 or the call's) for the scores of rows
+        ``rows`` (in query block ``qb``) and keys ``keys`` (in key block ``kb``), or None if the
+        block is full for every batch and head."""
+        if self.all_full[qb][kb]:
+            return None
+        B, H = self.partial.shape[:2]
+        at = mods.Block.of(range(B), range(H), rows, keys, self.partial.device)
+        partial = self.partial[:, :, qb, kb, None, None]
+        return (mods.mask(self.block_mask.mask_mod, at) & partial) | self.full[
+            :, :, qb, kb, None, None
+        ]
+
+
+def sequence_lengths(cu_seqlens: Tensor, name: str, total: int | None = None) -> Tensor:
+    """The sequence lengths of ``cu_seqlens`` (``0, l0, l0 + l1, ...``), checked."""
+    if (
+        not isinstance(cu_seqlens, Tensor)
+        or cu_seqlens.dim() != 1
+        or cu_seqlens.is_floating_point()
+    ):
+        raise TypeError(f"{name} must be a 1-D integer tensor, got {cu_seqlens!r}")
+    if len(cu_seqlens) < 2 or int(cu_seqlens[0]) != 0:
+        raise ValueError(
+            f"{name} must start at 0 and hold at least one sequence, got {cu_seqlens.tolist()}"
+        )
+    lengths = cu_seqlens.diff()
+    if bool((lengths < 0).any()):
+        raise ValueError(f"{name} must not decrease, got {cu_seqlens.tolist()}")
+    if total is not None and int(cu_seqlens[-1]) != total:
+        raise ValueError(f"{name} must end at the total length {total}, got {int(cu_seqlens[-1])}")
+    return lengths
+
+
+def _cu_seqlens_of(documents: Tensor, name: str) -> Tensor:
+    """``cu_seqlens`` of a 1-D tensor of document ids, each id in one contiguous run."""
+    if not isinstance(documents, Tensor) or documents.dim() != 1 or documents.is_floating_point():
+        raise TypeError(f"{name} must be a 1-D integer tensor of document ids, got {documents!r}")
+    ids, counts = torch.unique_consecutive(documents, return_counts=True)
+    if len(torch.unique(ids)) != len(ids):
+        raise ValueError(
+            f"{name}: each document's tokens must be contiguous, got {documents.tolist()}"
+        )
+    return torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+
+
+def document_mask(
+    documents: Tensor | None = None,
+    *,
+    cu_seqlens: Tensor | None = None,
+    kv_documents: Tensor | None = None,
+    cu_seqlens_k: Tensor | None = None,
+    causal: bool = False,
+    window: tuple[int, int] | None = None,
+    BLOCK_SIZE: int | tuple[int, int] = 128,
+    device: torch.device | str | None = None,
+) -> BlockMask:
+    """A block mask for packed sequences: each token sees only the tokens of its own document.
+
+    Documents are given by ids (``documents``, one per token, each document contiguous) or by
+    ``cu_seqlens`` as flash-attn takes them (``0, l0, l0 + l1, ...``); the keys' documents default
+    to the queries'. Within a document, ``causal`` and ``window`` align bottom-right as flash-attn
+    does when a document has fewer queries than keys: query ``i`` of ``lq`` sits at position
+    ``i + lk - lq`` among the document's ``lk`` keys.
+
+    Args:
+        documents: ``(t,)`` document ids of the queries.
+        cu_seqlens: ``(n + 1,)`` the queries' sequence boundaries, instead of ``documents``.
+        kv_documents: ``(s,)`` document ids of the keys (default: the queries').
+        cu_seqlens_k: ``(n + 1,)`` the keys' boundaries (default: the queries').
+        causal: within each document, a query sees the keys up to its position.
+        window: ``(left, right)`` keys around that position, -1 unbounded (causal: ``right = 0``).
+        BLOCK_SIZE: the block size of the mask.
+        device: where the tables live (default: the ids' device).
+
+    Example:
+        >>> import torch
+        >>> mask = document_mask(torch.tensor([0, 0, 0, 1, 1, 2]), causal=True, BLOCK_SIZE=2)
+        >>> mask.kv_num_blocks.tolist()   # per 2 queries, the blocks of 2 keys they need
+        [[[1, 2, 2]]]
+    """
+    if (documents is None) == (cu_seqlens is None):
+        raise ValueError("give the queries' documents as documents or as cu_seqlens (one of them)")
+    if kv_documents is not None and cu_seqlens_k is not None:
+        raise ValueError("give the keys' documents as kv_documents or as cu_seqlens_k, not both")
+    cu_q = _cu_seqlens_of(documents, "documents") if cu_seqlens is None else cu_seqlens
+    cu_k = cu_q
+    if kv_documents is not None:
+        cu_k = _cu_seqlens_of(kv_documents, "kv_documents")
+    elif cu_seqlens_k is not None:
+        cu_k = cu_seqlens_k
+    lengths_q, lengths_k = (
+        sequence_lengths(cu_q, "cu_seqlens"),
+        sequence_lengths(cu_k, "cu_seqlens_k"),
+    )
+    if len(lengths_q) != len(lengths_k):
+        raise ValueError(
+            f"the queries have {len(lengths_q)} documents and the keys {len(lengths_k)}"
+        )
+    device = cu_q.device if device is None else device
+    left, right = window if window is not None else (-1, -1)
+    if causal:
+        right = 0 if right < 0 else min(right, 0)
+    mask_mod = _DocumentMask(cu_q.to(device), cu_k.to(device), lengths_q, lengths_k, left, right)
+    t, s = int(cu_q[-1]), int(cu_k[-1])
+    return create_block_mask(mask_mod, None, None, t, s, device, BLOCK_SIZE)
+
+
+class _DocumentMask:
+    """``mask_mod`` of packed documents: same document, and within it the window around the
+    query's bottom-right-aligned position. Tensors per token, so it evaluates on index tensors."""
+
+    def __init__(
+        self,
+        cu_q: Tensor,
+        cu_k: Tensor,
+        lengths_q: Tensor,
+        lengths_k: Tensor,
+        left: int,
+        right: int,
+    ):
+        device = cu_q.device
+        documents = torch.arange(len(lengths_q), device=device)
+        self.doc_q = documents.repeat_interleave(lengths_q.to(device))
+        self.doc_k = documents.repeat_interleave(lengths_k.to(device))
+        # a query's position among its document's keys: its offset + (lk - lq)
+        shift = (lengths_k - lengths_q).to(device)
+        self.position_q = (
+            torch.arange(int(cu_q[-1]), device=device)
+            - cu_q[:-1].repeat_interleave(lengths_q.to(device))
+            + shift.repeat_interleave(lengths_q.to(device))
+        )
+        self.position_k = torch.arange(int(cu_k[-1]), device=device) - cu_k[:-1].repeat_interleave(
+            lengths_k.to(device)
+        )
+        self.left, self.right = left, right
+        self.__qualname__ = "document_mask"
+
+    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        allowed = self.doc_q[q_idx] == self.doc_k[kv_idx]
+        p, j = self.position_q[q_idx], self.position_k[kv_idx]
+        if self.left >= 0:
+            allowed = allowed & (j >= p - self.left)
+        if self.right >= 0:
+            allowed = allowed & (j <= p + self.right)
+        return allowed

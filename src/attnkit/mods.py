@@ -1,0 +1,202 @@
+"""User-written score and mask functions, as torch's FlexAttention defines them.
+
+- ``score_mod(score, b, h, q_idx, kv_idx) -> score``: changes a score (after ``scale``, ``softcap``
+  and ALiBi); returning ``-inf`` masks the key.
+- ``mask_mod(b, h, q_idx, kv_idx) -> bool``: True where query ``q_idx`` may see key ``kv_idx``.
+
+torch evaluates them one score at a time under ``vmap``. attnkit evaluates them once per block, on
+index tensors that broadcast against the block: ``b`` ``(B, 1, 1, 1)``, ``h`` ``(1, H, 1, 1)``,
+``q_idx`` ``(1, 1, bq, 1)`` and ``kv_idx`` ``(1, 1, 1, bk)``, all int64. A function written with
+elementwise tensor operations and indexing (``bias[h, q_idx - kv_idx]``,
+``doc[q_idx] == doc[kv_idx]``, ``torch.where``) gives the same values either way, in one pass over
+the block. A function that broadcasting does not fit (one that raises on the block's shapes, or
+returns anything but a 4-D tensor that broadcasts to the block, as a reduction over a dim would) is
+evaluated under nested ``torch.vmap`` instead, one score at a time as torch does, more slowly.
+
+Errors name the function and the block: a function that raises, a ``mask_mod`` whose result is not
+bool, a ``score_mod`` that changes the block's shape or dtype.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import types
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+ScoreMod = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
+MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+
+
+class Block(NamedTuple):
+    """The broadcast indices of one block: batches ``b``, heads ``h``, rows ``q``, keys ``kv``."""
+
+    b: Tensor
+    h: Tensor
+    q: Tensor
+    kv: Tensor
+
+    @staticmethod
+    def of(batches: range, heads: range, rows: range, keys: range, device=None) -> Block:
+        def index(r: range, dim: int) -> Tensor:
+            shape = [1, 1, 1, 1]
+            shape[dim] = len(r)
+            return torch.arange(r.start, r.stop, device=device).view(shape)
+
+        return Block(index(batches, 0), index(heads, 1), index(rows, 2), index(keys, 3))
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return (self.b.numel(), self.h.numel(), self.q.numel(), self.kv.numel())
+
+    def where(self) -> str:
+        q, kv = self.q.view(-1), self.kv.view(-1)
+        return (
+            f"the block of queries {int(q[0])}..{int(q[-1])} and keys {int(kv[0])}..{int(kv[-1])}"
+        )
+
+
+def name_of(fn: Callable) -> str:
+    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
+
+
+def mask(mask_mod: MaskMod, at: Block) -> Tensor:
+    """``mask_mod`` over a block: a bool tensor broadcastable to ``at.shape``."""
+    try:
+        allowed = mask_mod(*at)
+        _elementwise(allowed, at.shape)
+    except Exception as error:
+        allowed = _by_vmap("mask_mod", mask_mod, at, None, error)
+    if not isinstance(allowed, Tensor) or allowed.dtype != torch.bool:
+        got = allowed.dtype if isinstance(allowed, Tensor) else type(allowed).__name__
+        raise TypeError(
+            f"mask_mod {name_of(mask_mod)} returned {got} for {at.where()}; it must return a "
+            "bool tensor (True = may attend)"
+        )
+    return allowed
+
+
+def score(score_mod: ScoreMod, scores: Tensor, at: Block) -> Tensor:
+    """``score_mod`` over a block of ``scores`` of shape ``at.shape``: the modified scores, of the
+    same shape and dtype."""
+    try:
+        out = score_mod(scores, *at)
+        _elementwise(out, scores.shape)
+        out = out.expand(scores.shape)
+    except Exception as error:
+        out = _by_vmap("score_mod", score_mod, at, scores, error)
+    if out.shape != scores.shape:
+        raise ValueError(
+            f"score_mod {name_of(score_mod)} changed the shape of {at.where()} from "
+            f"{tuple(scores.shape)} to {tuple(out.shape)}"
+        )
+    if out.dtype != scores.dtype:
+        raise TypeError(
+            f"score_mod {name_of(score_mod)} returned {out.dtype} for {at.where()}, not the "
+            f"scores' {scores.dtype}"
+        )
+    return out
+
+
+def _elementwise(result: Tensor, shape: tuple[int, ...]) -> None:
+    """Raise unless ``result`` is what an elementwise function of the block's four broadcast
+    indices gives: a 4-D tensor that broadcasts to the block. Anything else (a reduction over a
+    dim, say) means something else one score at a time, so it runs under ``vmap``."""
+    if not isinstance(result, Tensor) or result.dim() != 4:
+        raise TypeError("not a 4-D tensor")
+    torch.broadcast_shapes(result.shape, shape)
+
+
+def _by_vmap(kind: str, mod: Callable, at: Block, scores: Tensor | None, first: Exception):
+    """``mod`` of one score at a time, mapped over the block's four index dims with ``torch.vmap``
+    (innermost keys, outermost batches), as torch's FlexAttention evaluates mods."""
+    lead = () if scores is None else (0,)
+    fn = mod
+    for dim in reversed(range(4)):
+        fn = torch.vmap(fn, in_dims=(*lead, *(0 if i == dim else None for i in range(4))))
+    indices = [x.reshape(-1) for x in at]
+    try:
+        out = fn(*indices) if scores is None else fn(scores, *indices)
+    except Exception as error:
+        kind_of = (
+            type(error) if type(error) in (TypeError, ValueError, IndexError) else RuntimeError
+        )
+        raise kind_of(f"{kind} {name_of(mod)} failed on {at.where()}: {error}") from first
+    return out
+
+
+def captured_tensors(fn: Callable) -> tuple[Tensor, ...]:
+    """The tensors that require grad which ``fn`` reads: from its closure, defaults, the globals
+    it names, the module or object it is bound to, a ``functools.partial``'s arguments, and the
+    functions among those, recursively. Gradients reach these through attnkit's kernels, as
+    torch's FlexAttention lets them reach the tensors a mod captures."""
+    found: dict[int, Tensor] = {}
+    seen: set[int] = set()
+
+    def visit(obj, depth: int) -> None:
+        if id(obj) in seen or depth > 8:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, Tensor):
+            if obj.requires_grad:
+                found.setdefault(id(obj), obj)
+        elif isinstance(obj, torch.nn.Module):
+            for x in (*obj.parameters(), *obj.buffers()):
+                visit(x, depth + 1)
+        elif isinstance(obj, functools.partial):
+            for x in (obj.func, *obj.args, *obj.keywords.values()):
+                visit(x, depth + 1)
+        elif isinstance(obj, (list, tuple)):
+            for x in obj:
+                visit(x, depth + 1)
+        elif isinstance(obj, dict):
+            for x in obj.values():
+                visit(x, depth + 1)
+        elif isinstance(obj, types.MethodType):
+            visit(obj.__self__, depth + 1)
+            visit(obj.__func__, depth + 1)
+        elif isinstance(obj, types.FunctionType):
+            for cell in obj.__closure__ or ():
+                with contextlib.suppress(ValueError):  # an empty cell
+                    visit(cell.cell_contents, depth + 1)
+            for x in (*(obj.__defaults__ or ()), *(obj.__kwdefaults__ or {}).values()):
+                visit(x, depth + 1)
+            for name in obj.__code__.co_names:
+                if name in obj.__globals__:
+                    value = obj.__globals__[name]
+                    if isinstance(value, (Tensor, torch.nn.Module, types.FunctionType)):
+                        visit(value, depth + 1)
+        elif callable(obj) and not isinstance(obj, type):
+            visit(getattr(obj, "__dict__", {}), depth + 1)
+
+    visit(fn, 0)
+    return tuple(found.values())
+
+
+def at_positions(given: dict, q_offset: int, kv_offset: int) -> dict:
+    """``given``'s ``score_mod`` and ``mask_mod`` seeing ``q_idx + q_offset`` and
+    ``kv_idx + kv_offset``: the positions in the sequence of a chunk's queries and of the keys a
+    KV cache holds. Other entries pass through."""
+    if q_offset == 0 and kv_offset == 0:
+        return given
+    shifted = dict(given)
+    score_mod, mask_mod = given.get("score_mod"), given.get("mask_mod")
+    if score_mod is not None:
+
+        def score_at(score, b, h, q_idx, kv_idx):
+            return score_mod(score, b, h, q_idx + q_offset, kv_idx + kv_offset)
+
+        score_at.__qualname__ = name_of(score_mod)
+        shifted["score_mod"] = score_at
+    if mask_mod is not None:
+
+        def mask_at(b, h, q_idx, kv_idx):
+            return mask_mod(b, h, q_idx + q_offset, kv_idx + kv_offset)
+
+        mask_at.__qualname__ = name_of(mask_mod)
+        shifted["mask_mod"] = mask_at
+    return shifted
