@@ -8,7 +8,9 @@ preallocated [`KVCache`][attnkit.cache.KVCache] and [`RotaryEmbedding`][attnkit.
 """
 
 from attnkit import functional
+from attnkit.block_mask import create_block_mask, document_mask
 from attnkit.cache import KVCache
+from attnkit.flex import flex_attention, varlen_attention
 from attnkit.functional import attention
 from attnkit.masks import alibi_slopes, causal_mask, window_mask
 from attnkit.modules import (
@@ -39,7 +41,11 @@ __all__ = [
     "attend",
     "attention",
     "causal_mask",
+    "create_block_mask",
+    "document_mask",
+    "flex_attention",
     "functional",
     "simple_self_attention",
+    "varlen_attention",
     "window_mask",
 ]

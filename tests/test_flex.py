@@ -1,0 +1,467 @@
+"""score_mod, mask_mod and block masks: attnkit against torch's FlexAttention and a float64 oracle.
+
+Every mod of the zoo runs through both backends that take mods (``tiled``, the PyTorch loop, and
+``reference``), with small block sizes so that skipped, partial and full blocks all occur on small
+shapes, GQA, ``t != s`` and lengths that do not divide the blocks.
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.nn.attention import flex_attention as torch_flex
+
+import attnkit
+from attnkit import functional as F
+from attnkit.backends import tiled_loop
+from attnkit.block_mask import create_block_mask
+
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+
+H = 4
+DOCS = torch.tensor([0] * 9 + [1] * 13 + [2] * 7)  # 29 tokens in three documents
+SLOPES = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+
+
+def _t5_bucket(relative: torch.Tensor, buckets: int = 8, max_distance: int = 20) -> torch.Tensor:
+    """T5's bidirectional relative-position bucket, written with tensor operations."""
+    half = buckets // 2
+    sign = (relative > 0).long() * half
+    distance = relative.abs()
+    exact = half // 2
+    scaled = torch.log(distance.float().clamp(min=1) / exact) / math.log(max_distance / exact)
+    log_bucket = (exact + (scaled * (half - exact)).long()).clamp(max=half - 1)
+    return sign + torch.where(distance < exact, distance, log_bucket)
+
+
+def causal(b, h, q, kv):
+    return q >= kv
+
+
+def sliding(b, h, q, kv):
+    return (q >= kv) & (q - kv <= 6)
+
+
+def prefix_lm(b, h, q, kv):
+    return (kv < 8) | (q >= kv)
+
+
+def document(b, h, q, kv):
+    return DOCS[q] == DOCS[kv]
+
+
+def empties_rows(b, h, q, kv):
+    return (q >= kv) & (q % 5 != 2)
+
+
+def alibi(score, b, h, q, kv):
+    return score - SLOPES[h] * (q - kv).abs()
+
+
+def softcap(score, b, h, q, kv):
+    return 20 * torch.tanh(score / 20)
+
+
+def relative_bias(table):
+    def score_mod(score, b, h, q, kv):
+        return score + table[h, q - kv + 28]
+
+    return score_mod
+
+
+def t5_bias(table):
+    def score_mod(score, b, h, q, kv):
+        return score + table[h, _t5_bucket(kv - q)]
+
+    return score_mod
+
+
+TABLE = torch.randn(H, 2 * 29 - 1)
+T5_TABLE = torch.randn(H, 8)
+ZOO = {  # name: (score_mod, mask_mod)
+    "causal": (None, causal),
+    "sliding window": (None, sliding),
+    "prefix-LM": (None, prefix_lm),
+    "document": (None, document),
+    "empty rows": (None, empties_rows),
+    "ALiBi": (alibi, None),
+    "softcap, causal": (softcap, causal),
+    "relative bias, causal": (relative_bias(TABLE), causal),
+    "T5 buckets": (t5_bias(T5_TABLE), None),
+    "relative bias, document": (relative_bias(TABLE), document),
+}
+SHAPES = {  # name: (b, h_kv, t, s)
+    "t = s": (2, H, 29, 29),
+    "GQA, t < s": (1, 2, 13, 29),
+    "MQA": (2, 1, 29, 29),
+}
+BACKENDS = ["tiled", "reference"]
+
+
+def inputs(b, h_kv, t, s, d=8, dtype=torch.float32):
+    return torch.randn(b, H, t, d, dtype=dtype), *(
+        torch.randn(b, h_kv, s, d, dtype=dtype) for _ in range(2)
+    )
+
+
+def oracle(q, k, v, score_mod=None, mask_mod=None, scale=None):
+    """Materialised attention in float64 with torch's own semantics for the mods (``torch.vmap``
+    over scalars, ``create_mask``): ``(out, lse)``, 0 and -inf for a query with no key."""
+    b, h, t, d = q.shape
+    s = k.shape[-2]
+    q, k, v = (x.double() for x in (q, k, v))
+    k, v = (x.repeat_interleave(h // x.shape[1], dim=1) for x in (k, v))
+    scores = (q @ k.transpose(-2, -1)) * (scale or d**-0.5)
+    if score_mod is not None:
+        fn = score_mod
+        for dim in reversed(range(4)):
+            fn = torch.vmap(fn, in_dims=(0, *(0 if i == dim else None for i in range(4))))
+        scores = fn(scores, torch.arange(b), torch.arange(h), torch.arange(t), torch.arange(s))
+    if mask_mod is not None:
+        scores = scores.masked_fill(~torch_flex.create_mask(mask_mod, b, h, t, s, "cpu"), -math.inf)
+    lse = torch.logsumexp(scores, dim=-1)
+    weights = torch.exp(scores - lse.masked_fill(lse.isinf(), 0)[..., None])
+    return weights @ v, lse
+
+
+def torch_block_mask(mask_mod, t, s, block_size):
+    if mask_mod is None:
+        return None
+    return torch_flex.create_block_mask(mask_mod, None, None, t, s, "cpu", BLOCK_SIZE=block_size)
+
+
+def fits(shape_name, mod_name):
+    _, _, t, s = SHAPES[shape_name]
+    return t == s or "document" not in mod_name  # the document ids are for 29 tokens
+
+
+CASES = [(mod, shape) for mod in ZOO for shape in SHAPES if fits(shape, mod)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(("mod", "shape"), CASES)
+def test_forward_equals_torch_flex_attention(mod, shape, backend):
+    score_mod, mask_mod = ZOO[mod]
+    b, h_kv, t, s = SHAPES[shape]
+    q, k, v = inputs(b, h_kv, t, s)
+    block_mask = torch_block_mask(mask_mod, t, s, (4, 8))
+    want, want_lse = torch_flex.flex_attention(
+        q, k, v, score_mod, block_mask, enable_gqa=True, return_aux=torch_flex.AuxRequest(lse=True)
+    )
+    out, lse = F.attention(
+        q, k, v, score_mod=score_mod, block_mask=block_mask, return_lse=True, backend=backend
+    )
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(lse, want_lse.lse)
+    oracle_out, _ = oracle(q, k, v, score_mod, mask_mod)
+    torch.testing.assert_close(out, oracle_out.float())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(("mod", "shape"), CASES)
+def test_gradients_equal_the_float64_oracle(mod, shape, backend):
+    score_mod, mask_mod = ZOO[mod]
+    b, h_kv, t, s = SHAPES[shape]
+    tensors = [x.requires_grad_() for x in inputs(b, h_kv, t, s)]
+    table = TABLE.clone().requires_grad_()
+    if score_mod is not None and "relative" in mod:
+        score_mod = relative_bias(table)
+    block_mask = create_block_mask(mask_mod, None, None, t, s, "cpu", 8) if mask_mod else None
+    out, lse = F.attention(
+        *tensors, score_mod=score_mod, block_mask=block_mask, return_lse=True, backend=backend
+    )
+    cotangent, lse_cotangent = torch.randn_like(out), torch.randn_like(lse)
+    wrt = [*tensors, table] if "relative" in mod else tensors
+    got = torch.autograd.grad(
+        (out, lse), wrt, (cotangent, lse_cotangent.masked_fill(lse.isinf(), 0))
+    )
+    wrt64 = [x.detach().double().requires_grad_() for x in wrt]
+    mod64 = relative_bias(wrt64[3]) if "relative" in mod else score_mod
+    out64, lse64 = oracle(*wrt64[:3], mod64, mask_mod)
+    lse_cotangent64 = lse_cotangent.double().masked_fill(lse64.isinf(), 0)
+    finite = torch.where(lse64.isinf(), 0, lse64)
+    want = torch.autograd.grad((out64, finite), wrt64, (cotangent.double(), lse_cotangent64))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w.float())
+
+
+@pytest.mark.parametrize("block_size", [4, (4, 8), 8, 16, 128])
+@pytest.mark.parametrize("heads", [None, H])
+@pytest.mark.parametrize("mod", [m for m, (_, mask_mod) in ZOO.items() if mask_mod is not None])
+def test_create_block_mask_gives_torch_block_tables(mod, heads, block_size):
+    _, mask_mod = ZOO[mod]
+    ours = attnkit.create_block_mask(mask_mod, 2, heads, 29, 29, "cpu", block_size)
+    theirs = torch_flex.create_block_mask(mask_mod, 2, heads, 29, 29, "cpu", block_size)
+    assert type(ours) is torch_flex.BlockMask
+    assert (ours.BLOCK_SIZE, ours.seq_lengths) == (theirs.BLOCK_SIZE, theirs.seq_lengths)
+    for num, indices in (
+        ("kv_num_blocks", "kv_indices"),
+        ("full_kv_num_blocks", "full_kv_indices"),
+    ):
+        n = getattr(ours, num)
+        assert torch.equal(n, getattr(theirs, num))
+        flat_ours = getattr(ours, indices).flatten(0, 2)
+        flat_theirs = getattr(theirs, indices).flatten(0, 2)
+        for a, b, count in zip(flat_ours, flat_theirs, n.flatten().tolist()):  # past n: padding
+            assert set(a[:count].tolist()) == set(b[:count].tolist())
+
+
+def test_create_block_mask_never_builds_the_dense_mask(tmp_path):
+    """A subprocess builds the causal mask of 65536 x 65536 (4 GiB as a dense bool mask) and
+    reports how much its peak memory grew."""
+    script = tmp_path / "probe.py"
+    script.write_text(
+        "import resource, torch, attnkit\n"
+        "def mask(b, h, q, kv):\n"
+        "    return q >= kv\n"
+        "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "m = attnkit.create_block_mask(mask, None, None, 65536, 65536, 'cpu')\n"
+        "after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "print(int(m.kv_num_blocks.sum()), int(m.full_kv_num_blocks.sum()), (after - before) // 1024)\n"
+    )
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    partial, full, extra_mib = map(int, run.stdout.split())
+    assert (partial, full) == (512, 512 * 511 // 2)  # the diagonal's blocks, and those below it
+    assert extra_mib < 256, f"{extra_mib} MiB: the dense mask would be 4096 MiB"
+
+
+def test_partial_blocks_call_mask_mod_full_blocks_skip_it_empty_blocks_are_never_computed(
+    monkeypatch,
+):
+    t = s = 32  # blocks of 8: 4 x 4, of which the causal mask leaves 4 partial and 6 full
+    calls = []
+
+    def counted(b, h, q, kv):
+        calls.append((int(q.min()), int(kv.min())))
+        return q >= kv
+
+    block_mask = create_block_mask(counted, None, None, t, s, "cpu", 8)
+    calls.clear()
+    computed = []
+    original = tiled_loop.Plan.scores
+
+    def scores(self, *args, **kwargs):
+        computed.append(args[2:6])  # i0, i1, j0, j1
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(tiled_loop.Plan, "scores", scores)
+    F.attention(*inputs(1, H, t, s), block_mask=block_mask, backend="tiled")
+    assert sorted(computed) == sorted(
+        (i, i + 8, j, j + 8) for i in range(0, 32, 8) for j in range(0, i + 1, 8)
+    )
+    assert sorted(calls) == [(i, i) for i in range(0, 32, 8)]  # the diagonal's blocks only
+
+
+def test_the_backward_stores_no_score_sized_tensor():
+    t, s = 37, 53
+    q, k, v = (x.requires_grad_() for x in inputs(1, H, t, s))
+    table = torch.randn(H, 2 * 53, requires_grad=True)
+    shapes = []
+
+    def pack(x):
+        shapes.append(tuple(x.shape))
+        return x
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + table[h, q_idx - kv_idx + 52]
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        out = F.attention(q, k, v, score_mod=score_mod, mask_mod=causal, backend="tiled")
+    assert shapes, "the hook saw nothing: the test would pass vacuously"
+    assert all(t not in shape[-2:] or s not in shape[-2:] for shape in shapes), shapes
+    out.sum().backward()
+    assert table.grad is not None and table.grad.abs().sum() > 0
+
+
+def test_gradcheck_in_float64():
+    q, k, v = (x.requires_grad_() for x in inputs(1, 2, 6, 9, d=3, dtype=torch.float64))
+    table = torch.randn(H, 16, dtype=torch.float64, requires_grad=True)
+
+    def fn(q, k, v, table):
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return score + table[h, q_idx - kv_idx + 8]
+
+        block_mask = create_block_mask(prefix_lm, None, None, 6, 9, "cpu", (2, 4))
+        out, lse = F.attention(
+            q, k, v, score_mod=score_mod, block_mask=block_mask, return_lse=True, backend="tiled"
+        )
+        return out, lse
+
+    assert torch.autograd.gradcheck(fn, (q, k, v, table))
+
+
+def test_bf16_stays_within_twice_the_naive_error_and_three_times_for_gradients():
+    b, h_kv, t, s = SHAPES["t = s"]
+    tensors = [x.bfloat16().requires_grad_() for x in inputs(b, h_kv, t, s)]
+    score_mod, mask_mod = ZOO["relative bias, causal"]
+    out = F.attention(*tensors, score_mod=score_mod, mask_mod=mask_mod, backend="tiled")
+    grads = torch.autograd.grad(out, tensors, torch.ones_like(out))
+    naive = [x.detach().requires_grad_() for x in tensors]  # the oracle's formula, in bf16
+    scores = naive[0] @ naive[1].transpose(-2, -1) * 8**-0.5
+    bias = TABLE.bfloat16()[
+        torch.arange(H)[:, None, None], torch.arange(t)[:, None] - torch.arange(s) + 28
+    ]
+    scores = (scores + bias).masked_fill(~torch.ones(t, s, dtype=torch.bool).tril(), -math.inf)
+    naive_out = torch.softmax(scores, dim=-1) @ naive[2]
+    naive_grads = torch.autograd.grad(naive_out, naive, torch.ones_like(naive_out))
+    exact = [x.detach().double().requires_grad_() for x in tensors]
+    exact_out, _ = oracle(*exact, score_mod, mask_mod)
+    exact_grads = torch.autograd.grad(exact_out, exact, torch.ones_like(exact_out))
+
+    def error(x, y):
+        return (x.double() - y).abs().max().item()
+
+    assert error(out, exact_out) <= 2 * error(naive_out, exact_out)
+    for g, n, e in zip(grads, naive_grads, exact_grads):
+        assert error(g, e) <= 3 * error(n, e)
+
+
+def test_a_mod_that_broadcasting_does_not_fit_runs_under_vmap():
+    shapes = []
+
+    def per_head_then_distance(score, b, h, q_idx, kv_idx):  # bias[h] then [distance]: 1-D only
+        shapes.append(tuple(q_idx.shape))
+        return score + TABLE[h][q_idx - kv_idx + 28]
+
+    q, k, v = inputs(1, H, 29, 29)
+    out = F.attention(q, k, v, score_mod=per_head_then_distance, backend="tiled")
+    assert (1, 1, 5, 1) in shapes and () in shapes  # tried broadcast, then ran scalar by scalar
+    torch.testing.assert_close(out, oracle(q, k, v, relative_bias(TABLE))[0].float())
+
+
+def test_which_backend_says_the_loop_runs_mods():
+    q, k, v = inputs(1, H, 29, 29)
+    choice = F.which_backend(q, k, v, score_mod=softcap)
+    assert (choice.backend, choice.path) == ("tiled", "loop")
+    assert "sdpa does not support score_mod" in choice.reason
+    with pytest.raises(ValueError, match=r"sdpa.*block_mask"):
+        F.attention(q, k, v, mask_mod=causal, backend="sdpa")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bad_mods_and_block_masks_raise_naming_them(backend):
+    q, k, v = inputs(1, H, 29, 29)
+
+    def raises(score, b, h, q_idx, kv_idx):
+        raise ValueError("no")
+
+    def not_bool(b, h, q_idx, kv_idx):
+        return q_idx - kv_idx
+
+    def reshapes(score, b, h, q_idx, kv_idx):
+        return score.unsqueeze(-1)  # one score becomes a vector of one
+
+    def retypes(score, b, h, q_idx, kv_idx):
+        return score.half()
+
+    call = {"backend": backend}
+    with pytest.raises(ValueError, match=r"score_mod .*raises.* failed on the block of queries"):
+        F.attention(q, k, v, score_mod=raises, **call)
+    with pytest.raises(TypeError, match=r"mask_mod .*not_bool.* returned torch.int64"):
+        F.attention(q, k, v, mask_mod=not_bool, **call)
+    with pytest.raises(ValueError, match=r"score_mod .*reshapes.* changed the shape"):
+        F.attention(q, k, v, score_mod=reshapes, **call)
+    with pytest.raises(TypeError, match=r"score_mod .*retypes.* returned torch.float16"):
+        F.attention(q, k, v, score_mod=retypes, **call)
+    with pytest.raises(ValueError, match=r"built for \(Q_LEN, KV_LEN\) = \(29, 30\)"):
+        F.attention(
+            q, k, v, block_mask=create_block_mask(causal, None, None, 29, 30, "cpu"), **call
+        )
+    with pytest.raises(ValueError, match="block_mask or mask_mod, not both"):
+        F.attention(
+            q,
+            k,
+            v,
+            block_mask=create_block_mask(causal, None, None, 29, 29, "cpu"),
+            mask_mod=causal,
+            **call,
+        )
+    with pytest.raises(TypeError, match="block_mask must be a torch BlockMask"):
+        F.attention(q, k, v, block_mask=torch.ones(29, 29, dtype=torch.bool), **call)
+    with pytest.raises(TypeError, match="score_mod must be a function"):
+        F.attention(q, k, v, score_mod=3.0, **call)
+
+
+def test_flex_attention_is_a_drop_in_for_torch():
+    q, k, v = inputs(2, 2, 29, 29)
+    block_mask = torch_flex.create_block_mask(empties_rows, None, None, 29, 29, "cpu", 16)
+    out, aux = attnkit.flex_attention(
+        q,
+        k,
+        v,
+        alibi,
+        block_mask,
+        enable_gqa=True,
+        return_aux=torch_flex.AuxRequest(lse=True),
+        kernel_options={"BLOCK_M": 64},
+    )
+    want, want_aux = torch_flex.flex_attention(
+        q, k, v, alibi, block_mask, enable_gqa=True, return_aux=torch_flex.AuxRequest(lse=True)
+    )
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(aux.lse, want_aux.lse)
+    empty = torch.arange(29) % 5 == 2
+    assert bool((out[:, :, empty] == 0).all()) and bool(aux.lse[:, :, empty].isneginf().all())
+    with pytest.warns(FutureWarning, match="return_lse is deprecated"):
+        out_lse = attnkit.flex_attention(
+            q, k, v, alibi, block_mask, enable_gqa=True, return_lse=True
+        )
+    torch.testing.assert_close(out_lse[1], want_aux.lse)
+    assert torch.equal(
+        attnkit.flex_attention(q, k, v, enable_gqa=True, scale=0.5),
+        attnkit.flex_attention(q, k, v, enable_gqa=True, scale=0.5),
+    )
+    with pytest.raises(ValueError, match="enable_gqa=True"):
+        attnkit.flex_attention(q, k, v)
+    with pytest.raises(ValueError, match="not max_scores"):
+        attnkit.flex_attention(
+            q, k, v, enable_gqa=True, return_aux=torch_flex.AuxRequest(max_scores=True)
+        )
+    # trains on a CPU, where torch's raises
+    q.requires_grad_()
+    attnkit.flex_attention(q, k, v, alibi, block_mask, enable_gqa=True).sum().backward()
+    assert q.grad is not None
+    with pytest.raises(NotImplementedError, match="backward on CPU"):
+        torch_flex.flex_attention(q, k, v, alibi, block_mask, enable_gqa=True)
+
+
+def test_the_module_decodes_with_a_relative_bias_as_its_full_forward():
+    mha = attnkit.MultiHeadAttention(32, 32, 64, 0.0, H, num_kv_heads=2, rope=True).eval()
+    table = torch.randn(H, 2 * 64 - 1)
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + table[h, q_idx - kv_idx + 63]
+
+    def local(b, h, q_idx, kv_idx):
+        return q_idx - kv_idx < 9
+
+    x = torch.randn(2, 20, 32)
+    with torch.no_grad():
+        full = mha(x, score_mod=score_mod, mask_mod=local)
+        cache = attnkit.KVCache(2, 2, max_len=64, head_dim=8)
+        steps = [mha(x[:, :7], cache=cache, score_mod=score_mod, mask_mod=local)]
+        steps += [
+            mha(x[:, i : i + 1], cache=cache, score_mod=score_mod, mask_mod=local)
+            for i in range(7, 20)
+        ]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full)
+
+
+def test_a_packed_batch_trains_through_the_module_as_its_documents_alone():
+    mha = attnkit.MultiHeadAttention(32, 32, 64, 0.0, H)
+    lengths = [7, 12, 5]
+    documents = torch.repeat_interleave(torch.arange(3), torch.tensor(lengths))
+    x = torch.randn(1, 24, 32, requires_grad=True)
+    packed = mha(x, documents=documents)
+    alone = torch.cat([mha(part) for part in x.split(lengths, dim=1)], dim=1)
+    torch.testing.assert_close(packed, alone)
+    (grad,) = torch.autograd.grad(packed.square().sum(), x)
+    (want,) = torch.autograd.grad(alone.square().sum(), x)
+    torch.testing.assert_close(grad, want)
+    with pytest.raises(ValueError, match="with a cache, give mask_mod"), torch.no_grad():
+        mha(x[:, :3], cache=attnkit.KVCache(1, H, 64, 8), documents=documents[:3])
