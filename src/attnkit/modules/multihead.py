@@ -17,11 +17,14 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.attention.flex_attention import BlockMask
 
 from attnkit import _checks
+from attnkit.block_mask import document_mask
 from attnkit.cache import KVCache, token_positions
 from attnkit.functional import attention
 from attnkit.masks import alibi_bias, alibi_slopes, window_mask
+from attnkit.mods import MaskMod, ScoreMod, at_positions
 from attnkit.modules._common import (
     as_batched,
     merge_heads,
@@ -268,6 +271,10 @@ class MultiHeadAttention(ProjectedAttention):
         attn_mask: Tensor | None = None,
         need_weights: bool = False,
         average_weights: bool = True,
+        score_mod: ScoreMod | None = None,
+        mask_mod: MaskMod | None = None,
+        block_mask: BlockMask | None = None,
+        documents: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Args:
             x: ``(b, t, d_in)`` or unbatched ``(t, d_in)``.
@@ -285,6 +292,16 @@ class MultiHeadAttention(ProjectedAttention):
                 causal mask when ``causal``.
             need_weights: also return the softmax weights (before dropout).
             average_weights: average the weights over heads: ``(b, t, s)``, else ``(b, h, t, s)``.
+            score_mod: ``score_mod(score, b, h, q_idx, kv_idx)`` (see
+                [`attnkit.mods`][attnkit.mods]), after this module's ALiBi and soft-capping. With
+                a cache, ``q_idx`` and ``kv_idx`` are the tokens' positions in the sequence: the
+                cached tokens come first.
+            mask_mod: ``mask_mod(b, h, q_idx, kv_idx)``, with the same positions; combined with
+                the causal mask and the window.
+            block_mask: a ``BlockMask`` for ``(t, t)`` (without a cache).
+            documents: ``(t,)`` document ids of packed sequences (each document contiguous): no
+                token sees another document's (without a cache;
+                [`attnkit.document_mask`][attnkit.block_mask.document_mask]).
 
         Returns:
             ``(b, t, d_out)``, or ``(output, weights)``.
@@ -314,11 +331,24 @@ class MultiHeadAttention(ProjectedAttention):
                 else cache.next_positions(t, key_mask)
             )
             queries, keys = self.rope(queries, positions), self.rope(keys, positions)
+        mods = {"score_mod": score_mod, "mask_mod": mask_mod, "block_mask": block_mask}
+        if documents is not None:
+            if block_mask is not None or mask_mod is not None:
+                raise ValueError("give documents, mask_mod or block_mask, one of them")
+            mods["block_mask"] = document_mask(documents, device=x.device)
+        if cache is not None and (block_mask is not None or documents is not None):
+            raise ValueError(
+                "with a cache, give mask_mod (evaluated at the cached positions), not block_mask "
+                "or documents"
+            )
         if cache is not None and compiling:
+            if score_mod is not None or mask_mod is not None:
+                raise ValueError("a compiled cached step takes no score_mod or mask_mod")
             return unbatch(self._compiled_step(queries, keys, values, cache, key_mask), unbatched)
         if cache is not None:
             keys, values = cache.update(keys, values, key_mask=key_mask)
             key_mask = None if cache.key_mask is None else cache.key_mask[:, -keys.shape[2] :]
+            mods = at_positions(mods, cache.position - t, cache.position - keys.shape[2])
         result = self._attend(
             queries,
             keys,
@@ -331,6 +361,7 @@ class MultiHeadAttention(ProjectedAttention):
             window=self.window,
             alibi_slopes=self.alibi_slopes,
             softcap=self.softcap,
+            **mods,
         )
         return unbatch(result, unbatched)
 
