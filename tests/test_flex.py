@@ -17,7 +17,7 @@ from torch.nn.attention import flex_attention as torch_flex
 
 import attnkit
 from attnkit import functional as F
-from attnkit.backends import tiled_loop
+from attnkit.backends import tiled, tiled_loop
 from attnkit.block_mask import create_block_mask
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -465,3 +465,87 @@ def test_a_packed_batch_trains_through_the_module_as_its_documents_alone():
     torch.testing.assert_close(grad, want)
     with pytest.raises(ValueError, match="with a cache, give mask_mod"), torch.no_grad():
         mha(x[:, :3], cache=attnkit.KVCache(1, H, 64, 8), documents=documents[:3])
+
+
+@pytest.mark.parametrize(("mod", "shape"), CASES)
+def test_the_kernel_walks_groups_of_mask_blocks_as_one(mod, shape, monkeypatch):
+    """The tiled loop's blocks span 4 x 4 of the mask's (as 256 x 512 span 2 x 4 of 128 x 128),
+    with some of them full, some partial, some empty; a head- and batch-dependent mask too."""
+    monkeypatch.setattr(tiled, "BLOCK_Q", 16)
+    monkeypatch.setattr(tiled, "BLOCK_K", 32)
+    score_mod, mask_mod = ZOO[mod]
+    b, h_kv, t, s = SHAPES[shape]
+    q, k, v = (x.requires_grad_() for x in inputs(b, h_kv, t, s))
+    block_mask = torch_block_mask(mask_mod, t, s, (4, 8))
+    out = F.attention(q, k, v, score_mod=score_mod, block_mask=block_mask, backend="tiled")
+    out64, _ = oracle(q, k, v, score_mod, mask_mod)
+    torch.testing.assert_close(out, out64.float())
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    want = torch.autograd.grad(
+        F.attention(q, k, v, score_mod=score_mod, block_mask=block_mask, backend="reference").sum(),
+        (q, k, v),
+    )
+    for g, w in zip(grads, want):
+        torch.testing.assert_close(g, w)
+
+
+def test_a_mask_that_depends_on_batch_and_head_in_grouped_blocks(monkeypatch):
+    monkeypatch.setattr(tiled, "BLOCK_Q", 16)
+    monkeypatch.setattr(tiled, "BLOCK_K", 32)
+
+    def per_row(b, h, q_idx, kv_idx):
+        return ((q_idx >= kv_idx) & (h % 2 == 0)) | ((kv_idx < 9 + 4 * b) & (h % 2 == 1))
+
+    q, k, v = inputs(2, H, 29, 29)
+    block_mask = attnkit.create_block_mask(per_row, 2, H, 29, 29, "cpu", (4, 8))
+    out = F.attention(q, k, v, block_mask=block_mask, backend="tiled")
+    torch.testing.assert_close(out, oracle(q, k, v, None, per_row)[0].float())
+
+
+@pytest.mark.slow
+def test_a_mod_that_gathers_a_block_runs_compiled_from_long_calls(monkeypatch):
+    from attnkit import mods
+
+    monkeypatch.setattr(mods, "COMPILE_FROM", 0)  # as if the call were long
+    table = TABLE.clone().requires_grad_()
+    q, k, v = (x.requires_grad_() for x in inputs(1, H, 29, 29))
+    block_mask = create_block_mask(causal, None, None, 29, 29, "cpu", 8)
+
+    def gathers(score, b, h, q_idx, kv_idx):
+        return score + table[h, q_idx - kv_idx + 28]
+
+    def computes(score, b, h, q_idx, kv_idx):
+        return score - SLOPES[h] * (q_idx - kv_idx).abs()
+
+    torch._dynamo.utils.counters.clear()
+    out = F.attention(q, k, v, score_mod=gathers, block_mask=block_mask, backend="tiled")
+    grads = torch.autograd.grad(out.sum(), (q, table))
+    assert mods._WORTH_COMPILING[gathers.__code__] is True
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # it was compiled
+    want = F.attention(q, k, v, score_mod=gathers, block_mask=block_mask, backend="reference")
+    torch.testing.assert_close(out, want)
+    for g, w in zip(grads, torch.autograd.grad(want.sum(), (q, table))):
+        torch.testing.assert_close(g, w)
+    F.attention(q, k, v, score_mod=computes, backend="tiled")
+    assert mods._WORTH_COMPILING[computes.__code__] is False  # arithmetic runs faster eager
+
+
+def test_a_mod_that_cannot_be_compiled_runs_uncompiled_with_a_warning(monkeypatch):
+    from attnkit import mods
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(mods, "COMPILE_FROM", 0)
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fails)
+    mods._block_function.cache_clear()
+
+    def gathers_too(score, b, h, q_idx, kv_idx):
+        return score + TABLE[h, q_idx - kv_idx + 28]
+
+    q, k, v = inputs(1, H, 29, 29)
+    with pytest.warns(UserWarning, match="gathers_too could not be compiled.*no C\\+\\+ compiler"):
+        out = F.attention(q, k, v, score_mod=gathers_too, backend="tiled")
+    mods._block_function.cache_clear()
+    assert mods._WORTH_COMPILING[gathers_too.__code__] is False
+    torch.testing.assert_close(out, oracle(q, k, v, relative_bias(TABLE))[0].float())

@@ -192,33 +192,66 @@ def allowed(block_mask: BlockMask, device=None) -> Tensor:
 
 
 class BlockPlan:
-    """A block mask as the tiled kernel walks it: for each block of query rows, the key blocks that
-    some batch and head needs, and for each of those the mask to apply (None where the block is
-    full for every batch and head, so ``mask_mod`` is skipped)."""
+    """A block mask as the tiled kernel walks it, in blocks of ``group`` of the mask's blocks (the
+    kernel's blocks are larger than a mask's 128 x 128, so that Python's cost per block is paid
+    less often): for each row of blocks, the blocks that some batch and head needs, and for each
+    of those the mask to apply, None where all of it is full for every batch and head (then
+    ``mask_mod`` is skipped)."""
 
-    def __init__(self, block_mask: BlockMask):
+    def __init__(
+        self, block_mask: BlockMask, group: tuple[int, int] = (1, 1), *, compiled: bool = False
+    ):
         self.block_mask = block_mask
-        self.partial, self.full = tables(block_mask)
+        self.compiled = compiled  # mask_mod through mods.compile_block
+        self.partial, self.full = tables(block_mask)  # (B, H, nq, nk), the mask's blocks
+        self.group = group
+        bq, bk = block_mask.BLOCK_SIZE
+        self.block_size = (bq * group[0], bk * group[1])
         listed = (self.partial | self.full).flatten(0, 1).any(dim=0)  # (nq, nk)
-        self.key_blocks = [row.nonzero().flatten().tolist() for row in listed]
-        self.all_full = self.full.flatten(0, 1).all(dim=0).tolist()
+        full = self.full.flatten(0, 1).all(dim=0)
+        # blocks past the matrix's end: never listed, and no reason for a block to be masked
+        self.key_blocks = [
+            row.nonzero().flatten().tolist() for row in self._grouped(listed, False).any(-1).any(1)
+        ]
+        self.all_full = self._grouped(full, True).all(-1).all(1).tolist()
 
-    @property
-    def block_size(self) -> tuple[int, int]:
-        return tuple(self.block_mask.BLOCK_SIZE)
+    def _grouped(self, table: Tensor, fill: bool) -> Tensor:
+        """``(nq, nk)`` -> ``(NQ, gq, NK, gk)``: the mask's blocks by the kernel's blocks."""
+        gq, gk = self.group
+        nq, nk = table.shape
+        padded = torch.nn.functional.pad(table, (0, -nk % gk, 0, -nq % gq), value=fill)
+        return padded.view(padded.shape[0] // gq, gq, padded.shape[1] // gk, gk)
 
     def allowed(self, qb: int, kb: int, rows: range, keys: range) -> Tensor | None:
         """Bool ``(B, H, len(rows), len(keys))`` (B, H: 1 or the call's) for the scores of rows
-        ``rows`` (in query block ``qb``) and keys ``keys`` (in key block ``kb``), or None if the
-        block is full for every batch and head."""
+        ``rows`` (in the kernel's query block ``qb``) and keys ``keys`` (in its key block
+        ``kb``), or None if every score there is allowed for every batch and head."""
         if self.all_full[qb][kb]:
             return None
+        bq, bk = self.block_mask.BLOCK_SIZE
+        device = self.partial.device
+        row_blocks = torch.arange(rows.start, rows.stop, device=device) // bq  # the mask's blocks
+        key_blocks = torch.arange(keys.start, keys.stop, device=device) // bk
+        q0, q1, k0, k1 = (
+            int(row_blocks[0]),
+            int(row_blocks[-1]) + 1,
+            int(key_blocks[0]),
+            int(key_blocks[-1]) + 1,
+        )
+        partial = self.partial[:, :, q0:q1, k0:k1]
+        full = self.full[:, :, q0:q1, k0:k1]
+
+        def spread(table: Tensor) -> Tensor:  # mask blocks -> scores
+            return table[:, :, row_blocks - q0][:, :, :, key_blocks - k0]
+
         B, H = self.partial.shape[:2]
-        at = mods.Block.of(range(B), range(H), rows, keys, self.partial.device)
-        partial = self.partial[:, :, qb, kb, None, None]
-        return (mods.mask(self.block_mask.mask_mod, at) & partial) | self.full[
-            :, :, qb, kb, None, None
-        ]
+        if not bool(partial.any()):
+            return spread(full)
+        at = mods.Block.of(range(B), range(H), rows, keys, device)
+        by_mod = mods.mask(self.block_mask.mask_mod, at, compiled=self.compiled)
+        if bool(partial.all()):
+            return by_mod
+        return spread(full) | (spread(partial) & by_mod)
 
 
 def sequence_lengths(cu_seqlens: Tensor, name: str, total: int | None = None) -> Tensor:

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import attnkit
+from attnkit.bench.flex_cases import FLEX_VARIANTS, kernel_fn
 from attnkit.bench.peers import (
     KERNEL_IMPLS,
     MODULE_IMPLS,
@@ -19,6 +20,9 @@ from oracle import naive_attention
 
 
 def expected(case: Case, q, k, v):
+    if case.variant in FLEX_VARIANTS:  # the dense formula, in float64
+        naive, _ = kernel_fn("naive", case.variant, case.n, case.h, grad=False)
+        return naive(*(x.double() for x in (q, k, v))).float()
     options = {"causal": case.causal}
     if case.variant == "alibi":
         options["alibi_slopes"] = attnkit.alibi_slopes(case.h).double()
@@ -38,15 +42,33 @@ def test_kernel_peers_agree_with_the_oracle(impl, causal, variant):
     if supported(case):
         return
     q, k, v = (torch.randn(1, 2, 300, 8) for _ in range(3))
-    torch.testing.assert_close(_kernel_fn(case)(q, k, v), expected(case, q, k, v))
+    fn, _ = _kernel_fn(case)
+    torch.testing.assert_close(fn(q, k, v), expected(case, q, k, v))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", ["plain", "window"])
+@pytest.mark.parametrize("variant", ["plain", "window", "relbias", "document"])
 def test_flex_peer_agrees_with_the_oracle(variant):
     case = Case("flex-compiled", 256, "fp32", True, "fwd", variant, h=2, d=16)
     q, k, v = (torch.randn(1, 2, 256, 16) for _ in range(3))
-    torch.testing.assert_close(_kernel_fn(case)(q, k, v), expected(case, q, k, v))
+    fn, _ = _kernel_fn(case)
+    torch.testing.assert_close(fn(q, k, v), expected(case, q, k, v))
+
+
+@pytest.mark.parametrize("variant", FLEX_VARIANTS)
+def test_a_trained_table_gets_the_same_gradient_from_every_peer(variant):
+    grads = []
+    for impl in ("naive", "torch-sdpa", "attnkit-auto"):
+        torch.manual_seed(3)  # the same table for every peer
+        case = Case(impl, 96, "fp32", True, "fwd+bwd", variant, h=2, d=8)
+        fn, trained = _kernel_fn(case)
+        q, k, v = (torch.randn(1, 2, 96, 8, requires_grad=True) for _ in range(3))
+        fn(q, k, v).sum().backward()
+        grads.append([x.grad for x in (q, k, v, *trained)])
+    assert len(grads[0]) == (4 if variant == "relbias" else 3)
+    for other in grads[1:]:
+        for g, w in zip(other, grads[0]):
+            torch.testing.assert_close(g, w)
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -342,7 +342,8 @@ def _weights(q: Tensor, k: Tensor, lse: Tensor, plan: Plan) -> Tensor:
             for j0, j1, window in plan.key_blocks(i0, i1):
                 scores, _, _ = plan.scores(q_blk, k[:, :, j0:j1], i0, i1, j0, j1, window)
                 masked = scores == _NEG_INF  # 0 even in a row that a NaN score makes NaN
-                probs = scores.sub_(lse[:, :, :, i0:i1, None]).exp_().masked_fill_(masked, 0.0)
+                probs = tiled_loop.exp_(scores.sub_(lse[:, :, :, i0:i1, None]))
+                probs.masked_fill_(masked, 0.0)
                 weights[:, :, :, i0:i1, j0:j1] = probs
     return weights.view(b, h, t, plan.s)
 

@@ -47,6 +47,7 @@ class Plan:
     block_q: int
     block_k: int
     blocks: BlockPlan | None = None  # the block mask's tables, if one is given
+    compile_mods: bool = False  # evaluate score_mod and mask_mod compiled (mods.compile_block)
 
     @staticmethod
     def of(
@@ -58,8 +59,11 @@ class Plan:
         block_k: int,
     ) -> Plan:
         blocks = None
-        if request.block_mask is not None:  # the mask's own blocks, so that whole ones are skipped
-            blocks = BlockPlan(request.block_mask)
+        compile_mods = q.shape[2] * k.shape[2] >= mods.COMPILE_FROM
+        if request.block_mask is not None:  # whole blocks of the mask's, to skip the empty ones
+            mask_q, mask_k = request.block_mask.BLOCK_SIZE
+            group = (max(1, block_q // mask_q), max(1, block_k // mask_k))
+            blocks = BlockPlan(request.block_mask, group, compiled=compile_mods)
             block_q, block_k = blocks.block_size
         return Plan(
             request=request,
@@ -73,6 +77,7 @@ class Plan:
             block_q=block_q,
             block_k=block_k,
             blocks=blocks,
+            compile_mods=compile_mods,
         )
 
     def query_blocks(self) -> Iterator[tuple[int, int]]:
@@ -175,11 +180,13 @@ class Plan:
             scores.device,
         )
         four_d = (self.b, self.h_kv * self.groups, i1 - i0, j1 - j0)
+        compiled = self.compile_mods
         if not tape:
-            return mods.score(self.request.score_mod, scores.view(four_d), at).view(shape), None
+            out = mods.score(self.request.score_mod, scores.view(four_d), at, compiled=compiled)
+            return out.view(shape), None
         before = scores.detach().view(four_d).requires_grad_()
         with torch.enable_grad():
-            after = mods.score(self.request.score_mod, before, at)
+            after = mods.score(self.request.score_mod, before, at, compiled=compiled)
         return after.detach().clone().view(shape), (before, after)
 
     def grouped_rows(self, x: Tensor, i0: int, i1: int) -> Tensor:
@@ -205,6 +212,19 @@ def _through_score_mod(
             mod_grads[i] = grad if mod_grads[i] is None else mod_grads[i] + grad
     dbefore = grads[0].view(dscores.shape)
     return dbefore if masked is None else dbefore.masked_fill_(masked, 0.0)
+
+
+def exp_(x: Tensor) -> Tensor:
+    """``x.exp_()`` for scores minus their row's max, with exponents below -87 made -inf first in
+    float32: their results are subnormal floats (under 1.2e-38, nothing next to the max's 1),
+    which x86 CPUs handle many times slower than normal ones. ALiBi over long rows is full of
+    them: there the exponentials took four times as long. NaN stays NaN."""
+    if x.dtype == torch.float32:
+        x.masked_fill_(x < _SUBNORMAL_EXPONENT, _NEG_INF)
+    return x.exp_()
+
+
+_SUBNORMAL_EXPONENT = -87.0  # exp(-87.34) is float32's smallest normal number
 
 
 def _flat(x: Tensor) -> Tensor:
@@ -254,7 +274,7 @@ def forward(q5: Tensor, k: Tensor, v: Tensor, plan: Plan) -> tuple[Tensor, Tenso
                 _add_matmul(touched_3d, seen, _flat(bad_v[:, :, j0:j1]))
             new_max = torch.maximum(row_max, scores.amax(dim=-1, keepdim=True))
             shift = new_max.masked_fill(new_max == _NEG_INF, 0.0)  # a row with no key yet: 0
-            probs = scores.sub_(shift).exp_()  # (b, h_kv, g, bq, bk), unnormalised
+            probs = exp_(scores.sub_(shift))  # (b, h_kv, g, bq, bk), unnormalised
             rescale = torch.exp(row_max - shift)  # how much the old terms shrink
             row_sum.mul_(rescale).add_(probs.sum(dim=-1, keepdim=True))
             acc.mul_(rescale)
@@ -307,7 +327,7 @@ def backward(
                 q_blk, k_blk, i0, i1, j0, j1, window, tape=mod_grads is not None
             )
             masked = scores == _NEG_INF if careful else None  # P and dS are exactly 0 there
-            probs = scores.sub_(lse_blk).exp_()  # P, (b, h_kv, g, bq, bk)
+            probs = exp_(scores.sub_(lse_blk))  # P, (b, h_kv, g, bq, bk)
             if masked is not None:
                 probs.masked_fill_(masked, 0.0)
             p_3d = probs.view(b * h_kv, g * bq, -1).to(plan.matmul_dtype)

@@ -18,6 +18,8 @@ from typing import ClassVar, TextIO
 from attnkit._progress import Progress
 from attnkit.backends import decode as decode_backend
 from attnkit.backends import tiled_native
+from attnkit.bench.flex_cases import FLEX_VARIANTS
+from attnkit.bench.flex_cases import supported as mods_supported
 from attnkit.bench.measure import Result, matmul_gflops, probe_memory, time_interleaved
 from attnkit.bench.peers import KERNEL_IMPLS, MODULE_IMPLS, Case, prepare, runs, supported
 from attnkit.bench.report import machine, write
@@ -75,7 +77,12 @@ class BenchConfig:
         for variant, n, dtype, causal, mode, impl in product(
             self.variants, self.ns, self.dtypes, self.causal, self.modes, self.impls
         ):
-            if variant != "plain" and impl in ("attnkit-auto", "torch-sdpa-math"):
+            if variant in FLEX_VARIANTS:
+                if not causal or mods_supported(impl, variant):
+                    continue  # causal cases (prefix-LM: its own mask), the peers that apply
+            elif impl == "attnkit-builtin" or (
+                variant != "plain" and impl in ("attnkit-auto", "torch-sdpa-math")
+            ):
                 continue  # the modifier rows compare naive, SDPA (dense mask), flex and tiled
             cases.append(Case(impl, n, dtype, causal, mode, variant, **shape))
         if self.module:

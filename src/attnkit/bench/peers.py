@@ -19,6 +19,7 @@ from torch import Tensor
 
 import attnkit
 from attnkit.backends import BackendChoice
+from attnkit.bench import flex_cases
 from attnkit.functional import attention, which_backend
 
 KERNEL_IMPLS = (
@@ -29,9 +30,11 @@ KERNEL_IMPLS = (
     "attnkit-auto",
     "attnkit-tiled",
     "attnkit-reference",
+    "attnkit-builtin",
 )
 MODULE_IMPLS = ("torch-mha", "torch-proj+sdpa", "attnkit-mha")
-VARIANTS = ("plain", "alibi", "softcap", "window")  # score modifiers; "plain" has none
+# score modifiers ("plain" has none), then user-written functions (bench/flex_cases.py)
+VARIANTS = ("plain", "alibi", "softcap", "window", *flex_cases.FLEX_VARIANTS)
 WINDOW = 256  # the sliding window of the "window" variant
 SOFTCAP = 30.0
 
@@ -82,6 +85,8 @@ def supported(case: Case) -> str | None:
     """Why a case cannot run at all (reported, not dropped), or None."""
     if case.impl == "flex-compiled" and case.mode == "fwd+bwd":
         return "n/a: FlexAttention has no backward on CPU"
+    if case.variant in flex_cases.FLEX_VARIANTS or case.impl == "attnkit-builtin":
+        return flex_cases.supported(case.impl, case.variant)
     if (
         case.impl in ("torch-sdpa", "torch-sdpa-math", "flex-compiled")
         and case.variant == "softcap"
@@ -158,7 +163,14 @@ def _flex(case: Case) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
     return lambda q, k, v: compiled(q, k, v, block_mask=block_mask, score_mod=score_mod)
 
 
-def _kernel_fn(case: Case) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
+def _kernel_fn(case: Case) -> tuple[Callable[[Tensor, Tensor, Tensor], Tensor], list[Tensor]]:
+    """The call that runs ``case`` on q, k, v, and the tensors besides them that it trains."""
+    if case.variant in flex_cases.FLEX_VARIANTS:
+        return flex_cases.kernel_fn(case.impl, case.variant, case.n, case.h, case.mode == "fwd+bwd")
+    return _modifier_fn(case), []
+
+
+def _modifier_fn(case: Case) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
     options = _score_options(case)
     if case.impl == "naive":
         return lambda q, k, v: _naive(q, k, v, case)
@@ -222,8 +234,15 @@ def runs(case: Case) -> str | None:
         for _ in range(3)
     )
     backend = case.impl.removeprefix("attnkit-")
+    options = {"causal": case.causal, **_score_options(case)}
+    if case.variant in flex_cases.FLEX_VARIANTS:
+        options = flex_cases.attention_options(
+            flex_cases.build(case.variant, case.n, case.h, grad), case.n
+        )
+    if case.impl == "attnkit-builtin":
+        backend, options = "auto", {"causal": True, "alibi_slopes": attnkit.alibi_slopes(case.h)}
     with torch.set_grad_enabled(grad):
-        choice = which_backend(q, k, v, causal=case.causal, backend=backend, **_score_options(case))
+        choice = which_backend(q, k, v, backend=backend, **options)
     return path_of(choice)
 
 
@@ -236,12 +255,12 @@ def prepare(case: Case) -> Callable[[], object]:
         inputs = [x, *module.parameters()] if grad else []
         args = (x,)
     else:
-        fn = _kernel_fn(case)
+        fn, trained = _kernel_fn(case)
         args = tuple(
             torch.randn(case.b, case.h, case.n, case.d, dtype=dtype, requires_grad=grad)
             for _ in range(3)
         )
-        inputs = list(args)
+        inputs = [*args, *trained]
 
     if not grad:
 
