@@ -549,3 +549,43 @@ def test_a_mod_that_cannot_be_compiled_runs_uncompiled_with_a_warning(monkeypatc
     mods._block_function.cache_clear()
     assert mods._WORTH_COMPILING[gathers_too.__code__] is False
     torch.testing.assert_close(out, oracle(q, k, v, relative_bias(TABLE))[0].float())
+
+
+def test_a_per_head_scale_read_by_score_mod_gets_its_gradient():
+    scale = torch.tensor([0.5, 1.0, 1.5, 2.0], dtype=torch.float64, requires_grad=True)
+    q, k, v = (x.requires_grad_() for x in inputs(1, 2, 13, 29, dtype=torch.float64))
+
+    def per_head(score, b, h, q_idx, kv_idx):
+        return score * scale[h]
+
+    for backend in BACKENDS:
+        got = torch.autograd.grad(
+            F.attention(q, k, v, score_mod=per_head, mask_mod=prefix_lm, backend=backend).sum(),
+            (q, scale),
+        )
+        exact = [x.detach().requires_grad_() for x in (q, k, v, scale)]
+
+        def per_head64(score, b, h, q_idx, kv_idx, s=exact[3]):
+            return score * s[h]
+
+        out, _ = oracle(*exact[:3], per_head64, prefix_lm)
+        want = torch.autograd.grad(out.sum(), (exact[0], exact[3]))
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w)
+
+
+def test_under_torch_func_the_reference_runs_the_mods():
+    q, k, v = inputs(1, H, 13, 13)
+
+    def loss(q):
+        return F.attention(q, k, v, score_mod=softcap, mask_mod=causal).sum()
+
+    assert F.which_backend(q, k, v, score_mod=softcap).backend == "tiled"
+    grad = torch.func.grad(loss)(q)
+    qg = q.clone().requires_grad_()
+    (want,) = torch.autograd.grad(loss(qg), qg)
+    torch.testing.assert_close(grad, want)
+    queries = torch.stack([q, q * 0.5])
+    batched = torch.func.vmap(lambda x: F.attention(x, k, v, score_mod=softcap))(queries)
+    each = torch.stack([F.attention(x, k, v, score_mod=softcap) for x in queries])
+    torch.testing.assert_close(batched, each)

@@ -199,21 +199,34 @@ class BlockPlan:
     ``mask_mod`` is skipped)."""
 
     def __init__(
-        self, block_mask: BlockMask, group: tuple[int, int] = (1, 1), *, compiled: bool = False
+        self, block_mask: BlockMask, most: tuple[int, int] = (1, 1), *, compiled: bool = False
     ):
         self.block_mask = block_mask
         self.compiled = compiled  # mask_mod through mods.compile_block
         self.partial, self.full = tables(block_mask)  # (B, H, nq, nk), the mask's blocks
-        self.group = group
-        bq, bk = block_mask.BLOCK_SIZE
-        self.block_size = (bq * group[0], bk * group[1])
         listed = (self.partial | self.full).flatten(0, 1).any(dim=0)  # (nq, nk)
+        self.group = self._largest_group(listed, most)
+        bq, bk = block_mask.BLOCK_SIZE
+        self.block_size = (bq * self.group[0], bk * self.group[1])
         full = self.full.flatten(0, 1).all(dim=0)
         # blocks past the matrix's end: never listed, and no reason for a block to be masked
-        self.key_blocks = [
-            row.nonzero().flatten().tolist() for row in self._grouped(listed, False).any(-1).any(1)
-        ]
+        grouped = self._grouped(listed, False).any(-1).any(1)
+        self.key_blocks = [row.nonzero().flatten().tolist() for row in grouped]
         self.all_full = self._grouped(full, True).all(-1).all(1).tolist()
+
+    def _largest_group(self, listed: Tensor, most: tuple[int, int]) -> tuple[int, int]:
+        """The largest group, up to ``most``, whose blocks cover at most a quarter more of the
+        scores than the mask's listed blocks: a sparse mask (packed documents) keeps small blocks,
+        a dense one (causal) gets large ones."""
+        needed = int(listed.sum())
+        gq, gk = most
+        while gq * gk > 1:
+            self.group = (gq, gk)
+            covered = int(self._grouped(listed, False).any(-1).any(1).sum()) * gq * gk
+            if covered <= 1.25 * needed:
+                return gq, gk
+            gq, gk = (gq, gk // 2) if gk >= gq else (gq // 2, gk)
+        return 1, 1
 
     def _grouped(self, table: Tensor, fill: bool) -> Tensor:
         """``(nq, nk)`` -> ``(NQ, gq, NK, gk)``: the mask's blocks by the kernel's blocks."""

@@ -143,15 +143,17 @@ def _block_function(fn: Callable) -> Callable:
     """What [`compile_block`][attnkit.mods.compile_block] returns for ``fn``, made once per
     function rather than once per block."""
     code = fn.__code__
-    compiled = torch.compile(fn, dynamic=False)
+    compiled = None  # made on first use: torch.compile's first call imports dynamo (a second)
 
     def run(*args):
+        nonlocal compiled
         if code not in _WORTH_COMPILING:
             result, _WORTH_COMPILING[code] = _gathers_a_block(fn, args)
             return result
         if not _WORTH_COMPILING[code]:
             return fn(*args)
         try:
+            compiled = compiled or torch.compile(fn, dynamic=False)
             return compiled(*args)
         except Exception as error:  # the fallback: eager, which raises the mod's own errors
             _WORTH_COMPILING[code] = False

@@ -62,8 +62,8 @@ class Plan:
         compile_mods = q.shape[2] * k.shape[2] >= mods.COMPILE_FROM
         if request.block_mask is not None:  # whole blocks of the mask's, to skip the empty ones
             mask_q, mask_k = request.block_mask.BLOCK_SIZE
-            group = (max(1, block_q // mask_q), max(1, block_k // mask_k))
-            blocks = BlockPlan(request.block_mask, group, compiled=compile_mods)
+            most = (max(1, block_q // mask_q), max(1, block_k // mask_k))
+            blocks = BlockPlan(request.block_mask, most, compiled=compile_mods)
             block_q, block_k = blocks.block_size
         return Plan(
             request=request,
