@@ -589,3 +589,85 @@ def test_under_torch_func_the_reference_runs_the_mods():
     batched = torch.func.vmap(lambda x: F.attention(x, k, v, score_mod=softcap))(queries)
     each = torch.stack([F.attention(x, k, v, score_mod=softcap) for x in queries])
     torch.testing.assert_close(batched, each)
+
+
+class _Holder:
+    """A plain object holding a tensor, as a user's model code might."""
+
+    def __init__(self, weight):
+        self.weight = weight
+
+    def scale(self, score, b, h, q_idx, kv_idx):
+        return score * self.weight[h]
+
+
+WEIGHTS = {}
+
+
+def _reads_a_global_dict(score, b, h, q_idx, kv_idx):
+    return score * WEIGHTS["w"][h]
+
+
+@pytest.mark.parametrize("how", ["bound method of an object", "global dict", "generator"])
+def test_gradients_reach_a_tensor_however_the_mod_reads_it(how):
+    weight = torch.tensor([0.5, 1.5, 1.0, 2.0], requires_grad=True)
+    WEIGHTS["w"] = weight
+    mod = {
+        "bound method of an object": _Holder(weight).scale,
+        "global dict": _reads_a_global_dict,
+        "generator": lambda score, b, h, q_idx, kv_idx: sum(score * w[h] for w in [weight]),
+    }[how]
+    q, k, v = (x.requires_grad_() for x in inputs(1, 2, 13, 13))
+    cotangent = torch.randn(1, H, 13, 8)
+    grads = []
+    for backend in BACKENDS:
+        (grad,) = torch.autograd.grad(
+            F.attention(q, k, v, score_mod=mod, backend=backend), (weight,), cotangent
+        )
+        grads.append(grad)
+    assert grads[0].abs().sum() > 0
+    torch.testing.assert_close(grads[0], grads[1])
+
+
+def test_a_block_mask_for_one_batch_and_head_still_sees_every_batch_and_head():
+    """torch evaluates a mask_mod at the call's batches and heads, even in tables built with
+    B=None, H=None (for batch 0 and head 0)."""
+
+    def depends(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & ((kv_idx % 2 == 0) | (h == 1) | (b == 1))
+
+    q, k, v = inputs(2, H, 29, 29)
+    block_mask = torch_flex.create_block_mask(depends, None, None, 29, 29, "cpu", BLOCK_SIZE=8)
+    want = torch_flex.flex_attention(q, k, v, block_mask=block_mask)
+    for backend in BACKENDS:
+        out = F.attention(q, k, v, block_mask=block_mask, backend=backend)
+        torch.testing.assert_close(out, want)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mods_of_fewer_dims_or_without_the_score_and_blocks_without_mask_mod(backend):
+    table = torch.randn(H, 13, requires_grad=True)
+    q, k, v = (x.requires_grad_() for x in inputs(1, H, 13, 13))
+
+    def per_head_only(score, b, h, q_idx, kv_idx):  # (1, H, 1, 1): a smaller block
+        return score + table[h, 0]
+
+    def ignores_the_score(score, b, h, q_idx, kv_idx):
+        return table[h, (q_idx - kv_idx).abs()].to(score.dtype)
+
+    for mod in (per_head_only, ignores_the_score):
+        out = F.attention(q, k, v, score_mod=mod, backend=backend)
+        out64, _ = oracle(q, k, v, mod)
+        torch.testing.assert_close(out, out64.float())
+        out.sum().backward()
+    listed = torch_flex.BlockMask.from_kv_blocks(  # no mask_mod: torch's noop_mask
+        torch.tensor([[[1, 1]]], dtype=torch.int32),
+        torch.tensor([[[[0, 1], [1, 0]]]], dtype=torch.int32),
+        BLOCK_SIZE=8,
+        seq_lengths=(13, 13),
+    )
+    out = F.attention(q, k, v, block_mask=listed, backend=backend)
+    # the tables decide, as in torch's compiled kernel (its eager path reads only the mask_mod)
+    diagonal = torch.zeros(13, 13, dtype=torch.bool)
+    diagonal[:8, :8] = diagonal[8:, 8:] = True
+    torch.testing.assert_close(out, F.attention(q, k, v, attn_mask=diagonal, backend="reference"))

@@ -174,16 +174,17 @@ def tables(block_mask: BlockMask) -> tuple[Tensor, Tensor]:
     return partial, full
 
 
-def allowed(block_mask: BlockMask, device=None) -> Tensor:
-    """The dense bool mask ``(B, H, t, s)`` that ``block_mask`` stands for: True in its full
-    blocks, ``mask_mod`` in its partial blocks, False elsewhere. ``O(t * s)``: for the reference
-    backend, which materialises the scores anyway."""
+def allowed(block_mask: BlockMask, b: int, h: int, device=None) -> Tensor:
+    """The dense bool mask ``(b, h, t, s)`` that ``block_mask`` stands for in a call of ``b``
+    batches and ``h`` heads: True in its full blocks, its ``mask_mod`` (at the call's batches and
+    heads, as torch evaluates it, even for tables built with ``B`` or ``H`` None) in its partial
+    blocks, False elsewhere. ``O(t * s)``: for the reference backend, which materialises the
+    scores anyway."""
     t, s = block_mask.seq_lengths
     bq, bk = block_mask.BLOCK_SIZE
     partial, full = tables(block_mask)
-    B, H = partial.shape[:2]
-    at = mods.Block.of(range(B), range(H), range(t), range(s), device or partial.device)
-    by_mod = mods.mask(block_mask.mask_mod, at).expand(B, H, t, s)
+    at = mods.Block.of(range(b), range(h), range(t), range(s), device or partial.device)
+    by_mod = mods.mask(block_mask.mask_mod, at)
 
     def spread(table: Tensor) -> Tensor:  # (B, H, nq, nk) -> (B, H, t, s)
         return table.repeat_interleave(bq, dim=2)[:, :, :t].repeat_interleave(bk, dim=3)[..., :s]
@@ -199,9 +200,16 @@ class BlockPlan:
     ``mask_mod`` is skipped)."""
 
     def __init__(
-        self, block_mask: BlockMask, most: tuple[int, int] = (1, 1), *, compiled: bool = False
+        self,
+        block_mask: BlockMask,
+        batches: int,
+        heads: int,
+        most: tuple[int, int] = (1, 1),
+        *,
+        compiled: bool = False,
     ):
         self.block_mask = block_mask
+        self.batches, self.heads = batches, heads  # the call's: mask_mod sees them all
         self.compiled = compiled  # mask_mod through mods.compile_block
         self.partial, self.full = tables(block_mask)  # (B, H, nq, nk), the mask's blocks
         listed = (self.partial | self.full).flatten(0, 1).any(dim=0)  # (nq, nk)
@@ -236,7 +244,7 @@ class BlockPlan:
         return padded.view(padded.shape[0] // gq, gq, padded.shape[1] // gk, gk)
 
     def allowed(self, qb: int, kb: int, rows: range, keys: range) -> Tensor | None:
-        """Bool ``(B, H, len(rows), len(keys))`` (B, H: 1 or the call's) for the scores of rows
+        """Bool, broadcastable to ``(b, h, len(rows), len(keys))``, for the scores of rows
         ``rows`` (in the kernel's query block ``qb``) and keys ``keys`` (in its key block
         ``kb``), or None if every score there is allowed for every batch and head."""
         if self.all_full[qb][kb]:
@@ -257,10 +265,9 @@ class BlockPlan:
         def spread(table: Tensor) -> Tensor:  # mask blocks -> scores
             return table[:, :, row_blocks - q0][:, :, :, key_blocks - k0]
 
-        B, H = self.partial.shape[:2]
         if not bool(partial.any()):
             return spread(full)
-        at = mods.Block.of(range(B), range(H), rows, keys, device)
+        at = mods.Block.of(range(self.batches), range(self.heads), rows, keys, device)
         by_mod = mods.mask(self.block_mask.mask_mod, at, compiled=self.compiled)
         if bool(partial.all()):
             return by_mod

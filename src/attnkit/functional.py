@@ -26,6 +26,7 @@ length, ``d`` head dim.
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
@@ -234,5 +235,12 @@ def _request(
         return_weights=return_weights,
         score_mod=score_mod,
         block_mask=_checks.check_block_mask(block_mask, mask_mod, b, h, t, s, q.device),
-        mod_tensors=() if score_mod is None else captured_tensors(score_mod),
+        mod_tensors=_mod_tensors(score_mod, q),
     )
+
+
+def _mod_tensors(score_mod, q: Tensor) -> tuple[Tensor, ...]:
+    """The tensors ``score_mod`` reads that need gradients (none without grad mode)."""
+    if score_mod is None or not torch.is_grad_enabled():
+        return ()
+    return captured_tensors(score_mod, torch.promote_types(q.dtype, torch.float32), q.device)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import math
 import os
 import types
@@ -30,6 +31,7 @@ from typing import NamedTuple
 
 import torch
 from torch import Tensor
+from torch.nn.attention.flex_attention import noop_mask
 
 ScoreMod = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
@@ -70,6 +72,8 @@ def name_of(fn: Callable) -> str:
 def mask(mask_mod: MaskMod, at: Block, *, compiled: bool = False) -> Tensor:
     """``mask_mod`` over a block: a bool tensor broadcastable to ``at.shape``. ``compiled``:
     through [`compile_block`][attnkit.mods.compile_block]."""
+    if mask_mod is noop_mask:  # torch's "no mask", a 0-d True
+        return torch.ones((1, 1, 1, 1), dtype=torch.bool, device=at.q.device)
     try:
         allowed = (compile_block(mask_mod) if compiled else mask_mod)(*at)
         _elementwise(allowed, at.shape)
@@ -84,13 +88,23 @@ def mask(mask_mod: MaskMod, at: Block, *, compiled: bool = False) -> Tensor:
     return allowed
 
 
-def score(score_mod: ScoreMod, scores: Tensor, at: Block, *, compiled: bool = False) -> Tensor:
+def score(
+    score_mod: ScoreMod,
+    scores: Tensor,
+    at: Block,
+    *,
+    compiled: bool = False,
+    also: torch.dtype | None = None,
+) -> Tensor:
     """``score_mod`` over a block of ``scores`` of shape ``at.shape``: the modified scores, of the
-    same shape and dtype. ``compiled``: through [`compile_block`][attnkit.mods.compile_block]."""
+    same shape and dtype. ``compiled``: through [`compile_block`][attnkit.mods.compile_block].
+    ``also``: a dtype accepted too and cast to the scores' (the reference backend computes in
+    float64 the scores a mod's float32 tensors expect)."""
     try:
         out = (compile_block(score_mod) if compiled else score_mod)(scores, *at)
         _elementwise(out, scores.shape)
-        out = out.expand(scores.shape)
+        if out.shape != scores.shape:  # a function of fewer dims: a block of its own, writable
+            out = out.expand(scores.shape).contiguous()
     except Exception as error:
         out = _by_vmap("score_mod", score_mod, at, scores, error)
     if out.shape != scores.shape:
@@ -98,6 +112,8 @@ def score(score_mod: ScoreMod, scores: Tensor, at: Block, *, compiled: bool = Fa
             f"score_mod {name_of(score_mod)} changed the shape of {at.where()} from "
             f"{tuple(scores.shape)} to {tuple(out.shape)}"
         )
+    if out.dtype == also:
+        out = out.to(scores.dtype)
     if out.dtype != scores.dtype:
         raise TypeError(
             f"score_mod {name_of(score_mod)} returned {out.dtype} for {at.where()}, not the "
@@ -142,7 +158,7 @@ def compile_block(fn: Callable) -> Callable:
 def _block_function(fn: Callable) -> Callable:
     """What [`compile_block`][attnkit.mods.compile_block] returns for ``fn``, made once per
     function rather than once per block."""
-    code = fn.__code__
+    code = getattr(inspect.unwrap(fn), "__code__", fn.__code__)  # a wrapper's decision: its mod's
     compiled = None  # made on first use: torch.compile's first call imports dynamo (a second)
 
     def run(*args):
@@ -218,11 +234,50 @@ def _by_vmap(kind: str, mod: Callable, at: Block, scores: Tensor | None, first: 
     return out
 
 
-def captured_tensors(fn: Callable) -> tuple[Tensor, ...]:
-    """The tensors that require grad which ``fn`` reads: from its closure, defaults, the globals
-    it names, the module or object it is bound to, a ``functools.partial``'s arguments, and the
-    functions among those, recursively. Gradients reach these through attnkit's kernels, as
-    torch's FlexAttention lets them reach the tensors a mod captures."""
+def captured_tensors(score_mod: ScoreMod, dtype: torch.dtype, device) -> tuple[Tensor, ...]:
+    """The tensors that require grad which ``score_mod`` reads: those it passes to a torch function
+    when it runs on one score (a closure's, a default's, a global's, an attribute of the object or
+    module it is bound to, ...), and those its closure, defaults and bound module hold. Gradients
+    reach them through attnkit's kernels, as torch's FlexAttention lets them reach the tensors a
+    mod captures."""
+    found = {id(x): x for x in _held_tensors(score_mod)}
+    for x in _read_tensors(score_mod, dtype, device):
+        found.setdefault(id(x), x)
+    return tuple(found.values())
+
+
+def _read_tensors(score_mod: ScoreMod, dtype: torch.dtype, device) -> list[Tensor]:
+    """The tensors requiring grad that ``score_mod`` passes to torch functions on one score,
+    leaving out those it makes itself (nothing if it raises there: then only what it holds)."""
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._pytree import tree_leaves
+
+    read: dict[int, Tensor] = {}
+    made: set[int] = set()
+
+    class Record(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            for x in tree_leaves((args, kwargs or {})):
+                if isinstance(x, Tensor) and x.requires_grad and id(x) not in made:
+                    read.setdefault(id(x), x)
+            out = func(*args, **(kwargs or {}))
+            made.update(id(x) for x in tree_leaves(out) if isinstance(x, Tensor))
+            return out
+
+    at = Block.of(range(1), range(1), range(1), range(1), device)
+    score = torch.zeros((1, 1, 1, 1), dtype=dtype, device=device)
+    try:
+        with torch.enable_grad(), Record():
+            score_mod(score, *at)
+    except Exception:
+        return []
+    return list(read.values())
+
+
+def _held_tensors(fn: Callable) -> list[Tensor]:
+    """The tensors requiring grad in ``fn``'s closure, defaults, named globals, bound object
+    (not a module: a model's every parameter), or a ``functools.partial``'s arguments,
+    recursively."""
     found: dict[int, Tensor] = {}
     seen: set[int] = set()
 
@@ -234,8 +289,7 @@ def captured_tensors(fn: Callable) -> tuple[Tensor, ...]:
             if obj.requires_grad:
                 found.setdefault(id(obj), obj)
         elif isinstance(obj, torch.nn.Module):
-            for x in (*obj.parameters(), *obj.buffers()):
-                visit(x, depth + 1)
+            return  # a model's every parameter is too many: _read_tensors finds those it reads
         elif isinstance(obj, functools.partial):
             for x in (obj.func, *obj.args, *obj.keywords.values()):
                 visit(x, depth + 1)
@@ -259,11 +313,11 @@ def captured_tensors(fn: Callable) -> tuple[Tensor, ...]:
                     value = obj.__globals__[name]
                     if isinstance(value, (Tensor, torch.nn.Module, types.FunctionType)):
                         visit(value, depth + 1)
-        elif callable(obj) and not isinstance(obj, type):
-            visit(getattr(obj, "__dict__", {}), depth + 1)
+        elif not isinstance(obj, (type, str, bytes, int, float, bool)) and obj is not None:
+            visit(getattr(obj, "__dict__", {}), depth + 1)  # an object's attributes
 
     visit(fn, 0)
-    return tuple(found.values())
+    return list(found.values())
 
 
 def at_positions(given: dict, q_offset: int, kv_offset: int) -> dict:
@@ -280,6 +334,7 @@ def at_positions(given: dict, q_offset: int, kv_offset: int) -> dict:
             return score_mod(score, b, h, q_idx + q_offset, kv_idx + kv_offset)
 
         score_at.__qualname__ = name_of(score_mod)
+        score_at.__wrapped__ = score_mod
         shifted["score_mod"] = score_at
     if mask_mod is not None:
 
@@ -287,5 +342,6 @@ def at_positions(given: dict, q_offset: int, kv_offset: int) -> dict:
             return mask_mod(b, h, q_idx + q_offset, kv_idx + kv_offset)
 
         mask_at.__qualname__ = name_of(mask_mod)
+        mask_at.__wrapped__ = mask_mod
         shifted["mask_mod"] = mask_at
     return shifted

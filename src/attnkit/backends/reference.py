@@ -67,6 +67,7 @@ def reference(q: Tensor, k: Tensor, v: Tensor, request: Request) -> AttentionOut
     """
     t, s = q.shape[-2], k.shape[-2]
     f64 = torch.float64
+    stats_dtype = torch.promote_types(q.dtype, torch.float32)  # of the lse, and a mod's scores
     groups = (
         q.shape[1] // k.shape[1]
     )  # query heads per key/value head (GQA): head i uses i // groups
@@ -88,10 +89,11 @@ def reference(q: Tensor, k: Tensor, v: Tensor, request: Request) -> AttentionOut
         attn_scores = nan_unless_finite(attn_scores)
         b, h = q.shape[:2]
         at = mods.Block.of(range(b), range(h), range(t), range(s), q.device)
-        attn_scores = mods.score(request.score_mod, attn_scores, at)
+        attn_scores = mods.score(request.score_mod, attn_scores, at, also=stats_dtype)
         allowed = _both(allowed, attn_scores != float("-inf"))
     if request.block_mask is not None:
-        allowed = _both(allowed, block_mask.allowed(request.block_mask, q.device))
+        b, h = q.shape[:2]
+        allowed = _both(allowed, block_mask.allowed(request.block_mask, b, h, q.device))
     bias = request.masks.bias()
     if bias is not None:
         attn_scores = attn_scores + bias.to(f64)
@@ -100,7 +102,6 @@ def reference(q: Tensor, k: Tensor, v: Tensor, request: Request) -> AttentionOut
     attn_weights, lse = masked_softmax(attn_scores, allowed)
     dropped = F.dropout(attn_weights, request.dropout_p) if request.dropout_p else attn_weights
     context = weighted_values(dropped, values, allowed)  # (b, h, t, s) x (b, h, s, d_v)
-    stats_dtype = torch.promote_types(q.dtype, torch.float32)
     return AttentionOutput(
         out=context.to(v.dtype),
         lse=lse.to(stats_dtype) if request.return_lse else None,

@@ -63,7 +63,8 @@ class Plan:
         if request.block_mask is not None:  # whole blocks of the mask's, to skip the empty ones
             mask_q, mask_k = request.block_mask.BLOCK_SIZE
             most = (max(1, block_q // mask_q), max(1, block_k // mask_k))
-            blocks = BlockPlan(request.block_mask, most, compiled=compile_mods)
+            b, h = q.shape[:2]
+            blocks = BlockPlan(request.block_mask, b, h, most, compiled=compile_mods)
             block_q, block_k = blocks.block_size
         return Plan(
             request=request,
@@ -157,7 +158,7 @@ class Plan:
             scores = scores.masked_fill(~_by_group(allowed, h_kv, g), _NEG_INF)
         if self.blocks is not None:
             if whole:
-                allowed = dense_allowed(self.blocks.block_mask)
+                allowed = dense_allowed(self.blocks.block_mask, b, h_kv * g, q_blk.device)
             else:
                 qb, kb = i0 // self.block_q, j0 // self.block_k
                 allowed = self.blocks.allowed(qb, kb, range(i0, i1), range(j0, j1))
@@ -210,6 +211,8 @@ def _through_score_mod(
     for i, grad in enumerate(grads[1:]):
         if grad is not None:
             mod_grads[i] = grad if mod_grads[i] is None else mod_grads[i] + grad
+    if grads[0] is None:  # the mod's result does not depend on the score
+        return torch.zeros_like(dscores)
     dbefore = grads[0].view(dscores.shape)
     return dbefore if masked is None else dbefore.masked_fill_(masked, 0.0)
 
