@@ -174,21 +174,47 @@ def tables(block_mask: BlockMask) -> tuple[Tensor, Tensor]:
     return partial, full
 
 
-def allowed(block_mask: BlockMask, b: int, h: int, device=None) -> Tensor:
-    """The dense bool mask ``(b, h, t, s)`` that ``block_mask`` stands for in a call of ``b``
-    batches and ``h`` heads: True in its full blocks, its ``mask_mod`` (at the call's batches and
-    heads, as torch evaluates it, even for tables built with ``B`` or ``H`` None) in its partial
-    blocks, False elsewhere. ``O(t * s)``: for the reference backend, which materialises the
-    scores anyway."""
+def allowed(block_mask: BlockMask, b: int, h: int) -> Tensor:
+    """The dense bool mask, broadcastable to ``(b, h, t, s)``, that ``block_mask`` stands for in
+    a call of ``b`` batches and ``h`` heads. ``O(t * s)``: for the reference backend, which
+    materialises the scores anyway."""
     t, s = block_mask.seq_lengths
-    bq, bk = block_mask.BLOCK_SIZE
     partial, full = tables(block_mask)
-    at = mods.Block.of(range(b), range(h), range(t), range(s), device or partial.device)
-    by_mod = mods.mask(block_mask.mask_mod, at)
+    return _scores_allowed(block_mask, partial, full, range(t), range(s), b, h)
 
-    def spread(table: Tensor) -> Tensor:  # (B, H, nq, nk) -> (B, H, t, s)
-        return table.repeat_interleave(bq, dim=2)[:, :, :t].repeat_interleave(bk, dim=3)[..., :s]
 
+def _scores_allowed(
+    block_mask: BlockMask,
+    partial: Tensor,
+    full: Tensor,
+    rows: range,
+    keys: range,
+    b: int,
+    h: int,
+    compiled: bool = False,
+) -> Tensor:
+    """Which scores of ``rows`` x ``keys`` ``block_mask`` allows, broadcastable to
+    ``(b, h, len(rows), len(keys))``: those in its full blocks, and in its partial blocks those
+    its ``mask_mod`` allows, evaluated at the call's ``b`` batches and ``h`` heads as torch
+    evaluates it (also for tables built with ``B`` or ``H`` None). ``partial`` and ``full`` are
+    the tables of [`tables`][attnkit.block_mask.tables]."""
+    bq, bk = block_mask.BLOCK_SIZE
+    device = partial.device
+    row_blocks = torch.arange(rows.start, rows.stop, device=device) // bq  # the mask's blocks
+    key_blocks = torch.arange(keys.start, keys.stop, device=device) // bk
+    q0, q1 = int(row_blocks[0]), int(row_blocks[-1]) + 1
+    k0, k1 = int(key_blocks[0]), int(key_blocks[-1]) + 1
+    partial, full = partial[:, :, q0:q1, k0:k1], full[:, :, q0:q1, k0:k1]
+
+    def spread(table: Tensor) -> Tensor:  # the mask's blocks -> scores
+        return table[:, :, row_blocks - q0][:, :, :, key_blocks - k0]
+
+    if not bool(partial.any()):
+        return spread(full)
+    at = mods.Block.of(range(b), range(h), rows, keys, device)
+    by_mod = mods.mask(block_mask.mask_mod, at, compiled=compiled)
+    if bool(partial.all()):
+        return by_mod
     return spread(full) | (spread(partial) & by_mod)
 
 
@@ -249,29 +275,16 @@ class BlockPlan:
         ``kb``), or None if every score there is allowed for every batch and head."""
         if self.all_full[qb][kb]:
             return None
-        bq, bk = self.block_mask.BLOCK_SIZE
-        device = self.partial.device
-        row_blocks = torch.arange(rows.start, rows.stop, device=device) // bq  # the mask's blocks
-        key_blocks = torch.arange(keys.start, keys.stop, device=device) // bk
-        q0, q1, k0, k1 = (
-            int(row_blocks[0]),
-            int(row_blocks[-1]) + 1,
-            int(key_blocks[0]),
-            int(key_blocks[-1]) + 1,
+        return _scores_allowed(
+            self.block_mask,
+            self.partial,
+            self.full,
+            rows,
+            keys,
+            self.batches,
+            self.heads,
+            self.compiled,
         )
-        partial = self.partial[:, :, q0:q1, k0:k1]
-        full = self.full[:, :, q0:q1, k0:k1]
-
-        def spread(table: Tensor) -> Tensor:  # mask blocks -> scores
-            return table[:, :, row_blocks - q0][:, :, :, key_blocks - k0]
-
-        if not bool(partial.any()):
-            return spread(full)
-        at = mods.Block.of(range(self.batches), range(self.heads), rows, keys, device)
-        by_mod = mods.mask(self.block_mask.mask_mod, at, compiled=self.compiled)
-        if bool(partial.all()):
-            return by_mod
-        return spread(full) | (spread(partial) & by_mod)
 
 
 def sequence_lengths(cu_seqlens: Tensor, name: str, total: int | None = None) -> Tensor:

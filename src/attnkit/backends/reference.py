@@ -93,7 +93,7 @@ def reference(q: Tensor, k: Tensor, v: Tensor, request: Request) -> AttentionOut
         allowed = _both(allowed, attn_scores != float("-inf"))
     if request.block_mask is not None:
         b, h = q.shape[:2]
-        allowed = _both(allowed, block_mask.allowed(request.block_mask, b, h, q.device))
+        allowed = _both(allowed, block_mask.allowed(request.block_mask, b, h))
     bias = request.masks.bias()
     if bias is not None:
         attn_scores = attn_scores + bias.to(f64)

@@ -158,7 +158,7 @@ class Plan:
             scores = scores.masked_fill(~_by_group(allowed, h_kv, g), _NEG_INF)
         if self.blocks is not None:
             if whole:
-                allowed = dense_allowed(self.blocks.block_mask, b, h_kv * g, q_blk.device)
+                allowed = dense_allowed(self.blocks.block_mask, b, h_kv * g)
             else:
                 qb, kb = i0 // self.block_q, j0 // self.block_k
                 allowed = self.blocks.allowed(qb, kb, range(i0, i1), range(j0, j1))
