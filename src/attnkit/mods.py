@@ -324,10 +324,10 @@ def at_positions(given: dict, q_offset: int, kv_offset: int) -> dict:
     """``given``'s ``score_mod`` and ``mask_mod`` seeing ``q_idx + q_offset`` and
     ``kv_idx + kv_offset``: the positions in the sequence of a chunk's queries and of the keys a
     KV cache holds. Other entries pass through."""
-    if q_offset == 0 and kv_offset == 0:
+    score_mod, mask_mod = given.get("score_mod"), given.get("mask_mod")
+    if (q_offset == 0 and kv_offset == 0) or (score_mod is None and mask_mod is None):
         return given
     shifted = dict(given)
-    score_mod, mask_mod = given.get("score_mod"), given.get("mask_mod")
     if score_mod is not None:
 
         def score_at(score, b, h, q_idx, kv_idx):
