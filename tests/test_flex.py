@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -539,16 +540,86 @@ def test_a_mod_that_cannot_be_compiled_runs_uncompiled_with_a_warning(monkeypatc
     monkeypatch.setattr(mods, "COMPILE_FROM", 0)
     monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fails)
     mods._block_function.cache_clear()
+    mods._compiled.cache_clear()
 
     def gathers_too(score, b, h, q_idx, kv_idx):
         return score + TABLE[h, q_idx - kv_idx + 28]
 
     q, k, v = inputs(1, H, 29, 29)
-    with pytest.warns(UserWarning, match="gathers_too could not be compiled.*no C\\+\\+ compiler"):
-        out = F.attention(q, k, v, score_mod=gathers_too, backend="tiled")
-    mods._block_function.cache_clear()
-    assert mods._WORTH_COMPILING[gathers_too.__code__] is False
+    try:
+        with pytest.warns(UserWarning) as warned:  # the mod is compiled from its second call
+            out = F.attention(q, k, v, score_mod=gathers_too, backend="tiled")
+            F.attention(q, k, v, score_mod=gathers_too, backend="tiled")
+        with warnings.catch_warnings(record=True) as later:
+            warnings.simplefilter("always")
+            again = F.attention(q, k, v, score_mod=gathers_too, backend="tiled")
+    finally:
+        mods._block_function.cache_clear()
+        mods._compiled.cache_clear()
+    said = sorted(str(w.message).split(" (")[0].split(".")[-1] for w in warned)
+    assert said == ["gathers_too could not be compiled", "online_softmax_ could not be compiled"]
+    assert all("(RuntimeError: no C++ compiler)" in str(w.message) for w in warned)
     torch.testing.assert_close(out, oracle(q, k, v, relative_bias(TABLE))[0].float())
+    assert later == []  # once failed, a function runs uncompiled without a word
+    torch.testing.assert_close(again, out, rtol=0, atol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("case", "dtype"),
+    [("relative bias, document", torch.float32), ("empty rows", torch.float64)],
+)
+def test_long_calls_run_the_softmax_steps_compiled_with_the_same_results(monkeypatch, case, dtype):
+    """From ``COMPILE_FROM`` scores, the loop's softmax steps run compiled; they give what the
+    uncompiled steps and the float64 oracle give, forward and backward, with GQA, a NaN value at
+    a hidden key (0 * NaN must stay out) and rows a mask empties."""
+    from attnkit import mods
+
+    score_mod, mask_mod = ZOO[case]
+    table = TABLE.to(dtype).requires_grad_()
+    if score_mod is not None:
+        score_mod = relative_bias(table)
+    q, k, v = inputs(1, 2, 29, 29, dtype=dtype)
+    v[0, 0, 20, 3] = math.nan  # key 20: in the third document, hidden from the first two
+    block_mask = torch_block_mask(mask_mod, 29, 29, 8)
+
+    def run():
+        q_, k_, v_ = (x.clone().requires_grad_() for x in (q, k, v))
+        out = F.attention(q_, k_, v_, score_mod=score_mod, block_mask=block_mask, backend="tiled")
+        finite = ~out.isnan()  # rows that see key 20 are NaN, as the materialised formula says
+        loss = out.where(finite, 0.0).sum()
+        wrt = (q_, k_, v_, table) if score_mod is not None else (q_, k_, v_)
+        return out, torch.autograd.grad(loss, wrt)
+
+    compiled = []
+    real_compile = torch.compile
+    monkeypatch.setattr(
+        torch,
+        "compile",
+        lambda fn, **kwargs: compiled.append(fn.__name__) or real_compile(fn, **kwargs),
+    )
+    mods._compiled.cache_clear()
+    uncompiled = run()
+    assert compiled == []  # a short call
+    monkeypatch.setattr(mods, "COMPILE_FROM", 0)
+    try:
+        got = run()
+    finally:
+        mods._compiled.cache_clear()
+    assert {"online_softmax_", "softmax_backward_"} <= set(compiled)
+    want, _ = oracle(q, k, v.nan_to_num(0.0), score_mod, mask_mod)
+    key_20 = torch.zeros_like(v)
+    key_20[:, :, 20] = 1.0
+    sees_key_20 = oracle(q, k, key_20, score_mod, mask_mod)[0][..., :1] > 0  # its weight
+    assert sees_key_20.any() and not sees_key_20.all()
+    nan_expected = torch.zeros_like(want, dtype=torch.bool)  # key/value head 0: query heads 0, 1
+    nan_expected[:, :2, :, 3] = sees_key_20[:, :2, :, 0]
+    assert torch.equal(got[0].isnan(), nan_expected)
+    torch.testing.assert_close(got[0].nan_to_num(0.0), want.to(dtype).masked_fill(nan_expected, 0))
+    torch.testing.assert_close(got[0], uncompiled[0], equal_nan=True)
+    for g, u in zip(got[1], uncompiled[1]):  # NaN only where dP meets the NaN value
+        assert not g.isnan().all()
+        torch.testing.assert_close(g, u, equal_nan=True)
 
 
 def test_a_per_head_scale_read_by_score_mod_gets_its_gradient():

@@ -126,7 +126,7 @@ COMPILE_FROM = 1024 * 1024
 """The fewest scores (``t * s``) from which a call evaluates its mods compiled, where
 [`compile_block`][attnkit.mods.compile_block] can: below it, compiling costs more than it saves."""
 
-_WORTH_COMPILING: dict = {}  # code object -> whether it gathers a block (False also on failure)
+_WORTH_COMPILING: dict = {}  # code object -> whether it gathers a block
 
 
 def compile_block(fn: Callable) -> Callable:
@@ -159,20 +159,41 @@ def _block_function(fn: Callable) -> Callable:
     """What [`compile_block`][attnkit.mods.compile_block] returns for ``fn``, made once per
     function rather than once per block."""
     code = getattr(inspect.unwrap(fn), "__code__", fn.__code__)  # a wrapper's decision: its mod's
-    compiled = None  # made on first use: torch.compile's first call imports dynamo (a second)
+    compiled = compiled_or_eager(fn, dynamic=False)
 
     def run(*args):
-        nonlocal compiled
         if code not in _WORTH_COMPILING:
             result, _WORTH_COMPILING[code] = _gathers_a_block(fn, args)
             return result
-        if not _WORTH_COMPILING[code]:
+        return compiled(*args) if _WORTH_COMPILING[code] else fn(*args)
+
+    return run
+
+
+def compiled_or_eager(fn: Callable, *, dynamic: bool | None = None) -> Callable:
+    """``fn`` compiled by ``torch.compile`` (inductor) on its first call, for the blocks of long
+    calls; ``fn`` itself inside ``torch.compile`` already or with ``ATTNKIT_COMPILE=0``. If
+    compiling fails (no C++ compiler, an operation inductor cannot lower), ``fn`` runs uncompiled
+    from then on, after one warning that names it and the error."""
+    if torch.compiler.is_compiling() or os.environ.get("ATTNKIT_COMPILE", "1") == "0":
+        return fn
+    return _compiled(fn, dynamic)
+
+
+@functools.lru_cache(maxsize=32)
+def _compiled(fn: Callable, dynamic: bool | None) -> Callable:
+    compiled = None  # made on first use: torch.compile's first call imports dynamo (a second)
+    failed = False
+
+    def run(*args):
+        nonlocal compiled, failed
+        if failed:
             return fn(*args)
         try:
-            compiled = compiled or torch.compile(fn, dynamic=False)
+            compiled = compiled or torch.compile(fn, dynamic=dynamic)
             return compiled(*args)
-        except Exception as error:  # the fallback: eager, which raises the mod's own errors
-            _WORTH_COMPILING[code] = False
+        except Exception as error:  # the fallback: eager, which raises the function's own errors
+            failed = True
             result = fn(*args)
             warnings.warn(
                 f"{name_of(fn)} could not be compiled ({type(error).__name__}: {error}); it runs "
