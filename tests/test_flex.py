@@ -622,6 +622,30 @@ def test_long_calls_run_the_softmax_steps_compiled_with_the_same_results(monkeyp
         torch.testing.assert_close(g, u, equal_nan=True)
 
 
+@pytest.mark.slow
+def test_compiled_block_functions_take_every_length_without_recompiling_each(monkeypatch, caplog):
+    """Blocks of every size (the last block of each length, a diagonal's) share compiled code
+    after a few compilations, rather than running uncompiled once dynamo's recompile limit is
+    reached."""
+    from attnkit import mods
+
+    monkeypatch.setattr(mods, "COMPILE_FROM", 0)
+    mods._compiled.cache_clear()
+
+    def gathers_again(score, b, h, q_idx, kv_idx):
+        return score + TABLE[h, q_idx - kv_idx + 28]
+
+    try:
+        for n in range(9, 30, 2):
+            q, k, v = inputs(1, H, n, n)
+            out = F.attention(q, k, v, score_mod=gathers_again, causal=True, backend="tiled")
+            want = oracle(q, k, v, relative_bias(TABLE), causal)[0]
+            torch.testing.assert_close(out, want.float())
+    finally:
+        mods._compiled.cache_clear()
+    assert "recompile_limit" not in caplog.text
+
+
 def test_a_per_head_scale_read_by_score_mod_gets_its_gradient():
     scale = torch.tensor([0.5, 1.0, 1.5, 2.0], dtype=torch.float64, requires_grad=True)
     q, k, v = (x.requires_grad_() for x in inputs(1, 2, 13, 29, dtype=torch.float64))

@@ -159,7 +159,7 @@ def _block_function(fn: Callable) -> Callable:
     """What [`compile_block`][attnkit.mods.compile_block] returns for ``fn``, made once per
     function rather than once per block."""
     code = getattr(inspect.unwrap(fn), "__code__", fn.__code__)  # a wrapper's decision: its mod's
-    compiled = compiled_or_eager(fn, dynamic=False)
+    compiled = compiled_or_eager(fn)
 
     def run(*args):
         if code not in _WORTH_COMPILING:
@@ -172,7 +172,9 @@ def _block_function(fn: Callable) -> Callable:
 
 def compiled_or_eager(fn: Callable, *, dynamic: bool | None = None) -> Callable:
     """``fn`` compiled by ``torch.compile`` (inductor) on its first call, for the blocks of long
-    calls; ``fn`` itself inside ``torch.compile`` already or with ``ATTNKIT_COMPILE=0``. If
+    calls; ``fn`` itself inside ``torch.compile`` already or with ``ATTNKIT_COMPILE=0``. By
+    default, the first block's shape is compiled as static and the next other shape as dynamic,
+    so the blocks of every length share code instead of reaching dynamo's recompile limit. If
     compiling fails (no C++ compiler, an operation inductor cannot lower), ``fn`` runs uncompiled
     from then on, after one warning that names it and the error."""
     if torch.compiler.is_compiling() or os.environ.get("ATTNKIT_COMPILE", "1") == "0":
