@@ -204,8 +204,11 @@ def _request(
     score_mod=None,
     block_mask=None,
     mask_mod=None,
+    shift: int = 0,
 ) -> Request:
-    """Check the arguments of [`attention`][attnkit.functional.attention] and gather them into a [`Request`][attnkit.backends.base.Request]."""
+    """Check the arguments of [`attention`][attnkit.functional.attention] and gather them into a [`Request`][attnkit.backends.base.Request].
+    ``shift``: the queries sit that many positions right of bottom-right alignment
+    ([`Masks`][attnkit.masks.Masks]); ring attention's chunks, never a user's call."""
     _checks.check_qkv(q, k, v)
     b, h, t, _ = q.shape
     s = k.shape[-2]
@@ -224,7 +227,12 @@ def _request(
     ):
         _checks.check_flag(flag, name)
     return Request(
-        masks=Masks(merge_window(causal, _checks.check_window(window), t, s), key_mask, attn_mask),
+        masks=Masks(
+            merge_window(causal, _checks.check_window(window), t, s, shift),
+            key_mask,
+            attn_mask,
+            shift,
+        ),
         scale=q.shape[-1] ** -0.5
         if scale is None
         else _checks.check_positive_number(scale, "scale"),

@@ -53,16 +53,19 @@ def window_mask(
     rows: slice = slice(None),
     cols: slice = slice(None),
     query_slots: Tensor | None = None,
+    shift: int = 0,
 ) -> Tensor:
     """``(t, s)`` bool, True where ``p(i) - left <= j <= p(i) + right``; -1 means unbounded.
 
     ``window=(-1, 0)`` is the causal mask; ``(W - 1, 0)`` a causal sliding window of ``W`` keys.
     ``rows``/``cols`` build only that block, in ``O(block)`` memory. ``query_slots`` ``(t,)`` gives
     the queries' positions ``p(i)`` explicitly, instead of bottom-right (a compiled decoding step,
-    whose keys are a whole cache buffer, filled or not).
+    whose keys are a whole cache buffer, filled or not); ``shift`` moves every query that many
+    positions right of bottom-right alignment (a chunk of a longer sequence, see
+    [`Masks`][attnkit.masks.Masks]).
     """
     left, right = window
-    q_pos = query_positions(t, s, device) if query_slots is None else query_slots
+    q_pos = query_positions(t, s, device) + shift if query_slots is None else query_slots
     k_pos = torch.arange(s, device=device)[cols]
     distance = q_pos[rows, None] - k_pos  # p(i) - j, (rows, cols)
     allowed = torch.ones(distance.shape, dtype=torch.bool, device=device)
@@ -73,10 +76,12 @@ def window_mask(
     return allowed
 
 
-def alibi_bias(slopes: Tensor, t: int, s: int, *, query_slots: Tensor | None = None) -> Tensor:
+def alibi_bias(
+    slopes: Tensor, t: int, s: int, *, query_slots: Tensor | None = None, shift: int = 0
+) -> Tensor:
     """``(h, t, s)`` ALiBi bias ``-slope * |p(i) - j|`` (Press et al., 2022), in the slopes' dtype;
-    ``query_slots`` as in [`window_mask`][attnkit.masks.window_mask]."""
-    q_pos = query_positions(t, s, slopes.device) if query_slots is None else query_slots
+    ``query_slots`` and ``shift`` as in [`window_mask`][attnkit.masks.window_mask]."""
+    q_pos = query_positions(t, s, slopes.device) + shift if query_slots is None else query_slots
     distance = q_pos[:, None] - torch.arange(s, device=slopes.device)
     return -slopes[:, None, None] * distance.abs().to(slopes.dtype)  # (h, 1, 1) * (t, s)
 
@@ -103,18 +108,19 @@ def alibi_slopes(num_heads: int) -> Tensor:
 
 
 def merge_window(
-    causal: bool, window: tuple[int, int] | None, t: int, s: int
+    causal: bool, window: tuple[int, int] | None, t: int, s: int, shift: int = 0
 ) -> tuple[int, int] | None:
     """Fold ``causal`` into a window: causal is ``right = 0``. None when nothing limits positions for
-    ``t`` queries over ``s`` keys (a single query under a causal mask sees every key: decoding)."""
+    ``t`` queries over ``s`` keys (a single query under a causal mask sees every key: decoding),
+    the queries ``shift`` positions right of bottom-right alignment."""
     if window is None:
         window = (-1, 0) if causal else (-1, -1)
     left, right = window
     if causal:
         right = 0 if right < 0 else min(right, 0)
     # Every query sees every key when p(t - 1) - left <= 0 and p(0) + right >= s - 1.
-    left = -1 if left >= s - 1 else left
-    right = -1 if right >= t - 1 else right
+    left = -1 if left >= s - 1 + shift else left
+    right = -1 if right >= t - 1 - shift else right
     return None if (left, right) == (-1, -1) else (left, right)
 
 
@@ -140,15 +146,25 @@ class Masks(NamedTuple):
         key_mask: ``(b, s)`` bool, True for a real token, or None.
         attn_mask: bool (True = may attend) or float (added to scores; ``-inf`` masks),
             broadcastable to ``(b, h, t, s)``, or None.
+        shift: the queries sit this many positions right of bottom-right alignment,
+            ``p(i) = i + s - t + shift``, for ``window`` and ALiBi: a chunk of queries and a chunk
+            of keys cut from longer sequences (ring attention). 0 in every call of
+            [`attention`][attnkit.functional.attention].
     """
 
     window: tuple[int, int] | None = None
     key_mask: Tensor | None = None
     attn_mask: Tensor | None = None
+    shift: int = 0
 
     @property
     def is_causal_only(self) -> bool:
-        return self.window == (-1, 0) and self.key_mask is None and self.attn_mask is None
+        return (
+            self.window == (-1, 0)
+            and self.key_mask is None
+            and self.attn_mask is None
+            and self.shift == 0
+        )
 
     def bias(self, rows: slice = slice(None), cols: slice = slice(None)) -> Tensor | None:
         """The float ``attn_mask`` to add to the scores (or its block ``rows x cols``), or None."""
@@ -175,7 +191,11 @@ class Masks(NamedTuple):
             allowed = m if allowed is None else allowed & m
 
         if self.window is not None and with_window:
-            combine(window_mask(t, s, self.window, device=device, rows=rows, cols=cols))
+            combine(
+                window_mask(
+                    t, s, self.window, device=device, rows=rows, cols=cols, shift=self.shift
+                )
+            )
         if self.key_mask is not None:
             combine(self.key_mask[:, None, None, cols])  # (b, s) -> (b, 1, 1, s)
         if self.attn_mask is not None:

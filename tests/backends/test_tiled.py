@@ -335,7 +335,7 @@ def test_the_cpp_kernel_refuses_operands_that_do_not_fit_with_a_message():
         route=0,
     ):
         return kernel.forward(
-            *operands, bias, empty_bool, key_mask, alibi, 0.0, -1, -1, *blocks, route
+            *operands, bias, empty_bool, key_mask, alibi, 0.0, -1, -1, 0, *blocks, route
         )
 
     assert forward()[0].shape == (1, 2, 5, 4)

@@ -60,15 +60,16 @@ from attnkit.backends.base import AttentionOutput, Backend, BackendFn, Request, 
 _MASKS = frozenset({"causal", "window", "attn_mask", "key_mask", "alibi_slopes"})
 _EXTRAS = frozenset({"softcap", "return_lse", "return_weights"})
 _MODS = frozenset({"score_mod", "block_mask"})
+_SHIFT = frozenset({"shift"})  # queries placed off bottom-right (ring attention's chunks)
 
 BACKENDS: dict[str, Backend] = {
     "reference": Backend(
         "reference",
         reference.reference,
-        _MASKS | _EXTRAS | _MODS | {"dropout_p", "attn_mask_grad"},
+        _MASKS | _EXTRAS | _MODS | _SHIFT | {"dropout_p", "attn_mask_grad"},
     ),
     "sdpa": Backend("sdpa", sdpa.sdpa, _MASKS | {"dropout_p", "attn_mask_grad"}, sdpa.refuses),
-    "tiled": Backend("tiled", tiled.tiled, _MASKS | _EXTRAS | _MODS, tiled.refuses),
+    "tiled": Backend("tiled", tiled.tiled, _MASKS | _EXTRAS | _MODS | _SHIFT, tiled.refuses),
     "decode": Backend("decode", decode.decode, frozenset({"key_mask"}), decode.refuses),
 }
 """The backends by name, each with the options it supports; ``backend=`` takes one of these names

@@ -60,6 +60,8 @@ class Request(NamedTuple):
                 used.append("window")
             if window[1] == 0:
                 used.append("causal")
+        if self.masks.shift != 0:
+            used.append("shift")
         if self.softcap is not None:
             used.append("softcap")
         if self.alibi_slopes is not None:

@@ -83,7 +83,8 @@ def reference(q: Tensor, k: Tensor, v: Tensor, request: Request) -> AttentionOut
         attn_scores = nan_unless_finite(attn_scores)
         attn_scores = request.softcap * torch.tanh(attn_scores / request.softcap)
     if request.alibi_slopes is not None:
-        attn_scores = attn_scores + alibi_bias(request.alibi_slopes.to(f64), t, s)
+        slopes = request.alibi_slopes.to(f64)
+        attn_scores = attn_scores + alibi_bias(slopes, t, s, shift=request.masks.shift)
     allowed = request.masks.allowed(t, s, q.device)
     if request.score_mod is not None:  # a -inf it returns masks the key
         attn_scores = nan_unless_finite(attn_scores)

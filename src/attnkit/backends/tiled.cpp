@@ -15,7 +15,8 @@
 //   (bf16 with even d and dv);
 //   bias: float32, allowed: bool, both expanded to (b, h, t, s) with any strides, or empty;
 //   key_mask (b, s) bool or empty; alibi (h,) float32 or empty; softcap 0 for none;
-//   window (left, right) around p(i) = i + s - t, -1 unbounded.
+//   window (left, right) around p(i) = i + s - t + shift, -1 unbounded (shift: 0, or the offset
+//   of a chunk of a longer sequence).
 // Query head i uses key/value head i / (h / h_kv).
 
 #include <torch/extension.h>
@@ -218,7 +219,7 @@ struct Strided {
 
 // What turns a block of raw scores into masked scores: everything but q, k, v.
 struct Scoring {
-  int64_t t, s, left, right;
+  int64_t s, diagonal, left, right;  // p(i) = i + diagonal
   float softcap;                // 0: none
   const float* alibi;           // (h,) or null
   Strided<float> bias;
@@ -229,7 +230,7 @@ struct Scoring {
   // The keys [lo, hi) that query i may see by position, clipped to the block [j0, j1) (empty, with
   // lo = hi inside the block, when the row's window lies wholly before or after it).
   std::pair<int64_t, int64_t> visible(int64_t i, int64_t j0, int64_t j1) const {
-    const int64_t p = i + s - t;
+    const int64_t p = i + diagonal;
     const int64_t lo = left >= 0 ? std::min(j1, std::max(j0, p - left)) : j0;
     const int64_t hi = right >= 0 ? std::min(j1, p + right + 1) : j1;
     return {lo, std::max(lo, hi)};
@@ -237,7 +238,7 @@ struct Scoring {
 
   // The keys [lo, hi) that queries [i0, i1) may see together (the union of their ranges).
   std::pair<int64_t, int64_t> block_range(int64_t i0, int64_t i1) const {
-    const int64_t first = i0 + s - t, last = i1 - 1 + s - t;
+    const int64_t first = i0 + diagonal, last = i1 - 1 + diagonal;
     const int64_t lo = left >= 0 ? std::max<int64_t>(0, first - left) : 0;
     const int64_t hi = right >= 0 ? std::min(s, last + right + 1) : s;
     return {lo, std::max(lo, hi)};
@@ -275,7 +276,7 @@ struct Scoring {
     }
     if (alibi != nullptr) {
       const float slope = alibi[head];
-      const float p = static_cast<float>(i + s - t - j0);
+      const float p = static_cast<float>(i + diagonal - j0);
 #pragma omp simd
       for (int64_t j = a; j < z; ++j) row[j] -= slope * std::fabs(p - static_cast<float>(j));
     }
@@ -313,7 +314,7 @@ struct Scoring {
 Scoring make_scoring(int64_t b, int64_t h, int64_t t, int64_t s, const torch::Tensor& bias,
                      const torch::Tensor& allowed, const torch::Tensor& key_mask,
                      const torch::Tensor& alibi, double softcap, int64_t left, int64_t right,
-                     int64_t block_q, int64_t block_k) {
+                     int64_t shift, int64_t block_q, int64_t block_k) {
   TORCH_CHECK(bias.numel() == 0 || (bias.dim() == 4 && bias.scalar_type() == torch::kFloat),
               "tiled: bias must be empty or float32 (b, h, t, s)");
   TORCH_CHECK(allowed.numel() == 0 || (allowed.dim() == 4 && allowed.scalar_type() == torch::kBool),
@@ -332,7 +333,7 @@ Scoring make_scoring(int64_t b, int64_t h, int64_t t, int64_t s, const torch::Te
                                      alibi.scalar_type() == torch::kFloat),
               "tiled: alibi must be empty or contiguous float32 (h,)");
   Scoring sc;
-  sc.t = t, sc.s = s, sc.left = left, sc.right = right;
+  sc.s = s, sc.diagonal = s - t + shift, sc.left = left, sc.right = right;
   sc.softcap = static_cast<float>(softcap);
   sc.alibi = alibi.numel() ? alibi.data_ptr<float>() : nullptr;
   sc.bias = Strided<float>::of(bias);
@@ -767,7 +768,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> backward_
                 dr[j] = pr[j] == 0.f ? 0.f : pr[j] * (dr[j] - di);
               }
               if (alibi_grad) {  // score -= slope |p(i) - j|, after the soft-cap
-                const float pos = static_cast<float>(i0 + r + s - t - j0);
+                const float pos = static_cast<float>(i0 + r + sc.diagonal - j0);
                 float dslope = 0.f;
 #pragma omp simd reduction(+ : dslope)
                 for (int64_t j = 0; j < n; ++j) {
@@ -818,11 +819,11 @@ bool fast_pairs(int64_t route) {
 std::tuple<torch::Tensor, torch::Tensor> forward(
     torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor bias, torch::Tensor allowed,
     torch::Tensor key_mask, torch::Tensor alibi, double softcap, int64_t left, int64_t right,
-    int64_t block_q, int64_t block_k, int64_t route) {
+    int64_t shift, int64_t block_q, int64_t block_k, int64_t route) {
   const auto dtype = check_operands({&q, &k, &v});
   const Sizes z = sizes_of(q, k, v);
   const Scoring sc = make_scoring(z.b, z.h, z.t, z.s, bias, allowed, key_mask, alibi, softcap,
-                                  left, right, block_q, block_k);
+                                  left, right, shift, block_q, block_k);
   if (dtype == torch::kFloat) {
     return forward_blocks(Float32Blocks(z, q, k, v, nullptr), z, sc, block_q, block_k);
   }
@@ -841,8 +842,8 @@ std::tuple<torch::Tensor, torch::Tensor> forward(
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> backward(
     torch::Tensor dout, torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor lse,
     torch::Tensor delta, torch::Tensor bias, torch::Tensor allowed, torch::Tensor key_mask,
-    torch::Tensor alibi, double softcap, int64_t left, int64_t right, int64_t block_q,
-    int64_t block_k, bool alibi_grad, int64_t route) {
+    torch::Tensor alibi, double softcap, int64_t left, int64_t right, int64_t shift,
+    int64_t block_q, int64_t block_k, bool alibi_grad, int64_t route) {
   const auto dtype = check_operands({&dout, &q, &k, &v});
   const Sizes z = sizes_of(q, k, v);
   TORCH_CHECK(dout.sizes() == torch::IntArrayRef({z.b, z.h, z.t, z.dv}),
@@ -852,7 +853,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> backward(
                   delta.scalar_type() == torch::kFloat,
               "tiled: lse and delta must be contiguous float32 (b, h, t)");
   const Scoring sc = make_scoring(z.b, z.h, z.t, z.s, bias, allowed, key_mask, alibi, softcap,
-                                  left, right, block_q, block_k);
+                                  left, right, shift, block_q, block_k);
   if (dtype == torch::kFloat) {
     return backward_blocks(Float32Blocks(z, q, k, v, &dout), z, sc, lse, delta, block_q, block_k,
                            alibi_grad);

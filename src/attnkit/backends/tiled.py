@@ -91,6 +91,22 @@ class _Spec(NamedTuple):
     block_k: int
     score_mod: ScoreMod | None = None
     block_mask: BlockMask | None = None
+    shift: int = 0  # Masks.shift
+
+
+def spec_of(request: Request) -> _Spec:
+    """What the autograd function keeps of ``request`` besides its tensors."""
+    masks = request.masks
+    return _Spec(
+        masks.window,
+        request.scale,
+        request.softcap,
+        BLOCK_Q,
+        BLOCK_K,
+        request.score_mod,
+        request.block_mask,
+        masks.shift,
+    )
 
 
 def _plan(q: Tensor, k: Tensor, request: Request, spec: _Spec) -> Plan:
@@ -105,7 +121,7 @@ def _request(
     mod_tensors: tuple[Tensor, ...] = (),
 ) -> Request:
     return Request(
-        masks=Masks(spec.window, key_mask, attn_mask),
+        masks=Masks(spec.window, key_mask, attn_mask, spec.shift),
         scale=spec.scale,
         softcap=spec.softcap,
         alibi_slopes=slopes,
@@ -143,37 +159,9 @@ class _TiledAttention(torch.autograd.Function):
             wanted = (*wanted, False, *ctx.needs_input_grad[7:])
             grads = differentiable_grads(q, k, v, request, dout, dlse, wanted)
             return *grads[:4], None, None, None, *grads[5:]
-        plan = _plan(q, k, request, ctx.spec)
-        if dout is None:
-            dout = torch.zeros_like(out)
-        delta = (dout.to(plan.stats_dtype) * out.to(plan.stats_dtype)).sum(dim=-1)  # dO_i . O_i
-        if dlse is not None:  # d lse_i / d S_ij = P_ij: the lse's gradient joins D
-            delta = delta - dlse.to(plan.stats_dtype)
-        b, h, t, d = q.shape
-        mod_grads: list[Tensor | None] = [None] * len(mod_tensors)
-        kernel = _kernel(q.device, plan.matmul_dtype, request)
-        if kernel is not None:
-            operands = _native_operands(q, k, v, plan)
-            dq, dk, dv, dslopes = tiled_native.backward(
-                kernel, dout, operands, lse, delta, plan, wanted[3]
-            )
-        else:
-            grouped = (plan.b, plan.h_kv, plan.groups, t)
-            with marked("attnkit::tiled_loop_backward"):
-                dq, dk, dv, dslopes = tiled_loop.backward(
-                    dout.reshape(*grouped, -1),
-                    nan_rows(_prescaled(q, plan)),
-                    nan_rows(_operand(k, plan)),
-                    _operand(v, plan),
-                    lse.view(grouped),
-                    delta.view(grouped),
-                    plan,
-                    slopes_grad=wanted[3],
-                    mod_grads=mod_grads,
-                )
-        dq = (dq * plan.request.scale).view(b, h, t, d)  # the scores used q * scale
-        dslopes = None if dslopes is None else dslopes.to(slopes.dtype)
-        dq, dk, dv = dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+        dq, dk, dv, dslopes, mod_grads = backward(
+            q, k, v, out, lse, dout, dlse, request, ctx.spec, slopes_grad=wanted[3]
+        )
         return dq, dk, dv, dslopes, None, None, None, *mod_grads
 
     @staticmethod
@@ -209,6 +197,57 @@ class _TiledAttentionWithMods(_TiledAttention):
     @staticmethod
     def forward(q, k, v, alibi_slopes, attn_mask, key_mask, spec: _Spec, *mod_tensors):
         return _forward(q, k, v, alibi_slopes, attn_mask, key_mask, spec, mod_tensors)
+
+
+def backward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    dout: Tensor | None,
+    dlse: Tensor | None,
+    request: Request,
+    spec: _Spec,
+    *,
+    slopes_grad: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None, list[Tensor | None]]:
+    """The gradients of q, k, v, the slopes (if ``slopes_grad``) and ``request.mod_tensors``, from
+    the output and lse of the rows: this call's own, or those of attention over more keys than
+    ``k`` holds (ring attention, whose every block of keys recomputes its weights from the rows'
+    whole lse). ``dout``/``dlse`` None: no gradient reached that output."""
+    plan = _plan(q, k, request, spec)
+    if dout is None:
+        dout = torch.zeros_like(out)
+    delta = (dout.to(plan.stats_dtype) * out.to(plan.stats_dtype)).sum(dim=-1)  # dO_i . O_i
+    if dlse is not None:  # d lse_i / d S_ij = P_ij: the lse's gradient joins D
+        delta = delta - dlse.to(plan.stats_dtype)
+    b, h, t, d = q.shape
+    mod_grads: list[Tensor | None] = [None] * len(request.mod_tensors)
+    kernel = _kernel(q.device, plan.matmul_dtype, request)
+    if kernel is not None:
+        operands = _native_operands(q, k, v, plan)
+        dq, dk, dv, dslopes = tiled_native.backward(
+            kernel, dout, operands, lse, delta, plan, slopes_grad
+        )
+    else:
+        grouped = (plan.b, plan.h_kv, plan.groups, t)
+        with marked("attnkit::tiled_loop_backward"):
+            dq, dk, dv, dslopes = tiled_loop.backward(
+                dout.reshape(*grouped, -1),
+                nan_rows(_prescaled(q, plan)),
+                nan_rows(_operand(k, plan)),
+                _operand(v, plan),
+                lse.view(grouped),
+                delta.view(grouped),
+                plan,
+                slopes_grad=slopes_grad,
+                mod_grads=mod_grads,
+            )
+    dq = (dq * plan.request.scale).view(b, h, t, d)  # the scores used q * scale
+    slopes = request.alibi_slopes
+    dslopes = None if dslopes is None else dslopes.to(slopes.dtype)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dslopes, mod_grads
 
 
 def _forward(q, k, v, alibi_slopes, attn_mask, key_mask, spec: _Spec, mod_tensors):
@@ -361,15 +400,7 @@ def tiled(q: Tensor, k: Tensor, v: Tensor, request: Request) -> AttentionOutput:
     with torch.autocast(device, enabled=False):
         masks = request.masks
         k, v = zero_padding(k, masks.key_mask), zero_padding(v, masks.key_mask)
-        spec = _Spec(
-            masks.window,
-            request.scale,
-            request.softcap,
-            BLOCK_Q,
-            BLOCK_K,
-            request.score_mod,
-            request.block_mask,
-        )
+        spec = spec_of(request)
         function = _TiledAttentionWithMods if request.mod_tensors else _TiledAttention
         out, lse = function.apply(
             q,

@@ -89,7 +89,8 @@ class Plan:
         """``(j0, j1, needs_window_mask)`` for the key blocks that queries ``i0..i1-1`` can see:
         those in the window's range, and with a block mask, those it lists for these rows."""
         left, right = self.request.masks.window or (-1, -1)
-        first, last = i0 + self.s - self.t, i1 - 1 + self.s - self.t  # p(i0), p(i1 - 1)
+        diagonal = self.s - self.t + self.request.masks.shift  # p(i) = i + diagonal
+        first, last = i0 + diagonal, i1 - 1 + diagonal  # p(i0), p(i1 - 1)
         lo = max(0, first - left) if left >= 0 else 0
         hi = min(self.s, last + right + 1) if right >= 0 else self.s
         if self.blocks is None:
@@ -108,7 +109,7 @@ class Plan:
     def distance(self, i0: int, i1: int, j0: int, j1: int, device: torch.device) -> Tensor:
         """``|p(i) - j|`` over the block, ``(bq, bk)`` in ``stats_dtype`` (ALiBi's distances)."""
         factory = {"device": device, "dtype": self.stats_dtype}
-        q_pos = torch.arange(i0, i1, **factory) + (self.s - self.t)  # p(i)
+        q_pos = torch.arange(i0, i1, **factory) + (self.s - self.t + self.request.masks.shift)
         return (q_pos[:, None] - torch.arange(j0, j1, **factory)).abs_()
 
     def scores(

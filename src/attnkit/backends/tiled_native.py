@@ -79,7 +79,8 @@ def _even(x: Tensor) -> Tensor:
 
 
 def options(plan: Plan) -> tuple:
-    """The request as the C++ kernel takes it: bias, allowed, key_mask, alibi, softcap, window."""
+    """The request as the C++ kernel takes it: bias, allowed, key_mask, alibi, softcap, window,
+    shift."""
     req = plan.request
     shape = (plan.b, plan.h_kv * plan.groups, plan.t, plan.s)
     bias, allowed = _EMPTY[torch.float32], _EMPTY[torch.bool]
@@ -93,7 +94,7 @@ def options(plan: Plan) -> tuple:
     slopes = req.alibi_slopes
     slopes = _EMPTY[torch.float32] if slopes is None else slopes.to(torch.float32).contiguous()
     left, right = req.masks.window or (-1, -1)
-    return bias, allowed, key_mask, slopes, req.softcap or 0.0, left, right
+    return bias, allowed, key_mask, slopes, req.softcap or 0.0, left, right, req.masks.shift
 
 
 def forward(
