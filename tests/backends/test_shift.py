@@ -11,7 +11,7 @@ import torch
 
 from attnkit import functional as F
 from attnkit.backends import BACKENDS
-from tests.conftest import force_path
+from conftest import force_path
 
 PATHS = ["reference", "tiled", "tiled:loop"]
 OPTIONS = {  # name: (causal, window, ALiBi)
@@ -90,7 +90,10 @@ def test_gradients_follow_the_global_positions(monkeypatch, path):
     slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625], dtype=torch.float64)
     got = chunk(q, k, v, chunk_of, True, (4, 0), slopes, backend)
     want = oracle(q, k, v, chunk_of, True, (4, 0), slopes)
-    loss = lambda out_lse: out_lse[0].sum() + out_lse[1].masked_fill(out_lse[1].isinf(), 0).sum()
+
+    def loss(out_lse):
+        return out_lse[0].sum() + out_lse[1].masked_fill(out_lse[1].isinf(), 0).sum()
+
     for g, w in zip(
         torch.autograd.grad(loss(got), (q, k, v)), torch.autograd.grad(loss(want), (q, k, v))
     ):
