@@ -1,0 +1,517 @@
+"""Attention over a sequence split across processes: ring attention (context parallelism) on
+``torch.distributed``, exact, forward and backward.
+
+Each of the ``P`` ranks of a process group holds a shard of the sequence: its queries, keys and
+values, ``(b, h, t / P, d)`` and ``(b, h_kv, s / P, d)``. The key/value shards travel around the
+ring (rank ``r`` sends to ``r + 1`` and receives from ``r - 1``) while each rank attends with its
+queries to the shard it holds, the next transfer running behind the current block's compute. The
+partial results merge through their log-sum-exp, so no rank ever holds the whole sequence, and a
+row's result is the softmax over every key (Liu et al., 2023, "Ring Attention with Blockwise
+Transformers"). The backward sends the key/value shards around once more, each with the
+gradients of its keys and values, which every rank adds to and which arrive home after ``P``
+steps; each block's weights are recomputed from the rows' whole lse, as the tiled kernel's
+backward does for its own blocks.
+
+Positions are global: a causal mask, a window and ALiBi see where each chunk sits in the whole
+sequence (queries aligned bottom-right when ``t != s``, as everywhere in attnkit); ``score_mod``
+receives global ``q_idx``/``kv_idx``. ``layout`` says how the sequence was cut: ``"contiguous"``
+(rank ``r`` holds chunk ``r`` of ``P``) or ``"zigzag"`` (chunks ``r`` and ``2P - 1 - r`` of
+``2P``, which gives every rank the same causal work); [`shard`][attnkit.distributed.shard] and
+[`unshard`][attnkit.distributed.unshard] cut and join a tensor that way.
+
+A peer that dies or stops answering makes every rank that waits on it raise
+[`RingError`][attnkit.distributed.RingError] within ``timeout`` seconds, naming the rank it waited
+on, rather than hang until the process group's own timeout.
+
+Runs over any backend of ``torch.distributed`` with point-to-point operations (gloo on CPUs,
+NCCL on GPUs).
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from attnkit import functional, masks, mods
+from attnkit.backends import choose_backend, tiled
+from attnkit.backends.base import Request
+
+LAYOUTS = ("contiguous", "zigzag")
+DEFAULT_TIMEOUT = 60.0
+"""Seconds a rank waits for a peer before it raises [`RingError`][attnkit.distributed.RingError]."""
+
+_NEG_INF = float("-inf")
+
+
+class RingError(RuntimeError):
+    """A peer of the ring failed or did not answer within the timeout.
+
+    Attributes:
+        rank: the rank (in the group) that raised.
+        waited_on: the rank it was waiting on.
+        failed: the rank known to have failed (its connection broke), or None when it only went
+            quiet (a dead link or a hung process look the same from here).
+    """
+
+    def __init__(self, message: str, rank: int, waited_on: int, failed: int | None = None):
+        super().__init__(message)
+        self.rank, self.waited_on, self.failed = rank, waited_on, failed
+
+
+@dataclass(frozen=True)
+class _Ring:
+    """Where this rank sits: its group, rank and size, its neighbours (as global ranks, which
+    point-to-point operations take), and how long it waits for them."""
+
+    group: dist.ProcessGroup | None
+    rank: int
+    size: int
+    timeout: float
+
+    @staticmethod
+    def of(group, timeout: float) -> _Ring:
+        if not dist.is_available() or not dist.is_initialized():
+            raise ValueError(
+                "ring attention needs torch.distributed: call torch.distributed.init_process_group "
+                "first"
+            )
+        if not (isinstance(timeout, (int, float)) and timeout > 0):
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        if rank < 0:
+            raise ValueError("this process is not a member of the group")
+        return _Ring(group, rank, size, float(timeout))
+
+    def peer(self, offset: int) -> int:
+        """The global rank of the group's rank ``rank + offset`` (mod the size)."""
+        in_group = (self.rank + offset) % self.size
+        return in_group if self.group is None else dist.get_global_rank(self.group, in_group)
+
+    def wait(self, works: list, peers: list[int], what: str) -> None:
+        """Wait for ``works`` (one per group rank in ``peers``) or raise RingError."""
+        for work, peer in zip(works, peers):
+            try:
+                work.wait(timeout=datetime.timedelta(seconds=self.timeout))
+            except RuntimeError as error:
+                broke = "timed out" not in str(error).lower()
+                raise RingError(
+                    f"ring attention: rank {self.rank} of {self.size} "
+                    + (
+                        f"lost its connection to rank {peer} ({what}): rank {peer} failed"
+                        if broke
+                        else f"waited {self.timeout:g} s for rank {peer} ({what}) in vain: "
+                        "a peer died or a link is down"
+                    ),
+                    self.rank,
+                    peer,
+                    peer if broke else None,
+                ) from error
+
+    def exchange(self, outgoing: list[Tensor], incoming: list[Tensor], what: str) -> Callable:
+        """Start sending ``outgoing`` to the next rank and receiving ``incoming`` from the
+        previous one; returns the function that waits for both."""
+        nxt, prev = self.peer(1), self.peer(-1)
+        ops = [dist.P2POp(dist.isend, x, nxt, self.group) for x in outgoing]
+        ops += [dist.P2POp(dist.irecv, x, prev, self.group) for x in incoming]
+        works = dist.batch_isend_irecv(ops)
+        n = len(outgoing)
+        ranks_next, ranks_prev = (self.rank + 1) % self.size, (self.rank - 1) % self.size
+        peers = [ranks_next] * n + [ranks_prev] * len(incoming)
+        return lambda: self.wait(works, peers, what)
+
+    def all_gather(self, x: Tensor, what: str) -> list[Tensor]:
+        gathered = [torch.empty_like(x) for _ in range(self.size)]
+        work = dist.all_gather(gathered, x, group=self.group, async_op=True)
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=self.timeout))
+        except RuntimeError as error:
+            raise RingError(
+                f"ring attention: rank {self.rank} of {self.size} waited {self.timeout:g} s for "
+                f"every rank's {what} in vain",
+                self.rank,
+                -1,
+            ) from error
+        return gathered
+
+
+def chunks(n: int, size: int, layout: str) -> list[list[tuple[int, int]]]:
+    """For each rank of ``size``, the ``(start, length)`` of the pieces of a sequence of ``n``
+    that it holds under ``layout``, in the order it holds them.
+
+    Raises:
+        ValueError: ``layout`` is unknown, or ``n`` does not split into its equal chunks.
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(map(repr, LAYOUTS))}, got {layout!r}")
+    parts = size if layout == "contiguous" else 2 * size
+    if n % parts:
+        raise ValueError(
+            f"a sequence of {n} does not split into {parts} equal chunks ({layout} layout over "
+            f"{size} ranks): pad it to a multiple of {parts} and mask the padding with key_mask"
+        )
+    c = n // parts
+    if layout == "contiguous":
+        return [[(r * c, c)] for r in range(size)]
+    return [[(r * c, c), ((2 * size - 1 - r) * c, c)] for r in range(size)]
+
+
+def shard(x: Tensor, dim: int, group=None, layout: str = "contiguous") -> Tensor:
+    """This rank's part of ``x`` (the whole sequence along ``dim``) under ``layout``.
+
+    Example:
+        On rank 1 of 2, ``shard(torch.arange(8), 0, layout="zigzag")`` is ``tensor([2, 3, 4, 5])``.
+    """
+    ring = _Ring.of(group, DEFAULT_TIMEOUT)
+    pieces = chunks(x.shape[dim], ring.size, layout)[ring.rank]
+    return torch.cat([x.narrow(dim, start, n) for start, n in pieces], dim=dim)
+
+
+def unshard(
+    x: Tensor, dim: int, group=None, layout: str = "contiguous", timeout: float = DEFAULT_TIMEOUT
+) -> Tensor:
+    """The whole sequence along ``dim``, on every rank, from every rank's part ``x`` (an
+    all-gather): the inverse of [`shard`][attnkit.distributed.shard]. No gradient flows through
+    it."""
+    ring = _Ring.of(group, timeout)
+    parts = ring.all_gather(x.detach().contiguous(), "part of the sequence")
+    by_start = {}
+    for part, pieces in zip(parts, chunks(x.shape[dim] * ring.size, ring.size, layout)):
+        offset = 0
+        for start, n in pieces:
+            by_start[start] = part.narrow(dim, offset, n)
+            offset += n
+    return torch.cat([by_start[start] for start in sorted(by_start)], dim=dim)
+
+
+def ring_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    group=None,
+    causal: bool = False,
+    layout: str = "contiguous",
+    key_mask: Tensor | None = None,
+    window: tuple[int, int] | None = None,
+    alibi_slopes: Tensor | None = None,
+    softcap: float | None = None,
+    scale: float | None = None,
+    score_mod: mods.ScoreMod | None = None,
+    return_lse: bool = False,
+    timeout: float = DEFAULT_TIMEOUT,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    return_weights: bool = False,
+    block_mask=None,
+    mask_mod: mods.MaskMod | None = None,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """[`attention`][attnkit.functional.attention] over a sequence whose queries, keys and values
+    are split along it over the ranks of ``group``: each rank passes its shard and gets its
+    shard of the output (and of the lse). Every rank must call it, with shards of the same shape.
+
+    Args:
+        q: this rank's queries ``(b, h, t / P, d)``.
+        k: this rank's keys ``(b, h_kv, s / P, d)`` (``h_kv`` divides ``h``: GQA, MQA).
+        v: this rank's values ``(b, h_kv, s / P, d_v)``.
+        group: the process group (the default group if None).
+        causal: key ``j`` visible to query ``i`` iff ``j <= i + s - t``, in global positions.
+        layout: how the sequence was cut, ``"contiguous"`` or ``"zigzag"`` (see
+            [`shard`][attnkit.distributed.shard]); ``"zigzag"`` balances causal work.
+        key_mask: this rank's part ``(b, s / P)`` of the key padding mask, True for a real token.
+        window: ``(left, right)`` around each query's global position; -1 unbounded.
+        alibi_slopes: ``(h,)``; the distances are global. Its gradient, like any tensor every rank
+            holds a copy of, is this rank's part: sum it over the group (as DDP does).
+        softcap: scores become ``softcap * tanh(score / softcap)``.
+        scale: multiplies ``q . k``; ``1 / sqrt(d)`` by default.
+        score_mod: as in [`attention`][attnkit.functional.attention], with global ``q_idx`` and
+            ``kv_idx``; the gradients of the tensors it reads are this rank's part, as the
+            slopes'.
+        return_lse: also return this rank's lse ``(b, h, t / P)``, with gradients through it.
+        timeout: seconds to wait for a peer before raising
+            [`RingError`][attnkit.distributed.RingError].
+        attn_mask: refused: a dense mask of the whole sequence is what ring attention avoids.
+        dropout_p: refused (0 only).
+        return_weights: refused: the weights are ``t x s``.
+        block_mask: refused (not yet split over the ring).
+        mask_mod: refused (not yet split over the ring).
+
+    Returns:
+        This rank's output ``(b, h, t / P, d_v)``, or ``(out, lse)`` with ``return_lse``.
+
+    Raises:
+        ValueError: a refused option; shards whose shapes differ between ranks (on every rank);
+            a length that does not fit the layout; no process group, or not a member of it.
+        RingError: a peer died or did not answer within ``timeout`` seconds.
+    """
+    for name, given in (
+        ("attn_mask", attn_mask is not None),
+        ("dropout_p", dropout_p != 0.0),
+        ("return_weights", return_weights),
+        ("block_mask", block_mask is not None),
+        ("mask_mod", mask_mod is not None),
+    ):
+        if given:
+            raise ValueError(f"ring_attention does not take {name}: {_REFUSED[name]}")
+    ring = _Ring.of(group, timeout)
+    functional._request(  # this shard's own checks: shapes, dtypes, options
+        q, k, v, None, key_mask, causal, window, alibi_slopes, softcap, scale, 0.0, False, False,
+        score_mod,
+    )  # fmt: skip
+    t, s = _agree_on_shapes(ring, q, k, v, key_mask, causal, layout)
+    call = _Call(
+        ring=ring,
+        q_chunks=_local(chunks(t, ring.size, layout)[ring.rank]),
+        k_chunks=[_local(c) for c in chunks(s, ring.size, layout)],
+        t=t,
+        s=s,
+        causal=causal,
+        window=window,
+        softcap=softcap,
+        scale=scale,
+        score_mod=score_mod,
+    )
+    qc, kc = call.q_chunks[0], call.k_chunks[ring.rank][0]  # any pair: the tiled kernel's refusals
+    rows = (slice(None), slice(None), qc.rows)
+    first = call.request(q[rows], k[:, :, kc.rows], v[:, :, kc.rows], None, alibi_slopes, qc, kc)
+    choose_backend("tiled", first, q[rows], k, v)  # raises, saying why (a transform, tracing, ...)
+    mod_tensors = functional._mod_tensors(score_mod, q)
+    function = _RingAttentionWithMods if mod_tensors else _RingAttention
+    out, lse = function.apply(q, k, v, alibi_slopes, key_mask, call, *mod_tensors)
+    return (out, lse) if return_lse else out
+
+
+_REFUSED = {
+    "attn_mask": "a dense (t, s) mask of the whole sequence is what ring attention avoids; use "
+    "causal, window, key_mask or score_mod",
+    "dropout_p": "dropout on the weights is not supported across the ring (pass 0.0)",
+    "return_weights": "the weights are t x s, which no rank holds",
+    "block_mask": "block masks are not split over the ring yet; use causal, window or score_mod",
+    "mask_mod": "mask functions are not split over the ring yet; a score_mod returning -inf "
+    "masks a key",
+}
+
+
+def _agree_on_shapes(ring: _Ring, q, k, v, key_mask, causal, layout) -> tuple[int, int]:
+    """Check that every rank holds shards of one shape and asked for the same layout and mask;
+    return the global query and key lengths. Every rank raises the same error, so none waits
+    for the others."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(map(repr, LAYOUTS))}, got {layout!r}")
+    b, h, t, d = q.shape
+    mine = [b, h, t, d, k.shape[1], k.shape[2], v.shape[-1]]
+    flags = int(causal) + 2 * LAYOUTS.index(layout) + 4 * int(key_mask is not None)
+    everyone = ring.all_gather(torch.tensor([*mine, flags], device=q.device), "shard shapes")
+    everyone = [x.tolist() for x in everyone]
+    if any(x != everyone[0] for x in everyone):
+        described = "; ".join(
+            f"rank {r}: q {tuple(x[:4])}, k (.., {x[4]}, {x[5]}, ..), causal={bool(x[7] & 1)}, "
+            f"layout={LAYOUTS[x[7] >> 1 & 1]!r}, key_mask={bool(x[7] & 4)}"
+            for r, x in enumerate(everyone)
+        )
+        raise ValueError(f"ring_attention: the ranks' shards or options differ: {described}")
+    t_all, s_all = t * ring.size, k.shape[2] * ring.size
+    chunks(t_all, ring.size, layout), chunks(s_all, ring.size, layout)  # raise if they do not fit
+    return t_all, s_all
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    """A piece of a rank's shard: ``length`` rows from ``offset`` in the shard, which sit from
+    ``start`` in the whole sequence."""
+
+    offset: int
+    start: int
+    length: int
+
+    @property
+    def rows(self) -> slice:
+        return slice(self.offset, self.offset + self.length)
+
+
+def _local(pieces: list[tuple[int, int]]) -> list[_Chunk]:
+    offsets = [0]
+    for _, n in pieces:
+        offsets.append(offsets[-1] + n)
+    return [_Chunk(o, start, n) for o, (start, n) in zip(offsets, pieces)]
+
+
+@dataclass(frozen=True)
+class _Call:
+    """One call's options and geometry: this rank's query chunks, every rank's key chunks."""
+
+    ring: _Ring
+    q_chunks: list[_Chunk]
+    k_chunks: list[list[_Chunk]]
+    t: int
+    s: int
+    causal: bool
+    window: tuple[int, int] | None
+    softcap: float | None
+    scale: float | None
+    score_mod: mods.ScoreMod | None
+
+    def pairs(self, src: int) -> list[tuple[_Chunk, _Chunk]]:
+        """The (query chunk, key chunk) pairs, keys from rank ``src``, in which some query may
+        see some key by position: the others are never computed."""
+        limits = masks.merge_window(self.causal, self.window, self.t, self.s)
+        left, right = limits or (-1, -1)
+        visible = []
+        for qc in self.q_chunks:
+            first, last = qc.start + self.s - self.t, qc.start + qc.length - 1 + self.s - self.t
+            for kc in self.k_chunks[src]:
+                if right >= 0 and kc.start > last + right:
+                    continue
+                if left >= 0 and kc.start + kc.length - 1 < first - left:
+                    continue
+                visible.append((qc, kc))
+        return visible
+
+    def request(self, q, k, v, key_mask, slopes, qc: _Chunk, kc: _Chunk) -> Request:
+        """The request of one pair: its masks and ALiBi in global positions, its score_mod with
+        global indices."""
+        shift = (qc.start + self.s - self.t) - kc.start - (kc.length - qc.length)
+        score_mod = self.score_mod
+        if score_mod is not None:
+            score_mod = mods.at_positions({"score_mod": score_mod}, qc.start, kc.start)["score_mod"]
+        return functional._request(
+            q, k, v, None, key_mask, self.causal, self.window, slopes, self.softcap, self.scale,
+            0.0, True, False, score_mod, shift=shift,
+        )  # fmt: skip
+
+
+def _merge(out: Tensor, lse: Tensor, out_b: Tensor, lse_b: Tensor) -> None:
+    """Join a block's ``(out_b, lse_b)`` into the rows' running ``(out, lse)``, in place. A row
+    that has seen no allowed key on either side stays 0 and -inf (the usual sigmoid form of this
+    merge gives NaN there); a NaN lse spreads."""
+    both = torch.logaddexp(lse, lse_b)
+    base = both.masked_fill(both == _NEG_INF, 0.0)
+    out.mul_(torch.exp(lse - base)[..., None]).add_(out_b * torch.exp(lse_b - base)[..., None])
+    lse.copy_(both)
+
+
+def _forward(q, k, v, slopes, key_mask, call: _Call) -> tuple[Tensor, Tensor]:
+    ring = call.ring
+    stats = torch.promote_types(q.dtype, torch.float32)
+    b, h, t, _ = q.shape
+    out = q.new_zeros(b, h, t, v.shape[-1], dtype=stats)
+    lse = q.new_full((b, h, t), _NEG_INF, dtype=stats)
+    held = _travelling(k, v, key_mask)
+    for step in range(ring.size):
+        src = (ring.rank - step) % ring.size
+        incoming, arrived = None, None
+        if step < ring.size - 1:  # the next shard travels while this one is computed
+            incoming = [torch.empty_like(x) for x in held]
+            arrived = ring.exchange(held, incoming, "keys and values")
+        k_src, v_src, mask_src = _received(held)
+        for qc, kc in call.pairs(src):
+            qi, ki, vi = q[:, :, qc.rows], k_src[:, :, kc.rows], v_src[:, :, kc.rows]
+            mi = None if mask_src is None else mask_src[:, kc.rows]
+            request = call.request(qi, ki, vi, mi, slopes, qc, kc)
+            out_b, lse_b, _ = tiled.tiled(qi, ki, vi, request)
+            _merge(out[:, :, qc.rows], lse[:, :, qc.rows], out_b.to(stats), lse_b.to(stats))
+        if arrived is not None:
+            arrived()
+            held = incoming
+    return out.to(q.dtype), lse
+
+
+def _backward(q, k, v, slopes, key_mask, out, lse, dout, dlse, mod_tensors, call: _Call):
+    ring = call.ring
+    stats = torch.promote_types(q.dtype, torch.float32)
+    dq = torch.zeros_like(q, dtype=stats)
+    dk, dv = torch.zeros_like(k, dtype=stats), torch.zeros_like(v, dtype=stats)
+    slopes_grad = slopes is not None and slopes.requires_grad
+    dslopes = torch.zeros_like(slopes) if slopes_grad else None
+    mod_grads: list[Tensor | None] = [None] * len(mod_tensors)
+    held = _travelling(k, v, key_mask)
+    for step in range(ring.size):
+        src = (ring.rank - step) % ring.size
+        incoming, arrived = None, None
+        if step < ring.size - 1:
+            incoming = [torch.empty_like(x) for x in held]
+            arrived = ring.exchange(held, incoming, "keys and values")
+        k_src, v_src, mask_src = _received(held)
+        for qc, kc in call.pairs(src):
+            qi, ki, vi = q[:, :, qc.rows], k_src[:, :, kc.rows], v_src[:, :, kc.rows]
+            mi = None if mask_src is None else mask_src[:, kc.rows]
+            request = call.request(qi, ki, vi, mi, slopes, qc, kc)._replace(mod_tensors=mod_tensors)
+            rows = (slice(None), slice(None), qc.rows)
+            gq, gk, gv, gs, gm = tiled.backward(
+                qi,
+                ki,
+                vi,
+                out[rows],
+                lse[rows],
+                None if dout is None else dout[rows],
+                None if dlse is None else dlse[rows],
+                request,
+                tiled.spec_of(request),
+                slopes_grad=slopes_grad,
+            )
+            dq[rows] += gq
+            dk[:, :, kc.rows] += gk
+            dv[:, :, kc.rows] += gv
+            if gs is not None:
+                dslopes += gs
+            mod_grads = [
+                a if b is None else b if a is None else a + b for a, b in zip(mod_grads, gm)
+            ]
+        if ring.size > 1:  # the key/value gradients travel with their keys, home after P steps
+            dk_in, dv_in = torch.empty_like(dk), torch.empty_like(dv)
+            ring.exchange([dk, dv], [dk_in, dv_in], "gradients of keys and values")()
+            dk, dv = dk_in, dv_in
+        if arrived is not None:
+            arrived()
+            held = incoming
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dslopes, mod_grads
+
+
+def _travelling(k: Tensor, v: Tensor, key_mask: Tensor | None) -> list[Tensor]:
+    """What goes around the ring: contiguous keys and values, and the key mask as bytes."""
+    held = [k.contiguous(), v.contiguous()]
+    if key_mask is not None:
+        held.append(key_mask.to(torch.uint8).contiguous())
+    return held
+
+
+def _received(held: list[Tensor]) -> tuple[Tensor, Tensor, Tensor | None]:
+    key_mask = held[2].bool() if len(held) > 2 else None
+    return held[0], held[1], key_mask
+
+
+class _RingAttention(torch.autograd.Function):
+    """``(out, lse)`` of this rank's queries over every rank's keys; saves only this rank's
+    shards, its output and its lse."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, slopes, key_mask, call: _Call):
+        out, lse = _forward(q, k, v, slopes, key_mask, call)
+        ctx.save_for_backward(q, k, v, slopes, key_mask, out, lse)
+        ctx.call = call
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, slopes, key_mask, out, lse, *mod_tensors = ctx.saved_tensors
+        dq, dk, dv, dslopes, mod_grads = _backward(
+            q, k, v, slopes, key_mask, out, lse, dout, dlse, tuple(mod_tensors), ctx.call
+        )
+        return dq, dk, dv, dslopes, None, None, *mod_grads
+
+
+class _RingAttentionWithMods(_RingAttention):
+    """The same, for a ``score_mod`` that reads tensors requiring grad: they follow as inputs."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, slopes, key_mask, call: _Call, *mod_tensors):
+        out, lse = _forward(q, k, v, slopes, key_mask, call)
+        ctx.save_for_backward(q, k, v, slopes, key_mask, out, lse, *mod_tensors)
+        ctx.call = call
+        ctx.set_materialize_grads(False)
+        return out, lse
