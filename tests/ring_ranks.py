@@ -28,9 +28,11 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run(world: int, target: Callable, *args, address: str = "127.0.0.1", wait: float = 180.0):
-    """``target(rank, world, *args)`` on ``world`` new processes; their results by rank. A rank
-    that raises makes this raise, with its traceback."""
+def run(world: int, target: Callable, *args, lost: tuple[int, ...] = (), wait: float = 180.0):
+    """``target(rank, world, *args)`` on ``world`` new processes; their results by rank (None for
+    the ``lost`` ranks, which are not waited for and are killed at the end). A rank that raises
+    makes this raise, with its traceback."""
+    address = "127.0.0.1"
     context = mp.get_context("spawn")
     results = context.Queue()
     port = free_port()
@@ -40,9 +42,9 @@ def run(world: int, target: Callable, *args, address: str = "127.0.0.1", wait: f
     ]
     for p in ranks:
         p.start()
-    got: dict[int, object] = {}
+    got: dict[int, object] = dict.fromkeys(lost)
     try:
-        for _ in range(world):
+        for _ in range(world - len(lost)):
             rank, ok, value = results.get(timeout=wait)
             if not ok:
                 raise AssertionError(f"rank {rank} raised:\n{value}")
@@ -52,8 +54,8 @@ def run(world: int, target: Callable, *args, address: str = "127.0.0.1", wait: f
             f"ranks {sorted(set(range(world)) - set(got))} did not answer"
         ) from None
     finally:
-        for p in ranks:
-            p.join(timeout=10)
+        for rank, p in enumerate(ranks):
+            p.join(timeout=0 if rank in lost else 10)
             if p.is_alive():
                 p.kill()
                 p.join()
@@ -180,3 +182,69 @@ def compare_case(rank: int, world: int, case: dict) -> dict[str, float]:
 
 def compare_cases(rank: int, world: int, cases: dict[str, dict]) -> dict[str, dict[str, float]]:
     return {name: compare_case(rank, world, case) for name, case in cases.items()}
+
+
+# Bad input and faults.
+
+
+def _error_of(fn) -> tuple[str, str]:
+    try:
+        fn()
+    except Exception as error:
+        return type(error).__name__, str(error)
+    return "", "no error"
+
+
+def mismatched_shards(rank: int, world: int) -> tuple[str, str]:
+    """Rank 0 holds a shorter shard than the others: every rank must raise, none wait."""
+    t = 4 if rank == 0 else 6
+    q = k = v = torch.randn(1, 2, t, 8)
+    return _error_of(lambda: ring.ring_attention(q, k, v, causal=True, timeout=20))
+
+
+def zigzag_misfit(rank: int, world: int) -> tuple[str, str]:
+    """Shards of 3: 3 * world tokens do not split into 2 * world equal chunks."""
+    q = k = v = torch.randn(1, 2, 3, 8)
+    return _error_of(lambda: ring.ring_attention(q, k, v, layout="zigzag", timeout=20))
+
+
+def outside_the_group(rank: int, world: int) -> tuple[str, str]:
+    """A group of rank 0 alone: rank 1 is not in it."""
+    group = dist.new_group(ranks=[0])
+    q = k = v = torch.randn(1, 2, 4, 8)
+    return _error_of(lambda: ring.ring_attention(q, k, v, group=group, timeout=20))
+
+
+def dies_or_hangs(rank: int, world: int, victim: int, how: str, timeout: float, where: str):
+    """Ring attention in which rank ``victim`` dies (``how="die"``) or stops answering
+    (``"hang"``) at its second block of the forward or the backward (``where``); the others'
+    error and how long it took them."""
+    import time
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 16, 8, requires_grad=True) for _ in range(3))
+    if rank == victim:
+        calls = {"n": 0}
+        original = tiled.tiled if where == "forward" else tiled.backward
+
+        def faulty(*args, **kwargs):
+            calls["n"] += 1
+            if calls["n"] == 2:
+                if how == "die":
+                    os._exit(3)
+                time.sleep(10 * timeout)  # a hung process: the others must not wait for it
+            return original(*args, **kwargs)
+
+        setattr(tiled, "tiled" if where == "forward" else "backward", faulty)
+    start = time.monotonic()
+    try:
+        out = ring.ring_attention(q, k, v, causal=True, timeout=timeout)
+        out.sum().backward()
+    except ring.RingError as error:
+        return {
+            "error": str(error),
+            "seconds": time.monotonic() - start,
+            "waited_on": error.waited_on,
+            "failed": error.failed,
+        }
+    return {"error": None, "seconds": time.monotonic() - start}

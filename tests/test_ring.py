@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import ring_ranks
+from attnkit.distributed import ring_attention
 
 CASES = {  # lengths: contiguous splits into 1..4 chunks (12), zigzag into 2..8 (24)
     "full": {"t": 12},
@@ -46,3 +47,63 @@ def test_ring_attention_equals_attention_of_the_whole_sequence(differences, case
             assert difference <= allowed, (
                 f"world {world}, rank {rank}: {name} differs by {difference:.3g}"
             )
+
+
+def test_shards_of_different_lengths_raise_on_every_rank():
+    for kind, message in ring_ranks.run(3, ring_ranks.mismatched_shards):
+        assert kind == "ValueError"
+        assert "shards or options differ" in message and "rank 0: q (1, 2, 4, 8)" in message
+
+
+def test_a_length_the_layout_cannot_split_raises_on_every_rank():
+    for kind, message in ring_ranks.run(2, ring_ranks.zigzag_misfit):
+        assert (kind, message) == (
+            "ValueError",
+            "a sequence of 6 does not split into 4 equal chunks (zigzag layout over 2 ranks): "
+            "pad it to a multiple of 4 and mask the padding with key_mask",
+        )
+
+
+def test_a_rank_outside_the_group_is_told_so():
+    inside, outside = ring_ranks.run(2, ring_ranks.outside_the_group)
+    assert inside == ("", "no error")  # a group of one: attention of its own shard
+    assert outside == ("ValueError", "this process is not a member of the group")
+
+
+def test_without_a_process_group_it_says_what_to_do():
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(ValueError, match=r"call torch\.distributed\.init_process_group first"):
+        ring_attention(q, q, q)
+
+
+@pytest.mark.parametrize("option", ["attn_mask", "dropout_p", "return_weights", "mask_mod"])
+def test_options_it_cannot_split_are_refused_by_name(option):
+    q = torch.randn(1, 2, 4, 8)
+    value = {
+        "attn_mask": torch.ones(4, 4, dtype=torch.bool),
+        "dropout_p": 0.1,
+        "return_weights": True,
+        "mask_mod": lambda b, h, q_idx, kv_idx: q_idx >= kv_idx,
+    }[option]
+    with pytest.raises(ValueError, match=f"ring_attention does not take {option}: "):
+        ring_attention(q, q, q, **{option: value})
+
+
+@pytest.mark.parametrize("how", ["die", "hang"])
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_a_failed_rank_makes_the_others_raise_within_the_timeout(how, where):
+    world, victim, timeout = 3, 1, 4.0
+    results = ring_ranks.run(
+        world, ring_ranks.dies_or_hangs, victim, how, timeout, where, lost=(victim,)
+    )
+    for rank, found in enumerate(results):
+        if rank == victim:
+            continue
+        assert found["error"] is not None, f"rank {rank} finished without an error"
+        assert found["seconds"] <= timeout + 10
+        assert f"ring attention: rank {rank} of {world}" in found["error"]
+        assert found["waited_on"] in range(world) and found["waited_on"] != rank
+    neighbour = results[(victim + 1) % world]  # it receives from the victim
+    assert neighbour["waited_on"] == victim
+    if how == "die":
+        assert neighbour["failed"] == victim

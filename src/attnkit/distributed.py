@@ -54,8 +54,9 @@ class RingError(RuntimeError):
     Attributes:
         rank: the rank (in the group) that raised.
         waited_on: the rank it was waiting on.
-        failed: the rank known to have failed (its connection broke), or None when it only went
-            quiet (a dead link or a hung process look the same from here).
+        failed: the rank whose connection broke (it died, or stopped after a failure of its
+            own), or None when it only went quiet (a dead link and a hung process look the same
+            from here).
     """
 
     def __init__(self, message: str, rank: int, waited_on: int, failed: int | None = None):
@@ -102,7 +103,8 @@ class _Ring:
                 raise RingError(
                     f"ring attention: rank {self.rank} of {self.size} "
                     + (
-                        f"lost its connection to rank {peer} ({what}): rank {peer} failed"
+                        f"lost its connection to rank {peer} ({what}): rank {peer} stopped "
+                        "(it died, or gave up on a failed peer of its own)"
                         if broke
                         else f"waited {self.timeout:g} s for rank {peer} ({what}) in vain: "
                         "a peer died or a link is down"
