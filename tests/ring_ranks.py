@@ -248,3 +248,34 @@ def dies_or_hangs(rank: int, world: int, victim: int, how: str, timeout: float, 
             "failed": error.failed,
         }
     return {"error": None, "seconds": time.monotonic() - start}
+
+
+def module_case(rank: int, world: int, layout: str) -> dict[str, float]:
+    """A MultiHeadAttention (GQA, RoPE, causal, a window, soft-capping) run context-parallel on
+    shards against the same module on the whole sequence, in float64: the largest differences of
+    the output, the input's gradient and the parameters' gradients (summed over the ranks)."""
+    from attnkit import MultiHeadAttention
+
+    tiled.BLOCK_Q, tiled.BLOCK_K = 5, 7
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(
+        16, 16, context_length=None, dropout=0.0, num_heads=4, num_kv_heads=2, rope=True,
+        window=9, softcap=3.0, dtype=torch.float64,
+    )  # fmt: skip
+    x = torch.randn(2, 24, 16, dtype=torch.float64)
+    d_out = torch.randn(2, 24, 16, dtype=torch.float64)
+    whole_x = x.clone().requires_grad_()
+    want_out = mha(whole_x)
+    want = [want_out, *torch.autograd.grad((want_out * d_out).sum(), [whole_x, *mha.parameters()])]
+    shard_x = ring.shard(x, 1, layout=layout).requires_grad_()
+    out = mha(shard_x, context_parallel=ring.ContextParallel(layout=layout))
+    loss = (out * ring.shard(d_out, 1, layout=layout)).sum()
+    got = [out, *torch.autograd.grad(loss, [shard_x, *mha.parameters()])]
+    for g in got[2:]:
+        dist.all_reduce(g)  # the parameters are every rank's: their gradient is the sum
+    names = ["out", "dx", *(n for n, _ in mha.named_parameters())]
+    differences = {}
+    for i, (name, g, w) in enumerate(zip(names, got, want)):
+        w = ring.shard(w, 1, layout=layout) if i < 2 else w
+        differences[name] = (g.detach() - w.detach()).abs().max().item()
+    return differences

@@ -32,6 +32,7 @@ from __future__ import annotations
 import datetime
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -188,6 +189,36 @@ def unshard(
             by_start[start] = part.narrow(dim, offset, n)
             offset += n
     return torch.cat([by_start[start] for start in sorted(by_start)], dim=dim)
+
+
+@dataclass(frozen=True)
+class ContextParallel:
+    """How a module runs over a sequence split across the ranks of ``group``: pass it as
+    ``MultiHeadAttention(...)(x, context_parallel=ContextParallel(...))``, ``x`` being this
+    rank's shard cut by ``layout`` (see [`shard`][attnkit.distributed.shard]). The module's
+    projections run on the shard, its RoPE at the tokens' global positions, and its attention
+    call becomes [`ring_attention`][attnkit.distributed.ring_attention] with the same options.
+
+    Example:
+        ``out = mha(shard(x, 1, layout="zigzag"), context_parallel=ContextParallel(layout="zigzag"))``
+        gives on each rank ``shard(mha(x), 1, layout="zigzag")``, with the same gradients.
+    """
+
+    group: Any = None
+    layout: str = "contiguous"
+    timeout: float = DEFAULT_TIMEOUT
+
+    def positions(self, t: int, device: torch.device | None = None) -> Tensor:
+        """The global positions ``(t,)`` of this rank's ``t`` tokens."""
+        ring = _Ring.of(self.group, self.timeout)
+        pieces = chunks(t * ring.size, ring.size, self.layout)[ring.rank]
+        return torch.cat([torch.arange(start, start + n, device=device) for start, n in pieces])
+
+    def attention(self, q: Tensor, k: Tensor, v: Tensor, **options) -> Tensor:
+        """[`ring_attention`][attnkit.distributed.ring_attention] over this group and layout."""
+        return ring_attention(
+            q, k, v, group=self.group, layout=self.layout, timeout=self.timeout, **options
+        )
 
 
 def ring_attention(
@@ -426,7 +457,7 @@ def _backward(q, k, v, slopes, key_mask, out, lse, dout, dlse, mod_tensors, call
     ring = call.ring
     stats = torch.promote_types(q.dtype, torch.float32)
     dq = torch.zeros_like(q, dtype=stats)
-    dk, dv = torch.zeros_like(k, dtype=stats), torch.zeros_like(v, dtype=stats)
+    dk, dv = k.new_zeros(k.shape, dtype=stats), v.new_zeros(v.shape, dtype=stats)  # contiguous
     slopes_grad = slopes is not None and slopes.requires_grad
     dslopes = torch.zeros_like(slopes) if slopes_grad else None
     mod_grads: list[Tensor | None] = [None] * len(mod_tensors)

@@ -13,7 +13,8 @@ call inside is ``(b, h, t, d)``.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -36,6 +37,9 @@ from attnkit.modules._common import (
     unbatch,
 )
 from attnkit.positions import RotaryEmbedding
+
+if TYPE_CHECKING:
+    from attnkit.distributed import ContextParallel
 
 
 class ProjectedAttention(nn.Module):
@@ -115,11 +119,13 @@ class ProjectedAttention(nn.Module):
         attn_mask: Tensor | None,
         need_weights: bool,
         average_weights: bool,
+        attend: Callable = attention,
         **score_options: Any,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """The attention call and the output projection; ``score_options`` go to
-        [`attnkit.functional.attention`][attnkit.functional.attention] (window, ALiBi, softcap)."""
-        result = attention(
+        [`attnkit.functional.attention`][attnkit.functional.attention] (window, ALiBi, softcap),
+        or to ``attend``, a function with its signature (ring attention)."""
+        result = attend(
             queries,
             keys,
             values,
@@ -275,6 +281,7 @@ class MultiHeadAttention(ProjectedAttention):
         mask_mod: MaskMod | None = None,
         block_mask: BlockMask | None = None,
         documents: Tensor | None = None,
+        context_parallel: ContextParallel | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Args:
             x: ``(b, t, d_in)`` or unbatched ``(t, d_in)``.
@@ -302,6 +309,11 @@ class MultiHeadAttention(ProjectedAttention):
             documents: ``(t,)`` document ids of packed sequences (each document contiguous): no
                 token sees another document's (without a cache;
                 [`attnkit.document_mask`][attnkit.block_mask.document_mask]).
+            context_parallel: a [`ContextParallel`][attnkit.distributed.ContextParallel]: ``x`` is
+                this rank's shard of a sequence split over a process group, and the output is its
+                shard of the whole sequence's output (ring attention; RoPE at the tokens' global
+                positions; ``key_mask`` this rank's part). Without a cache, ``attn_mask``, weights,
+                dropout, ``mask_mod`` or block masks.
 
         Returns:
             ``(b, t, d_out)``, or ``(output, weights)``.
@@ -323,13 +335,16 @@ class MultiHeadAttention(ProjectedAttention):
                 self._check_compiled_step(attn_mask, need_weights)
             else:  # the position is a Python int, which a compiled step must not read
                 _checks.check_context_length(cache.position + t, self.context_length, "cache + x")
+        if context_parallel is not None and cache is not None:
+            raise ValueError("context_parallel takes no cache: it is for whole sequences")
         queries, keys, values = self._project(x, x)
         if self.rope is not None:
-            positions = (
-                token_positions(t, key_mask, device=x.device)
-                if cache is None
-                else cache.next_positions(t, key_mask)
-            )
+            if context_parallel is not None:
+                positions = context_parallel.positions(t, x.device)
+            elif cache is None:
+                positions = token_positions(t, key_mask, device=x.device)
+            else:
+                positions = cache.next_positions(t, key_mask)
             queries, keys = self.rope(queries, positions), self.rope(keys, positions)
         mods = {"score_mod": score_mod, "mask_mod": mask_mod, "block_mask": block_mask}
         if documents is not None:
@@ -361,6 +376,7 @@ class MultiHeadAttention(ProjectedAttention):
             window=self.window,
             alibi_slopes=self.alibi_slopes,
             softcap=self.softcap,
+            attend=attention if context_parallel is None else context_parallel.attention,
             **mods,
         )
         return unbatch(result, unbatched)
