@@ -101,6 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument(
         "--decode", action="store_true", help="decoding over a KV cache (--n: cache lengths)"
     )
+    be.add_argument(
+        "--ring",
+        action="store_true",
+        help="ring attention over processes joined by gloo (--n: lengths, --ranks: world sizes)",
+    )
+    be.add_argument("--ranks", type=int, nargs="+", help="--ring: world sizes")
     be.add_argument("--kv-heads", type=int, nargs="+", help="--decode: key/value heads (GQA)")
     be.add_argument("--prompts", type=int, nargs="+", help="--decode: prompt lengths (generation)")
     be.add_argument("--new-tokens", type=int, help="--decode: tokens generated after each prompt")
@@ -162,13 +168,44 @@ def _run_decode_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_ring_bench(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from attnkit.bench.ring import RingConfig, run_ring, write_ring
+
+    _check_counts(args, ("n", "b", "h", "d", "ranks", "repeats"))
+    overrides = {
+        "ns": None if args.n is None else tuple(args.n),
+        "worlds": None if args.ranks is None else tuple(args.ranks),
+        "b": args.b,
+        "h": args.h,
+        "d": args.d,
+        "repeats": args.repeats,
+        "warmups": args.warmups,
+    }
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    config = RingConfig.smoke(**overrides) if args.smoke else RingConfig(**overrides)
+    for n in config.ns:
+        for world in config.worlds:
+            if n % (2 * world):
+                raise ValueError(f"--n {n} must split into 2 x {world} equal chunks (--ranks)")
+    written = write_ring(run_ring(config), Path(args.out))
+    print(Path(written["markdown"]).read_text())
+    print("wrote " + ", ".join(str(p) for p in written.values()))
+    return 0
+
+
 def _run_bench(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from attnkit.bench import BenchConfig, run, write
 
+    if args.decode and args.ring:
+        raise ValueError("give --decode or --ring, not both")
     if args.decode:
         return _run_decode_bench(args)
+    if args.ring:
+        return _run_ring_bench(args)
 
     overrides = {
         "ns": None if args.n is None else tuple(args.n),
