@@ -5,8 +5,10 @@
   reader typing them in one session would.
 - The command line in Markdown: every ```` ```sh ```` line (and ``$`` line of a ```` ```console ````
   block, whose following lines are its expected output) that calls ``attnkit`` runs in a temporary
-  folder, benchmarks with ``--smoke``; one shown as ``attnkit: error: ...`` must exit with 2. Other
-  commands must be listed in ``NOT_RUN`` with the reason.
+  folder, benchmarks with ``--smoke``; one shown as ``attnkit: error: ...`` must exit with 2. A
+  ``torchrun`` line runs in a folder holding its page's scripts: the ```` ```python ```` blocks
+  that start with ``# file: NAME.py``. Other commands must be listed in ``NOT_RUN`` with the
+  reason.
 - Docstrings: every ``>>>`` example in the package runs as a doctest in its module's namespace.
 - The site: ``mkdocs build --strict`` passes, and no built page shows a Sphinx role as text.
 
@@ -47,6 +49,7 @@ NOT_RUN = {
 }
 
 FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
+SCRIPT = re.compile(r"# file: (?P<name>\S+\.py)\n")  # the first line of a script's block
 FENCE = re.compile(
     r"^(?P<indent> *)```(?P<lang>[\w-]*)[^\n]*\n(?P<body>.*?)^(?P=indent)```", re.M | re.S
 )
@@ -99,12 +102,28 @@ def commands(block: Block) -> list[Command]:
 
 
 def python_pages() -> dict[Path, list[Block]]:
-    by_page = {p: [b for b in blocks(p) if b.lang in ("python", "pycon")] for p in PAGES}
+    by_page = {
+        p: [b for b in blocks(p) if b.lang in ("python", "pycon") and not SCRIPT.match(b.body)]
+        for p in PAGES
+    }
     return {p: b for p, b in by_page.items() if b}
+
+
+def scripts(page: Path) -> dict[str, str]:
+    """The page's scripts, by file name."""
+    return {
+        m["name"]: b.body
+        for b in blocks(page)
+        if b.lang == "python" and (m := SCRIPT.match(b.body))
+    }
 
 
 def all_commands() -> list[Command]:
     return [c for p in PAGES for b in blocks(p) if b.lang in ("sh", "console") for c in commands(b)]
+
+
+def torchrun_commands() -> list[Command]:
+    return [c for c in all_commands() if c.argv[0] == "torchrun"]
 
 
 def not_run_reason(command: Command) -> str | None:
@@ -147,7 +166,9 @@ def runnable(command: Command) -> list[str]:
 
 
 @pytest.mark.parametrize(
-    "command", [c for c in all_commands() if not not_run_reason(c)], ids=lambda c: c.text
+    "command",
+    [c for c in all_commands() if not not_run_reason(c) and c.argv[0] != "torchrun"],
+    ids=lambda c: c.text,
 )
 def test_the_command_line_examples_run(command, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -162,6 +183,27 @@ def test_the_command_line_examples_run(command, tmp_path, monkeypatch):
         checker = doctest.OutputChecker()
         assert checker.check_output(command.shown, out.getvalue(), FLAGS), (
             f"{command.where}: `{command.text}` printed\n{out.getvalue()}\nnot\n{command.shown}"
+        )
+
+
+@pytest.mark.parametrize("command", torchrun_commands(), ids=lambda c: c.text)
+def test_the_scripts_run_under_torchrun_as_shown(command, tmp_path):
+    page = ROOT / command.where.rsplit(":", 1)[0]
+    for name, body in scripts(page).items():
+        (tmp_path / name).write_text(body)
+    assert (tmp_path / command.argv[-1]).exists(), f"{command.where}: no script {command.argv[-1]}"
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", *command.argv[1:]],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode == 0, f"{command.where}: `{command.text}` failed:\n{done.stderr[-3000:]}"
+    if command.shown is not None:
+        assert doctest.OutputChecker().check_output(command.shown, done.stdout, FLAGS), (
+            f"{command.where}: `{command.text}` printed\n{done.stdout}\nnot\n{command.shown}"
         )
 
 

@@ -22,6 +22,11 @@ CASES = {  # lengths: contiguous splits into 1..4 chunks (12), zigzag into 2..8 
     "t < s, causal": {"t": 12, "s": 24, "causal": True},
     "t > s, causal, zigzag": {"t": 48, "s": 24, "causal": True, "layout": "zigzag"},
     "relative bias score_mod, causal": {"t": 12, "causal": True, "relative_bias": True},
+    # The tiled backend is the oracle here: with dO = 0 where the output is NaN, the reference
+    # gives dq and dk without NaN and the tiled kernel's backward 0 * NaN = NaN.
+    "NaN value behind the causal mask, zigzag": {
+        "t": 24, "causal": True, "layout": "zigzag", "nan_value": True, "oracle": "tiled"
+    },
     "float32, causal, zigzag, ALiBi": {
         "t": 24, "causal": True, "layout": "zigzag", "alibi": True, "dtype": torch.float32
     },

@@ -118,6 +118,8 @@ class _Ring:
     def exchange(self, outgoing: list[Tensor], incoming: list[Tensor], what: str) -> Callable:
         """Start sending ``outgoing`` to the next rank and receiving ``incoming`` from the
         previous one; returns the function that waits for both."""
+        if not (outgoing or incoming):
+            return lambda: None
         nxt, prev = self.peer(1), self.peer(-1)
         ops = [dist.P2POp(dist.isend, x, nxt, self.group) for x in outgoing]
         ops += [dist.P2POp(dist.irecv, x, prev, self.group) for x in incoming]
@@ -454,21 +456,27 @@ def _forward(q, k, v, slopes, key_mask, call: _Call) -> tuple[Tensor, Tensor]:
 
 
 def _backward(q, k, v, slopes, key_mask, out, lse, dout, dlse, mod_tensors, call: _Call):
+    """The gradients of this rank's q, k, v (and of the slopes and the mod's tensors: this rank's
+    part). Each step computes the gradients of the keys and values it holds from this rank's
+    queries, while the sums of the ranks before it for those keys arrive; the sum then goes on
+    with the keys, and reaches their rank after ``P`` steps."""
     ring = call.ring
     stats = torch.promote_types(q.dtype, torch.float32)
     dq = torch.zeros_like(q, dtype=stats)
-    dk, dv = k.new_zeros(k.shape, dtype=stats), v.new_zeros(v.shape, dtype=stats)  # contiguous
     slopes_grad = slopes is not None and slopes.requires_grad
     dslopes = torch.zeros_like(slopes) if slopes_grad else None
     mod_grads: list[Tensor | None] = [None] * len(mod_tensors)
     held = _travelling(k, v, key_mask)
+    sums: list[Tensor] = []  # dK, dV of the keys held last step, for the next rank
     for step in range(ring.size):
         src = (ring.rank - step) % ring.size
-        incoming, arrived = None, None
-        if step < ring.size - 1:
-            incoming = [torch.empty_like(x) for x in held]
-            arrived = ring.exchange(held, incoming, "keys and values")
+        next_held = [torch.empty_like(x) for x in held] if step < ring.size - 1 else []
+        before = [torch.empty_like(x) for x in sums]  # the earlier ranks' sums for `held`
+        arrived = ring.exchange(
+            (held if next_held else []) + sums, next_held + before, "keys, values and gradients"
+        )
         k_src, v_src, mask_src = _received(held)
+        dk, dv = k.new_zeros(k.shape, dtype=stats), v.new_zeros(v.shape, dtype=stats)
         for qc, kc in call.pairs(src):
             qi, ki, vi = q[:, :, qc.rows], k_src[:, :, kc.rows], v_src[:, :, kc.rows]
             mi = None if mask_src is None else mask_src[:, kc.rows]
@@ -494,13 +502,15 @@ def _backward(q, k, v, slopes, key_mask, out, lse, dout, dlse, mod_tensors, call
             mod_grads = [
                 a if b is None else b if a is None else a + b for a, b in zip(mod_grads, gm)
             ]
-        if ring.size > 1:  # the key/value gradients travel with their keys, home after P steps
-            dk_in, dv_in = torch.empty_like(dk), torch.empty_like(dv)
-            ring.exchange([dk, dv], [dk_in, dv_in], "gradients of keys and values")()
-            dk, dv = dk_in, dv_in
-        if arrived is not None:
-            arrived()
-            held = incoming
+        arrived()
+        if before:
+            dk, dv = dk.add_(before[0]), dv.add_(before[1])
+        sums, held = [dk, dv], next_held
+    if ring.size > 1:  # the last sums go home: this rank receives its own keys' gradients
+        home = [torch.empty_like(x) for x in sums]
+        ring.exchange(sums, home, "gradients of keys and values")()
+        sums = home
+    dk, dv = sums
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dslopes, mod_grads
 
 
