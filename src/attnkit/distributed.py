@@ -32,11 +32,11 @@ from __future__ import annotations
 import datetime
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask
 
 from attnkit import functional, masks, mods
 from attnkit.backends import choose_backend, tiled
@@ -165,7 +165,9 @@ def chunks(n: int, size: int, layout: str) -> list[list[tuple[int, int]]]:
     return [[(r * c, c), ((2 * size - 1 - r) * c, c)] for r in range(size)]
 
 
-def shard(x: Tensor, dim: int, group=None, layout: str = "contiguous") -> Tensor:
+def shard(
+    x: Tensor, dim: int, group: dist.ProcessGroup | None = None, layout: str = "contiguous"
+) -> Tensor:
     """This rank's part of ``x`` (the whole sequence along ``dim``) under ``layout``.
 
     Example:
@@ -177,7 +179,11 @@ def shard(x: Tensor, dim: int, group=None, layout: str = "contiguous") -> Tensor
 
 
 def unshard(
-    x: Tensor, dim: int, group=None, layout: str = "contiguous", timeout: float = DEFAULT_TIMEOUT
+    x: Tensor,
+    dim: int,
+    group: dist.ProcessGroup | None = None,
+    layout: str = "contiguous",
+    timeout: float = DEFAULT_TIMEOUT,
 ) -> Tensor:
     """The whole sequence along ``dim``, on every rank, from every rank's part ``x`` (an
     all-gather): the inverse of [`shard`][attnkit.distributed.shard]. No gradient flows through
@@ -206,7 +212,7 @@ class ContextParallel:
         gives on each rank ``shard(mha(x), 1, layout="zigzag")``, with the same gradients.
     """
 
-    group: Any = None
+    group: dist.ProcessGroup | None = None
     layout: str = "contiguous"
     timeout: float = DEFAULT_TIMEOUT
 
@@ -228,7 +234,7 @@ def ring_attention(
     k: Tensor,
     v: Tensor,
     *,
-    group=None,
+    group: dist.ProcessGroup | None = None,
     causal: bool = False,
     layout: str = "contiguous",
     key_mask: Tensor | None = None,
@@ -242,7 +248,7 @@ def ring_attention(
     attn_mask: Tensor | None = None,
     dropout_p: float = 0.0,
     return_weights: bool = False,
-    block_mask=None,
+    block_mask: BlockMask | None = None,
     mask_mod: mods.MaskMod | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """[`attention`][attnkit.functional.attention] over a sequence whose queries, keys and values
