@@ -4,17 +4,13 @@ spawned processes can import what they run."""
 
 from __future__ import annotations
 
-import datetime
 import math
 import os
-import queue
 import socket
-import traceback
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import Tensor
 
 from attnkit import distributed as ring
@@ -28,56 +24,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run(world: int, target: Callable, *args, lost: tuple[int, ...] = (), wait: float = 180.0):
-    """``target(rank, world, *args)`` on ``world`` new processes; their results by rank (None for
-    the ``lost`` ranks, which are not waited for and are killed at the end). A rank that raises
-    makes this raise, with its traceback."""
-    address = "127.0.0.1"
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    port = free_port()
-    ranks = [
-        context.Process(target=_rank, args=(rank, world, address, port, target, args, results))
-        for rank in range(world)
-    ]
-    for p in ranks:
-        p.start()
-    got: dict[int, object] = dict.fromkeys(lost)
-    try:
-        for _ in range(world - len(lost)):
-            rank, ok, value = results.get(timeout=wait)
-            if not ok:
-                raise AssertionError(f"rank {rank} raised:\n{value}")
-            got[rank] = value
-    except queue.Empty:
-        raise AssertionError(
-            f"ranks {sorted(set(range(world)) - set(got))} did not answer"
-        ) from None
-    finally:
-        for rank, p in enumerate(ranks):
-            p.join(timeout=0 if rank in lost else 10)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    return [got[r] for r in range(world)]
-
-
-def _rank(rank, world, address, port, target, args, results) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://{address}:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=60),
-    )
-    try:
-        results.put((rank, True, target(rank, world, *args)))
-    except BaseException:
-        results.put((rank, False, traceback.format_exc()))
-    finally:
-        dist.destroy_process_group()
-        os._exit(0)  # no atexit work that could wait on a peer
+def run(world: int, target: Callable, *args, lost: tuple[int, ...] = ()) -> list:
+    """``target(rank, world, *args)`` on ``world`` processes (see ``run_local``)."""
+    return ring.run_local(world, target, *args, lost=lost, wait=180.0)
 
 
 # The cases: each builds the whole sequence the same way on every rank (same seed), runs ring

@@ -129,6 +129,26 @@ def test_decode_smoke_runs_end_to_end(tmp_path, capsys):
     assert gen["rounds"] == 3 and low <= gen["speedup"] <= high
 
 
+def test_ring_smoke_runs_end_to_end(tmp_path, capsys):
+    assert main(["bench", "--ring", "--smoke", "--out", str(tmp_path)]) == 0
+    assert "| N | ranks | layout | step s | vs whole |" in capsys.readouterr().out
+    rows = json.loads((tmp_path / "ring.json").read_text())["rows"]
+    cases = [(r["world"], r["layout"]) for r in rows]
+    assert cases == [(1, "whole"), (1, "contiguous"), (2, "contiguous"), (2, "zigzag")]
+    for r in rows:
+        assert r["step_s"] > 0 and len(r["cpu_s"]) == r["world"] and r["balance"] >= 1.0
+        # each rank sends its keys and values on P - 1 steps of the forward and of the backward,
+        # and their float32 gradients on P steps: smoke is b=1, h=1, d=64, N=256
+        shard = 256 // r["world"] * 64 * 4 * 2  # bytes of a rank's keys and values
+        sent = 0 if r["world"] == 1 else shard * (2 * (r["world"] - 1) + r["world"])
+        assert r["sent_mib"] == pytest.approx(sent / 2**20)
+
+
+def test_ring_bench_rejects_lengths_the_ranks_cannot_split(capsys):
+    assert main(["bench", "--ring", "--smoke", "--n", "250", "--ranks", "4"]) == 2
+    assert "--n 250 must split into 2 x 4 equal chunks" in capsys.readouterr().err
+
+
 def test_decode_bench_rejects_kv_heads_that_do_not_divide_h(capsys):
     assert main(["bench", "--decode", "--smoke", "--h", "6", "--kv-heads", "4"]) == 2
     assert "--h (6) must be a multiple of every --kv-heads, got 4" in capsys.readouterr().err

@@ -13,13 +13,10 @@ sends per step, and the peak memory per rank. ``whole`` is
 
 from __future__ import annotations
 
-import datetime
 import json
 import resource
-import socket
 import statistics
 import time
-import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -27,6 +24,7 @@ import torch
 
 from attnkit._progress import Progress
 from attnkit.bench.report import machine
+from attnkit.distributed import run_local
 
 
 @dataclass(frozen=True)
@@ -58,7 +56,7 @@ def run_ring(config: RingConfig, progress: Progress | None = None) -> dict:
     rows = []
     for n, world, layout in cases:
         progress.step(f"ring N={n} P={world} {layout}")
-        ranks = _spawn(world, _rank_main, n, layout, config)
+        ranks = run_local(world, _rank_main, n, layout, config)
         rows.append(_summary(n, world, layout, ranks))
     return {"machine": machine(), "config": asdict(config), "rows": rows}
 
@@ -71,7 +69,7 @@ def _summary(n: int, world: int, layout: str, ranks: list[dict]) -> dict:
         "layout": layout,
         "step_s": statistics.median(max(times) for times in zip(*(r["wall_s"] for r in ranks))),
         "cpu_s": cpu,
-        "balance": max(cpu) / min(cpu),
+        "balance": max(cpu) / max(min(cpu), 1e-9),
         "sent_mib": max(r["sent_bytes"] for r in ranks) / 2**20,
         "peak_mib": max(r["peak_mib"] for r in ranks),
     }
@@ -128,55 +126,6 @@ def _rank_main(rank: int, world: int, n: int, layout: str, config: RingConfig) -
     }
 
 
-def _spawn(world: int, target, *args) -> list:
-    """``target(rank, world, *args)`` on ``world`` new processes joined by gloo on loopback."""
-    import torch.multiprocessing as mp
-
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    ranks = [
-        context.Process(target=_rank, args=(rank, world, port, target, args, results))
-        for rank in range(world)
-    ]
-    for p in ranks:
-        p.start()
-    got = {}
-    try:
-        for _ in range(world):
-            rank, ok, value = results.get(timeout=3600)
-            if not ok:
-                raise RuntimeError(f"ring bench: rank {rank} failed:\n{value}")
-            got[rank] = value
-    finally:
-        for p in ranks:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    return [got[r] for r in range(world)]
-
-
-def _rank(rank, world, port, target, args, results) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=600),
-    )
-    try:
-        results.put((rank, True, target(rank, world, *args)))
-    except Exception:
-        results.put((rank, False, traceback.format_exc()))
-    finally:
-        dist.destroy_process_group()
-
-
 def markdown(record: dict) -> str:
     m = record["machine"]
     c = record["config"]
@@ -196,10 +145,14 @@ def markdown(record: dict) -> str:
         cpu = " / ".join(f"{x:.3g}" for x in r["cpu_s"])
         lines.append(
             f"| {r['n']} | {r['world']} | {r['layout']} | {r['step_s']:.3g} "
-            f"| {r['step_s'] / w['step_s']:.2f} | {cpu} | {r['balance']:.2f} "
-            f"| {r['sent_mib']:.1f} | {r['peak_mib']:.0f} | {r['peak_mib'] / w['peak_mib']:.2f} |"
+            f"| {_ratio(r['step_s'], w['step_s'])} | {cpu} | {r['balance']:.2f} "
+            f"| {r['sent_mib']:.1f} | {r['peak_mib']:.0f} | {_ratio(r['peak_mib'], w['peak_mib'])} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _ratio(x: float, base: float) -> str:
+    return f"{x / base:.2f}" if base > 0 else "—"  # a tiny case may grow no memory at all
 
 
 def write_ring(record: dict, out_dir: Path) -> dict[str, Path]:
