@@ -42,6 +42,13 @@ def relative_bias(table: Tensor):
     return bias
 
 
+def same_document(documents: Tensor):
+    def mask_mod(b, h, q_idx, kv_idx):
+        return documents[q_idx] == documents[kv_idx]
+
+    return mask_mod
+
+
 def compare_case(rank: int, world: int, case: dict) -> dict[str, float]:
     """Ring attention of ``case`` on this rank against float64 attention of the whole sequence:
     the largest differences of the output, lse and gradients of this rank's shard (and of the
@@ -71,6 +78,8 @@ def compare_case(rank: int, world: int, case: dict) -> dict[str, float]:
     for name in ("window", "softcap", "scale"):
         if name in case:
             options[name] = case[name]
+    if case.get("documents"):  # three packed documents, each attending within itself
+        options["mask_mod"] = same_document(torch.arange(t) * 3 // t)
     trained = {}
     if case.get("alibi"):
         trained["alibi_slopes"] = torch.linspace(0.1, 0.9, h, dtype=torch.float64)
@@ -104,7 +113,7 @@ def compare_case(rank: int, world: int, case: dict) -> dict[str, float]:
     local = {"causal": options["causal"], "layout": layout}
     if "key_mask" in options:
         local["key_mask"] = cut(options["key_mask"], 1)
-    for name in ("window", "softcap", "scale"):
+    for name in ("window", "softcap", "scale", "mask_mod"):
         if name in options:
             local[name] = options[name]
     local_trained = {n: x.detach().to(dtype) for n, x in trained.items()}

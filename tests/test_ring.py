@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import attnkit
 import ring_ranks
 from attnkit.distributed import ring_attention
 
@@ -22,6 +23,9 @@ CASES = {  # lengths: contiguous splits into 1..4 chunks (12), zigzag into 2..8 
     "t < s, causal": {"t": 12, "s": 24, "causal": True},
     "t > s, causal, zigzag": {"t": 48, "s": 24, "causal": True, "layout": "zigzag"},
     "relative bias score_mod, causal": {"t": 12, "causal": True, "relative_bias": True},
+    "document mask_mod, causal, zigzag": {
+        "t": 24, "causal": True, "layout": "zigzag", "documents": True
+    },
     # The tiled backend is the oracle here: with dO = 0 where the output is NaN, the reference
     # gives dq and dk without NaN and the tiled kernel's backward 0 * NaN = NaN.
     "NaN value behind the causal mask, zigzag": {
@@ -81,14 +85,14 @@ def test_without_a_process_group_it_says_what_to_do():
         ring_attention(q, q, q)
 
 
-@pytest.mark.parametrize("option", ["attn_mask", "dropout_p", "return_weights", "mask_mod"])
+@pytest.mark.parametrize("option", ["attn_mask", "dropout_p", "return_weights", "block_mask"])
 def test_options_it_cannot_split_are_refused_by_name(option):
     q = torch.randn(1, 2, 4, 8)
     value = {
         "attn_mask": torch.ones(4, 4, dtype=torch.bool),
         "dropout_p": 0.1,
         "return_weights": True,
-        "mask_mod": lambda b, h, q_idx, kv_idx: q_idx >= kv_idx,
+        "block_mask": attnkit.create_block_mask(lambda b, h, q, kv: q >= kv, None, None, 4, 4),
     }[option]
     with pytest.raises(ValueError, match=f"ring_attention does not take {option}: "):
         ring_attention(q, q, q, **{option: value})

@@ -283,8 +283,9 @@ def ring_attention(
         attn_mask: refused: a dense mask of the whole sequence is what ring attention avoids.
         dropout_p: refused (0 only).
         return_weights: refused: the weights are ``t x s``.
-        block_mask: refused (not yet split over the ring).
-        mask_mod: refused (not yet split over the ring).
+        block_mask: refused: its tables are for the whole sequence; pass its ``mask_mod``.
+        mask_mod: as in [`attention`][attnkit.functional.attention], with global ``q_idx`` and
+            ``kv_idx``; evaluated on each pair of pieces as they meet.
 
     Returns:
         This rank's output ``(b, h, t / P, d_v)``, or ``(out, lse)`` with ``return_lse``.
@@ -299,14 +300,13 @@ def ring_attention(
         ("dropout_p", dropout_p != 0.0),
         ("return_weights", return_weights),
         ("block_mask", block_mask is not None),
-        ("mask_mod", mask_mod is not None),
     ):
         if given:
             raise ValueError(f"ring_attention does not take {name}: {_REFUSED[name]}")
     ring = _Ring.of(group, timeout)
     functional._request(  # this shard's own checks: shapes, dtypes, options
         q, k, v, None, key_mask, causal, window, alibi_slopes, softcap, scale, 0.0, False, False,
-        score_mod,
+        score_mod, None, mask_mod,
     )  # fmt: skip
     t, s = _agree_on_shapes(ring, q, k, v, key_mask, causal, layout)
     call = _Call(
@@ -320,6 +320,7 @@ def ring_attention(
         softcap=softcap,
         scale=scale,
         score_mod=score_mod,
+        mask_mod=mask_mod,
     )
     qc, kc = call.q_chunks[0], call.k_chunks[ring.rank][0]  # any pair: the tiled kernel's refusals
     rows = (slice(None), slice(None), qc.rows)
@@ -336,9 +337,7 @@ _REFUSED = {
     "causal, window, key_mask or score_mod",
     "dropout_p": "dropout on the weights is not supported across the ring (pass 0.0)",
     "return_weights": "the weights are t x s, which no rank holds",
-    "block_mask": "block masks are not split over the ring yet; use causal, window or score_mod",
-    "mask_mod": "mask functions are not split over the ring yet; a score_mod returning -inf "
-    "masks a key",
+    "block_mask": "a BlockMask's tables are for the whole sequence; pass its mask_mod instead",
 }
 
 
@@ -400,6 +399,7 @@ class _Call:
     softcap: float | None
     scale: float | None
     score_mod: mods.ScoreMod | None
+    mask_mod: mods.MaskMod | None = None
 
     def pairs(self, src: int) -> list[tuple[_Chunk, _Chunk]]:
         """The (query chunk, key chunk) pairs, keys from rank ``src``, in which some query may
@@ -421,12 +421,11 @@ class _Call:
         """The request of one pair: its masks and ALiBi in global positions, its score_mod with
         global indices."""
         shift = (qc.start + self.s - self.t) - kc.start - (kc.length - qc.length)
-        score_mod = self.score_mod
-        if score_mod is not None:
-            score_mod = mods.at_positions({"score_mod": score_mod}, qc.start, kc.start)["score_mod"]
+        given = {"score_mod": self.score_mod, "mask_mod": self.mask_mod}
+        at = mods.at_positions(given, qc.start, kc.start)
         return functional._request(
             q, k, v, None, key_mask, self.causal, self.window, slopes, self.softcap, self.scale,
-            0.0, True, False, score_mod, shift=shift,
+            0.0, True, False, at["score_mod"], None, at["mask_mod"], shift=shift,
         )  # fmt: skip
 
 
