@@ -75,6 +75,9 @@ def compare_case(rank: int, world: int, case: dict) -> dict[str, float]:
         key_mask = torch.rand(b, s) > 0.3
         key_mask[:, 0] = True
         options["key_mask"] = key_mask
+        if case.get("nan_padding"):  # padding may hold anything
+            k = k.masked_fill(~key_mask[:, None, :, None], math.nan)
+            v = v.masked_fill(~key_mask[:, None, :, None], math.nan)
     for name in ("window", "softcap", "scale"):
         if name in case:
             options[name] = case[name]
@@ -161,6 +164,21 @@ def mismatched_shards(rank: int, world: int) -> tuple[str, str]:
     t = 4 if rank == 0 else 6
     q = k = v = torch.randn(1, 2, t, 8)
     return _error_of(lambda: ring.ring_attention(q, k, v, causal=True, timeout=20))
+
+
+def mismatched_options(rank: int, world: int) -> tuple[str, str]:
+    """Rank 0 passes float64 shards, rank 1 float32 ones with a window."""
+    if rank == 0:
+        q = k = v = torch.randn(1, 2, 4, 8, dtype=torch.float64)
+        return _error_of(lambda: ring.ring_attention(q, k, v, timeout=20))
+    q = k = v = torch.randn(1, 2, 4, 8)
+    return _error_of(lambda: ring.ring_attention(q, k, v, window=(2, 0), timeout=20))
+
+
+def double_backward(rank: int, world: int) -> tuple[str, str]:
+    q, k, v = (torch.randn(1, 2, 4, 8, requires_grad=True) for _ in range(3))
+    out = ring.ring_attention(q, k, v, causal=True, timeout=20)
+    return _error_of(lambda: torch.autograd.grad(out.pow(2).sum(), q, create_graph=True))
 
 
 def zigzag_misfit(rank: int, world: int) -> tuple[str, str]:

@@ -16,6 +16,9 @@ CASES = {  # lengths: contiguous splits into 1..4 chunks (12), zigzag into 2..8 
     "causal, zigzag": {"t": 24, "causal": True, "layout": "zigzag"},
     "GQA, causal, zigzag": {"t": 24, "h": 4, "h_kv": 2, "causal": True, "layout": "zigzag"},
     "MQA, key padding": {"t": 12, "h": 4, "h_kv": 1, "key_mask": True},
+    "key padding holding NaN, causal, zigzag": {
+        "t": 24, "causal": True, "layout": "zigzag", "key_mask": True, "nan_padding": True
+    },
     "ALiBi, causal": {"t": 12, "causal": True, "alibi": True},
     "sliding window, zigzag": {"t": 24, "causal": True, "window": (3, 0), "layout": "zigzag"},
     "two-sided window, key padding": {"t": 24, "window": (2, 5), "key_mask": True},
@@ -59,9 +62,25 @@ def test_ring_attention_equals_attention_of_the_whole_sequence(differences, case
 
 
 def test_shards_of_different_lengths_raise_on_every_rank():
-    for kind, message in ring_ranks.run(3, ring_ranks.mismatched_shards):
+    for rank, (kind, message) in enumerate(ring_ranks.run(3, ring_ranks.mismatched_shards)):
         assert kind == "ValueError"
-        assert "shards or options differ" in message and "rank 0: q (1, 2, 4, 8)" in message
+        t = 4 if rank == 0 else 6
+        assert f"shards or options differ (rank {rank} has {{'q': (1, 2, {t}, 8)," in message
+
+
+def test_shards_of_different_dtypes_or_options_raise_on_every_rank():
+    for kind, message in ring_ranks.run(2, ring_ranks.mismatched_options):
+        assert kind == "ValueError"
+        assert "shards or options differ" in message
+
+
+def test_a_second_derivative_is_refused_not_wrong():
+    for kind, message in ring_ranks.run(2, ring_ranks.double_backward):
+        assert (kind, message) == (
+            "RuntimeError",
+            "ring attention has no second derivative: its backward cannot run with "
+            "create_graph=True",
+        )
 
 
 def test_a_length_the_layout_cannot_split_raises_on_every_rank():

@@ -30,10 +30,13 @@ NCCL on GPUs).
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import queue
 import socket
+import time
 import traceback
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -59,7 +62,8 @@ class RingError(RuntimeError):
 
     Attributes:
         rank: the rank (in the group) that raised.
-        waited_on: the rank it was waiting on.
+        waited_on: the rank it was waiting on, or -1 when it waited on every rank (the check of
+            the shards' shapes, before the ring starts).
         failed: the rank whose connection broke (it died, or stopped after a failure of its
             own), or None when it only went quiet (a dead link and a hung process look the same
             from here).
@@ -72,8 +76,8 @@ class RingError(RuntimeError):
 
 @dataclass(frozen=True)
 class _Ring:
-    """Where this rank sits: its group, rank and size, its neighbours (as global ranks, which
-    point-to-point operations take), and how long it waits for them."""
+    """Where this rank sits (its group, its rank and the group's size) and how long it waits for
+    a peer."""
 
     group: dist.ProcessGroup | None
     rank: int
@@ -87,7 +91,9 @@ class _Ring:
                 "ring attention needs torch.distributed: call torch.distributed.init_process_group "
                 "first"
             )
-        if not (isinstance(timeout, (int, float)) and timeout > 0):
+        if isinstance(timeout, bool) or not (
+            isinstance(timeout, (int, float)) and 0 < timeout < math.inf
+        ):
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         if rank < 0:
@@ -95,30 +101,33 @@ class _Ring:
         return _Ring(group, rank, size, float(timeout))
 
     def peer(self, offset: int) -> int:
-        """The global rank of the group's rank ``rank + offset`` (mod the size)."""
-        in_group = (self.rank + offset) % self.size
-        return in_group if self.group is None else dist.get_global_rank(self.group, in_group)
+        """The group rank ``rank + offset`` (mod the size)."""
+        return (self.rank + offset) % self.size
 
-    def wait(self, works: list, peers: list[int], what: str) -> None:
-        """Wait for ``works`` (one per group rank in ``peers``) or raise RingError."""
-        for work, peer in zip(works, peers):
-            try:
-                work.wait(timeout=datetime.timedelta(seconds=self.timeout))
-            except RuntimeError as error:
-                broke = "timed out" not in str(error).lower()
-                raise RingError(
-                    f"ring attention: rank {self.rank} of {self.size} "
-                    + (
-                        f"lost its connection to rank {peer} ({what}): rank {peer} stopped "
-                        "(it died, or gave up on a failed peer of its own)"
-                        if broke
-                        else f"waited {self.timeout:g} s for rank {peer} ({what}) in vain: "
-                        "a peer died or a link is down"
-                    ),
-                    self.rank,
-                    peer,
-                    peer if broke else None,
-                ) from error
+    def _global(self, peer: int) -> int:
+        return peer if self.group is None else dist.get_global_rank(self.group, peer)
+
+    def failed(self, error: Exception, peer: int, what: str) -> RingError:
+        """The RingError of ``error``, met while exchanging ``what`` with group rank ``peer``:
+        a broken connection (the peer stopped) or a timeout (it, or a link, went quiet)."""
+        broke = "timed out" not in str(error).lower()
+        if broke:
+            said = (
+                f"lost its connection to rank {peer} ({what}): rank {peer} stopped (it died, "
+                "or raised an error of its own)"
+            )
+        else:
+            said = (
+                f"waited {self.timeout:g} s for rank {peer} ({what}) in vain: a peer died or "
+                "a link is down"
+            )
+        return RingError(
+            f"ring attention: rank {self.rank} of {self.size} {said}. The process group is "
+            "unusable from here: destroy it.",
+            self.rank,
+            peer,
+            peer if broke else None,
+        )
 
     def exchange(self, outgoing: list[Tensor], incoming: list[Tensor], what: str) -> Callable:
         """Start sending ``outgoing`` to the next rank and receiving ``incoming`` from the
@@ -126,23 +135,47 @@ class _Ring:
         if not (outgoing or incoming):
             return lambda: None
         nxt, prev = self.peer(1), self.peer(-1)
-        ops = [dist.P2POp(dist.isend, x, nxt, self.group) for x in outgoing]
-        ops += [dist.P2POp(dist.irecv, x, prev, self.group) for x in incoming]
-        works = dist.batch_isend_irecv(ops)
-        n = len(outgoing)
-        ranks_next, ranks_prev = (self.rank + 1) % self.size, (self.rank - 1) % self.size
-        peers = [ranks_next] * n + [ranks_prev] * len(incoming)
-        return lambda: self.wait(works, peers, what)
+        peers = [nxt] * len(outgoing) + [prev] * len(incoming)
+        ops = [dist.P2POp(dist.isend, x, self._global(nxt), self.group) for x in outgoing]
+        ops += [dist.P2POp(dist.irecv, x, self._global(prev), self.group) for x in incoming]
+        if dist.get_backend(self.group) == dist.Backend.NCCL:  # NCCL's pairs must start together
+            try:
+                works = dist.batch_isend_irecv(ops)
+            except RuntimeError as error:
+                raise self.failed(error, prev, what) from error
+        else:  # one at a time, so that a dead peer is named
+            works = []
+            for op, peer in zip(ops, peers):
+                try:
+                    works.append(op.op(op.tensor, op.peer, op.group))
+                except RuntimeError as error:
+                    raise self.failed(error, peer, what) from error
+
+        def wait() -> None:
+            for work, peer in zip(works, peers):
+                try:
+                    work.wait(timeout=datetime.timedelta(seconds=self.timeout))
+                except RuntimeError as error:
+                    raise self.failed(error, peer, what) from error
+
+        return wait
 
     def all_gather(self, x: Tensor, what: str) -> list[Tensor]:
         gathered = [torch.empty_like(x) for _ in range(self.size)]
-        work = dist.all_gather(gathered, x, group=self.group, async_op=True)
         try:
+            work = dist.all_gather(gathered, x, group=self.group, async_op=True)
             work.wait(timeout=datetime.timedelta(seconds=self.timeout))
         except RuntimeError as error:
+            broke = "timed out" not in str(error).lower()
+            said = (
+                "lost its connection to another rank: one stopped (it died, or raised an error "
+                "of its own, such as a check of its arguments)"
+                if broke
+                else f"waited {self.timeout:g} s in vain: a peer died or a link is down"
+            )
             raise RingError(
-                f"ring attention: rank {self.rank} of {self.size} waited {self.timeout:g} s for "
-                f"every rank's {what} in vain",
+                f"ring attention: rank {self.rank} of {self.size}, gathering every rank's {what}, "
+                f"{said}",
                 self.rank,
                 -1,
             ) from error
@@ -214,12 +247,21 @@ class ContextParallel:
 
     Example:
         ``out = mha(shard(x, 1, layout="zigzag"), context_parallel=ContextParallel(layout="zigzag"))``
-        gives on each rank ``shard(mha(x), 1, layout="zigzag")``, with the same gradients.
+        gives on each rank ``shard(mha(x), 1, layout="zigzag")``; the gradient of ``x`` is the
+        shard of the whole one, and each parameter's is this rank's part: sum it over the
+        group (DDP does), as for any parameter every rank holds.
+
+    RoPE takes each token's index in the whole sequence as its position (a ``key_mask`` does not
+    move the positions, unlike an unsplit call with left padding, where they count real tokens).
     """
 
     group: dist.ProcessGroup | None = None
     layout: str = "contiguous"
     timeout: float = DEFAULT_TIMEOUT
+
+    def size(self) -> int:
+        """How many ranks the sequence is split over."""
+        return _Ring.of(self.group, self.timeout).size
 
     def positions(self, t: int, device: torch.device | None = None) -> Tensor:
         """The global positions ``(t,)`` of this rank's ``t`` tokens."""
@@ -305,10 +347,37 @@ def ring_attention(
             raise ValueError(f"ring_attention does not take {name}: {_REFUSED[name]}")
     ring = _Ring.of(group, timeout)
     functional._request(  # this shard's own checks: shapes, dtypes, options
-        q, k, v, None, key_mask, causal, window, alibi_slopes, softcap, scale, 0.0, False, False,
-        score_mod, None, mask_mod,
-    )  # fmt: skip
-    t, s = _agree_on_shapes(ring, q, k, v, key_mask, causal, layout)
+        q,
+        k,
+        v,
+        attn_mask=None,
+        key_mask=key_mask,
+        causal=causal,
+        window=window,
+        alibi_slopes=alibi_slopes,
+        softcap=softcap,
+        scale=scale,
+        dropout_p=0.0,
+        return_lse=False,
+        return_weights=False,
+        score_mod=score_mod,
+        mask_mod=mask_mod,
+    )
+    t, s = _agree(
+        ring,
+        q,
+        k,
+        v,
+        layout,
+        causal=causal,
+        key_mask=key_mask is not None,
+        window=window,
+        alibi_slopes=None if alibi_slopes is None else alibi_slopes.tolist(),
+        softcap=softcap,
+        scale=scale,
+        score_mod=mods.name_of(score_mod) if score_mod is not None else None,
+        mask_mod=mods.name_of(mask_mod) if mask_mod is not None else None,
+    )
     call = _Call(
         ring=ring,
         q_chunks=_local(chunks(t, ring.size, layout)[ring.rank]),
@@ -324,8 +393,9 @@ def ring_attention(
     )
     qc, kc = call.q_chunks[0], call.k_chunks[ring.rank][0]  # any pair: the tiled kernel's refusals
     rows = (slice(None), slice(None), qc.rows)
-    first = call.request(q[rows], k[:, :, kc.rows], v[:, :, kc.rows], None, alibi_slopes, qc, kc)
-    choose_backend("tiled", first, q[rows], k, v)  # raises, saying why (a transform, tracing, ...)
+    k_first, v_first = k[:, :, kc.rows], v[:, :, kc.rows]
+    first = call.request(q[rows], k_first, v_first, None, alibi_slopes, qc, kc)
+    choose_backend("tiled", first, q[rows], k_first, v_first)  # raises if it cannot, saying why
     mod_tensors = functional._mod_tensors(score_mod, q)
     function = _RingAttentionWithMods if mod_tensors else _RingAttention
     out, lse = function.apply(q, k, v, alibi_slopes, key_mask, call, *mod_tensors)
@@ -341,24 +411,35 @@ _REFUSED = {
 }
 
 
-def _agree_on_shapes(ring: _Ring, q, k, v, key_mask, causal, layout) -> tuple[int, int]:
-    """Check that every rank holds shards of one shape and asked for the same layout and mask;
-    return the global query and key lengths. Every rank raises the same error, so none waits
-    for the others."""
+_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def _agree(ring: _Ring, q, k, v, layout: str, **options) -> tuple[int, int]:
+    """Check that every rank holds shards of one shape, dtype and device and asked for the same
+    options; return the global query and key lengths. The ranks compare what each holds, so all
+    of them raise the same error."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {', '.join(map(repr, LAYOUTS))}, got {layout!r}")
-    b, h, t, d = q.shape
-    mine = [b, h, t, d, k.shape[1], k.shape[2], v.shape[-1]]
-    flags = int(causal) + 2 * LAYOUTS.index(layout) + 4 * int(key_mask is not None)
-    everyone = ring.all_gather(torch.tensor([*mine, flags], device=q.device), "shard shapes")
-    everyone = [x.tolist() for x in everyone]
-    if any(x != everyone[0] for x in everyone):
-        described = "; ".join(
-            f"rank {r}: q {tuple(x[:4])}, k (.., {x[4]}, {x[5]}, ..), causal={bool(x[7] & 1)}, "
-            f"layout={LAYOUTS[x[7] >> 1 & 1]!r}, key_mask={bool(x[7] & 4)}"
-            for r, x in enumerate(everyone)
+    t = q.shape[2]
+    described = {
+        "q": tuple(q.shape),
+        "k": tuple(k.shape),
+        "v": tuple(v.shape),
+        "dtype": str(q.dtype).removeprefix("torch."),
+        "device": q.device.type,
+        "layout": layout,
+        **options,
+    }
+    mine = [float(x) for x in (*q.shape, *k.shape, *v.shape)]
+    mine += [_DTYPES.index(q.dtype) if q.dtype in _DTYPES else -1, q.is_cuda, LAYOUTS.index(layout)]
+    mine += [zlib.crc32(repr(value).encode()) for value in options.values()]  # one number each
+    everyone = ring.all_gather(torch.tensor(mine, dtype=torch.float64, device=q.device), "shards")
+    if any(not torch.equal(x, everyone[0]) for x in everyone):
+        raise ValueError(
+            f"ring_attention: the ranks' shards or options differ (rank {ring.rank} has "
+            f"{described}); every rank must pass shards of one shape, dtype and device, and the "
+            "same options"
         )
-        raise ValueError(f"ring_attention: the ranks' shards or options differ: {described}")
     t_all, s_all = t * ring.size, k.shape[2] * ring.size
     chunks(t_all, ring.size, layout), chunks(s_all, ring.size, layout)  # raise if they do not fit
     return t_all, s_all
@@ -424,9 +505,23 @@ class _Call:
         given = {"score_mod": self.score_mod, "mask_mod": self.mask_mod}
         at = mods.at_positions(given, qc.start, kc.start)
         return functional._request(
-            q, k, v, None, key_mask, self.causal, self.window, slopes, self.softcap, self.scale,
-            0.0, True, False, at["score_mod"], None, at["mask_mod"], shift=shift,
-        )  # fmt: skip
+            q,
+            k,
+            v,
+            attn_mask=None,
+            key_mask=key_mask,
+            causal=self.causal,
+            window=self.window,
+            alibi_slopes=slopes,
+            softcap=self.softcap,
+            scale=self.scale,
+            dropout_p=0.0,
+            return_lse=True,
+            return_weights=False,
+            score_mod=at["score_mod"],
+            mask_mod=at["mask_mod"],
+            shift=shift,
+        )
 
 
 def _merge(out: Tensor, lse: Tensor, out_b: Tensor, lse_b: Tensor) -> None:
@@ -525,8 +620,9 @@ def _backward(q, k, v, slopes, key_mask, out, lse, dout, dlse, mod_tensors, call
 
 
 def _travelling(k: Tensor, v: Tensor, key_mask: Tensor | None) -> list[Tensor]:
-    """What goes around the ring: contiguous keys and values, and the key mask as bytes."""
-    held = [k.contiguous(), v.contiguous()]
+    """What goes around the ring: contiguous keys and values, their padding zeroed (it may hold
+    anything, and 0 times a NaN there would reach the gradients), and the key mask as bytes."""
+    held = [masks.zero_padding(x, key_mask).contiguous() for x in (k, v)]
     if key_mask is not None:
         held.append(key_mask.to(torch.uint8).contiguous())
     return held
@@ -551,6 +647,11 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "ring attention has no second derivative: its backward cannot run with "
+                "create_graph=True"
+            )
         q, k, v, slopes, key_mask, out, lse, *mod_tensors = ctx.saved_tensors
         dq, dk, dv, dslopes, mod_grads = _backward(
             q, k, v, slopes, key_mask, out, lse, dout, dlse, tuple(mod_tensors), ctx.call
@@ -603,15 +704,25 @@ def run_local(
     for p in ranks:
         p.start()
     got: dict[int, object] = dict.fromkeys(lost)
+    deadline = time.monotonic() + wait
     try:
-        for _ in range(world - len(lost)):
-            rank, ok, value = results.get(timeout=wait)
+        while len(got) < world:
+            try:
+                rank, ok, value = results.get(timeout=1.0)
+            except queue.Empty:
+                silent = sorted(set(range(world)) - set(got))
+                dead = [r for r in silent if ranks[r].exitcode is not None]
+                if dead:  # a crash, the OOM killer, a failed start: no result will come
+                    raise RuntimeError(
+                        f"ranks {dead} ended without a result (exit codes "
+                        f"{[ranks[r].exitcode for r in dead]})"
+                    ) from None
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"ranks {silent} did not answer within {wait:g} s") from None
+                continue
             if not ok:
                 raise RuntimeError(f"rank {rank} raised:\n{value}")
             got[rank] = value
-    except queue.Empty:
-        silent = sorted(set(range(world)) - set(got))
-        raise RuntimeError(f"ranks {silent} did not answer within {wait:g} s") from None
     finally:
         for rank, p in enumerate(ranks):
             p.join(timeout=0 if rank in lost else 30)
@@ -623,19 +734,20 @@ def run_local(
 
 def _local_rank(rank, world, port, target, args, results) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=600),
-    )
     try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=600),
+        )
         results.put((rank, True, target(rank, world, *args)))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
     finally:
         results.close()
         results.join_thread()  # the result is on its way before the process ends
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
         os._exit(0)  # no exit handler may wait on a peer that failed

@@ -312,8 +312,9 @@ class MultiHeadAttention(ProjectedAttention):
             context_parallel: a [`ContextParallel`][attnkit.distributed.ContextParallel]: ``x`` is
                 this rank's shard of a sequence split over a process group, and the output is its
                 shard of the whole sequence's output (ring attention; RoPE at the tokens' global
-                positions; ``key_mask`` this rank's part). Without a cache, ``attn_mask``, weights,
-                dropout, ``mask_mod`` or block masks.
+                positions; ``key_mask`` and ``score_mod``/``mask_mod`` as
+                [`ring_attention`][attnkit.distributed.ring_attention] takes them). Without a cache,
+                ``attn_mask``, weights, dropout (``eval()``), block masks or ``documents``.
 
         Returns:
             ``(b, t, d_out)``, or ``(output, weights)``.
@@ -327,7 +328,10 @@ class MultiHeadAttention(ProjectedAttention):
         if key_mask is not None:
             _checks.check_key_mask(key_mask, b, t, x.device)
         compiling = torch.compiler.is_compiling()
-        if cache is None:
+        if context_parallel is not None:  # t tokens a rank
+            whole = t * context_parallel.size()
+            _checks.check_context_length(whole, self.context_length, "the whole sequence")
+        elif cache is None:
             _checks.check_context_length(t, self.context_length)
         else:
             self._check_cache(cache, x)
@@ -335,8 +339,11 @@ class MultiHeadAttention(ProjectedAttention):
                 self._check_compiled_step(attn_mask, need_weights)
             else:  # the position is a Python int, which a compiled step must not read
                 _checks.check_context_length(cache.position + t, self.context_length, "cache + x")
-        if context_parallel is not None and cache is not None:
-            raise ValueError("context_parallel takes no cache: it is for whole sequences")
+        if context_parallel is not None and (cache is not None or documents is not None):
+            raise ValueError(
+                "context_parallel takes no cache (it is for whole sequences) and no documents "
+                "(give a mask_mod with the documents of the whole sequence)"
+            )
         queries, keys, values = self._project(x, x)
         if self.rope is not None:
             if context_parallel is not None:
