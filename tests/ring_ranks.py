@@ -175,6 +175,26 @@ def mismatched_options(rank: int, world: int) -> tuple[str, str]:
     return _error_of(lambda: ring.ring_attention(q, k, v, window=(2, 0), timeout=20))
 
 
+def in_a_subgroup(rank: int, world: int) -> list[float] | None:
+    """Ring attention over the group of ranks 1 and 2 (their group ranks 0 and 1): the largest
+    differences of the output and gradients from attention of the whole sequence."""
+    group = dist.new_group(ranks=[1, 2])
+    if rank == 0:
+        return None
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 16, 8, dtype=torch.float64) for _ in range(3))
+    mine = [ring.shard(x, 2, group=group, layout="zigzag").requires_grad_() for x in (q, k, v)]
+    out = ring.ring_attention(*mine, group=group, causal=True, layout="zigzag")
+    out.sum().backward()
+    whole = [x.clone().requires_grad_() for x in (q, k, v)]
+    want = F.attention(*whole, causal=True)
+    want.sum().backward()
+    pairs = [(out, want), *((m.grad, w.grad) for m, w in zip(mine, whole))]
+    return [
+        (g - ring.shard(w, 2, group=group, layout="zigzag")).abs().max().item() for g, w in pairs
+    ]
+
+
 def double_backward(rank: int, world: int) -> tuple[str, str]:
     q, k, v = (torch.randn(1, 2, 4, 8, requires_grad=True) for _ in range(3))
     out = ring.ring_attention(q, k, v, causal=True, timeout=20)

@@ -74,6 +74,13 @@ def test_shards_of_different_dtypes_or_options_raise_on_every_rank():
         assert "shards or options differ" in message
 
 
+def test_a_subgroup_whose_ranks_are_not_the_global_ones():
+    outside, *inside = ring_ranks.run(3, ring_ranks.in_a_subgroup)
+    assert outside is None
+    for differences in inside:
+        assert max(differences) <= 1e-12
+
+
 def test_a_second_derivative_is_refused_not_wrong():
     for kind, message in ring_ranks.run(2, ring_ranks.double_backward):
         assert (kind, message) == (
