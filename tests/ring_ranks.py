@@ -70,6 +70,8 @@ def compare_case(rank: int, world: int, case: dict) -> dict[str, float]:
     )
     if case.get("nan_value"):  # a NaN value at a key the causal mask hides from earlier queries
         v[:, :, s // 2, 1] = math.nan
+    if dtype in (torch.bfloat16, torch.float16):
+        d_lse.zero_()  # the naive formula, the yardstick in half precision, has no lse
     options = {"causal": case.get("causal", False)}
     if case.get("key_mask"):
         key_mask = torch.rand(b, s) > 0.3
@@ -131,6 +133,11 @@ def compare_case(rank: int, world: int, case: dict) -> dict[str, float]:
     finite_r = ~lse_r.isinf()
     loss_r = (out_r.nan_to_num(0.0) * d_out_r).sum() + (lse_r.where(finite_r, 0.0) * d_lse_r).sum()
     got = [out_r, lse_r, *torch.autograd.grad(loss_r, leaves_r)]
+    naive = None
+    if dtype in (torch.bfloat16, torch.float16):  # the same precision, materialised: the yardstick
+        half = [x.detach().to(dtype).requires_grad_() for x in (q, k, v)]
+        out_n = _naive(*half, options["causal"])
+        naive = [out_n, *torch.autograd.grad((out_n.float() * d_out).sum(), half)]
     for x in got[5:]:  # a tensor every rank holds: its gradient is the sum of the ranks' parts
         dist.all_reduce(x)
     differences = {}
@@ -141,7 +148,23 @@ def compare_case(rank: int, world: int, case: dict) -> dict[str, float]:
         g, w = g.detach().double().nan_to_num(posinf=0, neginf=0), w.nan_to_num(posinf=0, neginf=0)
         differences[name] = (g - w).abs().max().item() if same_inf else math.inf
         differences[name + " scale"] = w.abs().max().item()
+    if naive is not None:
+        for name, n, w in zip(["out", "dq", "dk", "dv"], naive, [want[0], *want[2:5]]):
+            n, w = cut(n.detach().double(), 2), cut(w.detach(), 2)
+            differences[name + " naive"] = (n - w).abs().max().item()
     return differences
+
+
+def _naive(q, k, v, causal: bool) -> Tensor:
+    """softmax(q kᵀ / sqrt(d)) v in the inputs' dtype (GQA by repeating k and v)."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    if causal:
+        t, s = scores.shape[-2:]
+        allowed = torch.arange(s) <= torch.arange(t)[:, None] + s - t
+        scores = scores.masked_fill(~allowed, -math.inf)
+    return scores.softmax(dim=-1) @ v
 
 
 def compare_cases(rank: int, world: int, cases: dict[str, dict]) -> dict[str, dict[str, float]]:
@@ -224,7 +247,7 @@ def dies_or_hangs(rank: int, world: int, victim: int, how: str, timeout: float, 
     q, k, v = (torch.randn(1, 2, 16, 8, requires_grad=True) for _ in range(3))
     if rank == victim:
         calls = {"n": 0}
-        original = tiled.tiled if where == "forward" else tiled.backward
+        original = tiled.partial if where == "forward" else tiled.backward
 
         def faulty(*args, **kwargs):
             calls["n"] += 1
@@ -234,7 +257,7 @@ def dies_or_hangs(rank: int, world: int, victim: int, how: str, timeout: float, 
                 time.sleep(10 * timeout)  # a hung process: the others must not wait for it
             return original(*args, **kwargs)
 
-        setattr(tiled, "tiled" if where == "forward" else "backward", faulty)
+        setattr(tiled, "partial" if where == "forward" else "backward", faulty)
     start = time.monotonic()
     try:
         out = ring.ring_attention(q, k, v, causal=True, timeout=timeout)

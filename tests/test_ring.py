@@ -34,6 +34,9 @@ CASES = {  # lengths: contiguous splits into 1..4 chunks (12), zigzag into 2..8 
     "NaN value behind the causal mask, zigzag": {
         "t": 24, "causal": True, "layout": "zigzag", "nan_value": True, "oracle": "tiled"
     },
+    "bf16, causal, zigzag, GQA": {
+        "t": 24, "h": 4, "h_kv": 2, "causal": True, "layout": "zigzag", "dtype": torch.bfloat16
+    },
     "float32, causal, zigzag, ALiBi": {
         "t": 24, "causal": True, "layout": "zigzag", "alibi": True, "dtype": torch.float32
     },
@@ -49,13 +52,20 @@ def differences(request):
 @pytest.mark.parametrize("case", CASES)
 def test_ring_attention_equals_attention_of_the_whole_sequence(differences, case):
     world, by_rank = differences
-    float32 = CASES[case].get("dtype") == torch.float32
+    dtype = CASES[case].get("dtype", torch.float64)
     for rank, found in enumerate(by_rank):
         for name, difference in found[case].items():
-            if name.endswith(" scale"):
+            if name.endswith((" scale", " naive")):
                 continue
             scale = found[case][name + " scale"]
-            allowed = 1e-5 + 1.3e-6 * scale if float32 else 1e-10 * max(1.0, scale)
+            if dtype == torch.bfloat16:  # 2x the naive formula's error in bf16, 3x for gradients
+                if name == "lse":
+                    continue
+                allowed = (2 if name == "out" else 3) * found[case][name + " naive"]
+            elif dtype == torch.float32:
+                allowed = 1e-5 + 1.3e-6 * scale
+            else:
+                allowed = 1e-10 * max(1.0, scale)
             assert difference <= allowed, (
                 f"world {world}, rank {rank}: {name} differs by {difference:.3g}"
             )

@@ -552,8 +552,10 @@ def _forward(q, k, v, slopes, key_mask, call: _Call) -> tuple[Tensor, Tensor]:
             qi, ki, vi = q[:, :, qc.rows], k_src[:, :, kc.rows], v_src[:, :, kc.rows]
             mi = None if mask_src is None else mask_src[:, kc.rows]
             request = call.request(qi, ki, vi, mi, slopes, qc, kc)
-            out_b, lse_b, _ = tiled.tiled(qi, ki, vi, request)
-            _merge(out[:, :, qc.rows], lse[:, :, qc.rows], out_b.to(stats), lse_b.to(stats))
+            out_b, lse_b = tiled.partial(
+                qi, ki, vi, request
+            )  # in `stats`: rounded once, at the end
+            _merge(out[:, :, qc.rows], lse[:, :, qc.rows], out_b, lse_b)
         if arrived is not None:
             arrived()
             held = incoming
@@ -598,6 +600,7 @@ def _backward(q, k, v, slopes, key_mask, out, lse, dout, dlse, mod_tensors, call
                 request,
                 tiled.spec_of(request),
                 slopes_grad=slopes_grad,
+                cast=False,
             )
             dq[rows] += gq
             dk[:, :, kc.rows] += gk

@@ -211,11 +211,13 @@ def backward(
     spec: _Spec,
     *,
     slopes_grad: bool,
+    cast: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, list[Tensor | None]]:
     """The gradients of q, k, v, the slopes (if ``slopes_grad``) and ``request.mod_tensors``, from
     the output and lse of the rows: this call's own, or those of attention over more keys than
     ``k`` holds (ring attention, whose every block of keys recomputes its weights from the rows'
-    whole lse). ``dout``/``dlse`` None: no gradient reached that output."""
+    whole lse). ``dout``/``dlse`` None: no gradient reached that output. ``cast=False`` leaves
+    the gradients of q, k and v in the statistics' dtype, for a caller that sums them."""
     plan = _plan(q, k, request, spec)
     if dout is None:
         dout = torch.zeros_like(out)
@@ -247,11 +249,14 @@ def backward(
     dq = (dq * plan.request.scale).view(b, h, t, d)  # the scores used q * scale
     slopes = request.alibi_slopes
     dslopes = None if dslopes is None else dslopes.to(slopes.dtype)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dslopes, mod_grads
+    if cast:
+        dq, dk, dv = dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return dq, dk, dv, dslopes, mod_grads
 
 
-def _forward(q, k, v, alibi_slopes, attn_mask, key_mask, spec: _Spec, mod_tensors):
-    """The forward of both autograd functions: ``(out, lse)``."""
+def _forward(q, k, v, alibi_slopes, attn_mask, key_mask, spec: _Spec, mod_tensors, *, cast=True):
+    """The forward of both autograd functions: ``(out, lse)``; ``cast=False`` leaves the output
+    in the statistics' dtype."""
     plan = _plan(q, k, _request(spec, alibi_slopes, attn_mask, key_mask, mod_tensors), spec)
     kernel = _kernel(q.device, plan.matmul_dtype, plan.request)
     if kernel is not None:
@@ -260,7 +265,19 @@ def _forward(q, k, v, alibi_slopes, attn_mask, key_mask, spec: _Spec, mod_tensor
         with marked("attnkit::tiled_loop_forward"):
             q5, k5 = nan_rows(_prescaled(q, plan)), nan_rows(_operand(k, plan))
             out, lse = tiled_loop.forward(q5, k5, _operand(v, plan), plan)
-    return out.view((*q.shape[:-1], v.shape[-1])).to(q.dtype), lse.view(q.shape[:-1])
+    out = out.view((*q.shape[:-1], v.shape[-1]))
+    return out.to(q.dtype) if cast else out, lse.view(q.shape[:-1])
+
+
+def partial(q: Tensor, k: Tensor, v: Tensor, request: Request) -> tuple[Tensor, Tensor]:
+    """``(out, lse)`` without autograd, the output in the statistics' dtype (float32; float64 for
+    float64): part of a row that goes on to be merged with other parts (ring attention), and is
+    rounded to the inputs' dtype once, at the end."""
+    masks = request.masks
+    k, v = zero_padding(k, masks.key_mask), zero_padding(v, masks.key_mask)
+    slopes, mods_ = request.alibi_slopes, request.mod_tensors
+    spec = spec_of(request)
+    return _forward(q, k, v, slopes, masks.attn_mask, masks.key_mask, spec, mods_, cast=False)
 
 
 def _fold_batch(x: Tensor, dim: int | None, size: int) -> Tensor:
