@@ -121,6 +121,13 @@ def test_without_a_process_group_it_says_what_to_do():
         ring_attention(q, q, q)
 
 
+@pytest.mark.parametrize("timeout", [0, -1.0, float("inf"), True, "60"])
+def test_a_timeout_that_is_not_a_positive_number_of_seconds_is_refused(timeout):
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(ValueError, match="timeout must be a positive number of seconds, got "):
+        ring_attention(q, q, q, timeout=timeout)
+
+
 @pytest.mark.parametrize("option", ["attn_mask", "dropout_p", "return_weights", "block_mask"])
 def test_options_it_cannot_split_are_refused_by_name(option):
     q = torch.randn(1, 2, 4, 8)

@@ -86,15 +86,15 @@ class _Ring:
 
     @staticmethod
     def of(group, timeout: float) -> _Ring:
+        if isinstance(timeout, bool) or not (
+            isinstance(timeout, (int, float)) and 0 < timeout < math.inf
+        ):
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         if not dist.is_available() or not dist.is_initialized():
             raise ValueError(
                 "ring attention needs torch.distributed: call torch.distributed.init_process_group "
                 "first"
             )
-        if isinstance(timeout, bool) or not (
-            isinstance(timeout, (int, float)) and 0 < timeout < math.inf
-        ):
-            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         if rank < 0:
             raise ValueError("this process is not a member of the group")
