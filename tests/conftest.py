@@ -30,9 +30,12 @@ def _seed() -> None:
 @pytest.fixture(autouse=True)
 def _small_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
     """Tiny tiles, so that the tests' small shapes span many blocks of the tiled kernel, with
-    lengths that do not divide the block sizes (the production sizes are 256 and 512)."""
+    lengths that do not divide the block sizes (the production sizes are 256 and 512), and many
+    tiles of a score_mod's bias."""
     monkeypatch.setattr(tiled, "BLOCK_Q", 5)
     monkeypatch.setattr(tiled, "BLOCK_K", 7)
+    # a score_mod's bias in tiles of 2 key blocks when b * h = 8 (TILE_BYTES // (4 b h rows))
+    monkeypatch.setattr(tiled_native, "TILE_BYTES", 4 * 8 * 5 * 14)
 
 
 @pytest.fixture

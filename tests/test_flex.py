@@ -335,13 +335,192 @@ def test_a_mod_that_broadcasting_does_not_fit_runs_under_vmap():
     torch.testing.assert_close(out, oracle(q, k, v, relative_bias(TABLE))[0].float())
 
 
-def test_which_backend_says_the_loop_runs_mods():
+def test_which_backend_says_which_path_runs_mods():
+    """A mod that adds to the score runs in the C++ kernel where it runs; others in the loop."""
     q, k, v = inputs(1, H, 29, 29)
     choice = F.which_backend(q, k, v, score_mod=softcap)
     assert (choice.backend, choice.path) == ("tiled", "loop")
     assert "sdpa does not support score_mod" in choice.reason
+    adds = F.which_backend(q, k, v, score_mod=relative_bias(TABLE))
+    assert (adds.backend, adds.path) == ("tiled", "native")  # the kernel builds on every test CPU
     with pytest.raises(ValueError, match=r"sdpa.*block_mask"):
         F.attention(q, k, v, mask_mod=causal, backend="sdpa")
+
+
+def _branches_on_values(score, b, h, q_idx, kv_idx):
+    return score + 1.0 if bool(q_idx.max() > 3) else score * 2.0
+
+
+ADDS_TO_SCORE = {  # name: (score_mod, whether it is score + f(b, h, q_idx, kv_idx))
+    "relative bias": (relative_bias(TABLE), True),
+    "ALiBi (score - f)": (alibi, True),
+    "T5 buckets": (t5_bias(T5_TABLE), True),
+    "f + score": (lambda score, b, h, q, kv: TABLE[h, q - kv + 28] + score, True),
+    "a constant": (lambda score, b, h, q, kv: score + 1.5, True),
+    "soft-cap": (softcap, False),
+    "a scale": (lambda score, b, h, q, kv: score * SLOPES[h], False),
+    "(score + a) + b, rounded otherwise": (lambda score, b, h, q, kv: score + q + kv, False),
+    "f reads the score": (lambda score, b, h, q, kv: score + score.sigmoid(), False),
+    "score - f, other way round": (lambda score, b, h, q, kv: q - score, False),
+    "masks with where": (
+        lambda score, b, h, q, kv: torch.where(q >= kv, score + 1.0, -math.inf),
+        False,
+    ),
+    "in place": (lambda score, b, h, q, kv: score.add_(1.0), False),
+    "float64 result": (lambda score, b, h, q, kv: score + TABLE.double()[h, q - kv + 28], False),
+    "branches on values": (_branches_on_values, False),
+}
+
+
+@pytest.mark.parametrize("name", ADDS_TO_SCORE)
+def test_mods_that_add_to_the_score_are_told_from_their_graph(name):
+    from attnkit import mods
+
+    score_mod, adds = ADDS_TO_SCORE[name]
+    assert mods.adds_to_score(score_mod) is adds
+    q, k, v = inputs(1, H, 13, 13)
+    assert F.which_backend(q, k, v, score_mod=score_mod).path == ("native" if adds else "loop")
+
+
+def _adding_mods(table, t5_table):
+    """Mods that add to the score, reading ``table`` and ``t5_table``."""
+
+    def per_head(score, b, h, q_idx, kv_idx):  # f of shape (1, H, 1, 1)
+        return score + table[h, 0]
+
+    def every_third_key_masked(score, b, h, q_idx, kv_idx):  # causal: query 0 has no key left
+        return score + torch.where(kv_idx % 3 == 0, -math.inf, table[h, q_idx - kv_idx + 28])
+
+    return {
+        "relative bias": relative_bias(table),
+        "ALiBi": alibi,
+        "T5 buckets": t5_bias(t5_table),
+        "per head": per_head,
+        "every third key masked": every_third_key_masked,
+    }
+
+
+def _adding_options(name, b, t, s):
+    allowed = torch.rand(b, 1, t, s) > 0.2
+    allowed[..., 1] = True
+    return {
+        "plain": {},
+        "causal": {"causal": True},
+        "window, key padding": {
+            "window": (6, 2),
+            "key_mask": torch.arange(s).expand(b, s) < s - 3,
+        },
+        "ALiBi, soft-cap, scale": {"alibi_slopes": SLOPES, "softcap": 2.0, "scale": 0.5},
+        "bool attn_mask": {"attn_mask": allowed},
+        "float attn_mask": {"attn_mask": torch.randn(1, H, t, s).masked_fill(~allowed[:1], -1e9)},
+    }[name]
+
+
+ADDING_OPTIONS = [
+    "plain",
+    "causal",
+    "window, key padding",
+    "ALiBi, soft-cap, scale",
+    "bool attn_mask",
+    "float attn_mask",
+]
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("options", ADDING_OPTIONS)
+@pytest.mark.parametrize("mod", list(_adding_mods(TABLE, T5_TABLE)))
+def test_mods_that_add_run_in_the_kernel_tile_by_tile_and_equal_the_oracle(
+    mod, options, shape, monkeypatch
+):
+    """Outputs, lse and the gradients of q, k, v and of the tables the mod reads, against the
+    reference backend in float64, with the mod's bias asked for in many tiles."""
+    from attnkit import mods
+
+    b, h_kv, t, s = SHAPES[shape]
+    given = _adding_options(options, b, t, s)
+    tables = [TABLE.clone().requires_grad_(), T5_TABLE.clone().requires_grad_()]
+    score_mod = _adding_mods(*tables)[mod]
+    tensors = [x.requires_grad_() for x in inputs(b, h_kv, t, s)]
+    assert F.which_backend(*tensors, score_mod=score_mod, **given).path == "native"
+    tiles = []
+    bias = mods.bias
+    monkeypatch.setattr(
+        mods, "bias", lambda fn, at, **kw: tiles.append(at.shape) or bias(fn, at, **kw)
+    )
+    out, lse = F.attention(*tensors, score_mod=score_mod, return_lse=True, **given)
+    assert len(tiles) > 2, tiles  # panels of 5 queries, tiles of 14 keys
+    cotangent, lse_cotangent = (
+        torch.randn_like(out),
+        torch.randn_like(lse).masked_fill(lse.isinf(), 0),
+    )
+    got = torch.autograd.grad(
+        (out, lse), [*tensors, *tables], (cotangent, lse_cotangent), allow_unused=True
+    )
+
+    wrt64 = [x.detach().double().requires_grad_() for x in [*tensors, *tables]]
+    mod64 = _adding_mods(*wrt64[3:])[mod]
+    given64 = {
+        key: value.double()
+        if isinstance(value, torch.Tensor) and value.is_floating_point()
+        else value
+        for key, value in given.items()
+    }
+    out64, lse64 = F.attention(
+        *wrt64[:3], score_mod=mod64, return_lse=True, backend="reference", **given64
+    )
+    torch.testing.assert_close(out, out64.float())
+    torch.testing.assert_close(lse, lse64.float())
+    finite_lse = torch.where(lse64.isinf(), 0, lse64)
+    want = torch.autograd.grad(
+        (out64, finite_lse), wrt64, (cotangent.double(), lse_cotangent.double()), allow_unused=True
+    )
+    for g, w in zip(got, want):
+        if w is None or not w.any():
+            assert g is None or not g.any()
+        else:
+            torch.testing.assert_close(g, w.float())
+
+
+@pytest.mark.parametrize("path", ["tiled", "tiled:half"])
+def test_bf16_mods_that_add_in_the_kernel_keep_the_2x_3x_rule(path, monkeypatch):
+    """The kernel's bf16 inputs, multiplied in float32 or (``tiled:half``) in bf16 pairs."""
+    from conftest import force_path
+
+    backend = force_path(monkeypatch, path)
+    b, h_kv, t, s = SHAPES["GQA, t < s"]
+    table = TABLE.bfloat16().requires_grad_()
+    tensors = [x.bfloat16().requires_grad_() for x in inputs(b, h_kv, t, s)]
+    score_mod = relative_bias(table)
+    assert F.which_backend(*tensors, score_mod=score_mod, causal=True, backend=backend).path == (
+        "native"
+    )
+    out = F.attention(*tensors, score_mod=score_mod, causal=True, backend=backend)
+    wrt = [*tensors, table]
+    grads = torch.autograd.grad(out, wrt, torch.ones_like(out))
+    naive = [x.detach().requires_grad_() for x in wrt]  # the textbook formula, in bf16
+    q, k, v = (
+        x.repeat_interleave(H // x.shape[1], dim=1) if x.dim() == 4 else x for x in naive[:3]
+    )
+    rows, keys = torch.arange(t)[:, None], torch.arange(s)
+    scores = (
+        q @ k.transpose(-2, -1) * 8**-0.5
+        + naive[3][torch.arange(H)[:, None, None], rows - keys + 28]
+    )
+    scores = scores.masked_fill(keys > rows + s - t, -math.inf)
+    naive_out = torch.softmax(scores, dim=-1) @ v
+    naive_grads = torch.autograd.grad(naive_out, naive, torch.ones_like(naive_out))
+    exact = [x.detach().double().requires_grad_() for x in wrt]
+    exact_out = F.attention(
+        *exact[:3], score_mod=relative_bias(exact[3]), causal=True, backend="reference"
+    )
+    exact_grads = torch.autograd.grad(exact_out, exact, torch.ones_like(exact_out))
+
+    def error(x, y):
+        return (x.double() - y).abs().max().item()
+
+    assert error(out, exact_out) <= 2 * error(naive_out, exact_out)
+    for g, n, e in zip(grads, naive_grads, exact_grads):
+        assert error(g, e) <= 3 * error(n, e)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -527,11 +706,16 @@ def test_a_mod_that_gathers_a_block_runs_compiled_from_long_calls(monkeypatch):
     torch.testing.assert_close(out, want)
     for g, w in zip(grads, torch.autograd.grad(want.sum(), (q, table))):
         torch.testing.assert_close(g, w)
-    F.attention(q, k, v, score_mod=computes, backend="tiled")
+    F.attention(q, k, v, score_mod=computes, block_mask=block_mask, backend="tiled")  # the loop
     assert mods._WORTH_COMPILING[computes.__code__] is False  # arithmetic runs faster eager
 
 
-def test_a_mod_that_cannot_be_compiled_runs_uncompiled_with_a_warning(monkeypatch):
+@pytest.mark.parametrize("path", ["kernel", "loop"])
+def test_a_mod_that_cannot_be_compiled_runs_uncompiled_with_a_warning(monkeypatch, path):
+    """The C++ kernel compiles the mod's bias; the loop (here given a block mask that masks
+    nothing) compiles the mod and its softmax step."""
+    from torch.nn.attention.flex_attention import noop_mask
+
     from attnkit import mods
 
     def fails(*args, **kwargs):
@@ -546,18 +730,28 @@ def test_a_mod_that_cannot_be_compiled_runs_uncompiled_with_a_warning(monkeypatc
         return score + TABLE[h, q_idx - kv_idx + 28]
 
     q, k, v = inputs(1, H, 29, 29)
+    options = {"score_mod": gathers_too, "backend": "tiled"}
+    if path == "loop":
+        options["block_mask"] = create_block_mask(noop_mask, None, None, 29, 29, "cpu", 8)
+    assert F.which_backend(q, k, v, **options).path == {"kernel": "native", "loop": "loop"}[path]
     try:
-        with pytest.warns(UserWarning) as warned:  # the mod is compiled from its second call
-            out = F.attention(q, k, v, score_mod=gathers_too, backend="tiled")
-            F.attention(q, k, v, score_mod=gathers_too, backend="tiled")
+        with pytest.warns(UserWarning) as warned:  # the loop compiles the mod from its 2nd call
+            out = F.attention(q, k, v, **options)
+            F.attention(q, k, v, **options)
         with warnings.catch_warnings(record=True) as later:
             warnings.simplefilter("always")
-            again = F.attention(q, k, v, score_mod=gathers_too, backend="tiled")
+            again = F.attention(q, k, v, **options)
     finally:
         mods._block_function.cache_clear()
         mods._compiled.cache_clear()
     said = sorted(str(w.message).split(" (")[0].split(".")[-1] for w in warned)
-    assert said == ["gathers_too could not be compiled", "online_softmax_ could not be compiled"]
+    if path == "kernel":
+        assert said == ["gathers_too could not be compiled"]
+    else:
+        assert said == [
+            "gathers_too could not be compiled",
+            "online_softmax_ could not be compiled",
+        ]
     assert all("(RuntimeError: no C++ compiler)" in str(w.message) for w in warned)
     torch.testing.assert_close(out, oracle(q, k, v, relative_bias(TABLE))[0].float())
     assert later == []  # once failed, a function runs uncompiled without a word

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from attnkit import attention
+from attnkit import attention, mods
 from attnkit.backends import BACKENDS, tiled
 from attnkit.functional import which_backend
 from conftest import expected_products, force_path
@@ -378,6 +378,41 @@ def test_score_and_mask_functions_keep_the_rule(path, tensor, row, value, monkey
     bias = table[torch.arange(2)[:, None, None], rows - keys + 5][None]  # (1, h, t, s)
     as_mask = bias.masked_fill(~mask_mod(None, None, rows, keys), -INF)
     out64, lse64, weights64 = selected_attention(q, k, v, attn_mask=as_mask)
+    assert_same(out, out64)
+    assert_same(lse, lse64)
+    assert_same(weights, weights64)
+
+
+@pytest.mark.parametrize("path", ["tiled:loop", "tiled"])
+@pytest.mark.parametrize(
+    ("tensor", "row", "value"),
+    [("k", 2, NAN), ("k", 4, INF), ("v", 2, NAN), ("v", 4, -INF), ("q", 1, NAN), (None, 0, 0)],
+)
+def test_a_score_mod_that_adds_keeps_the_rule_in_the_kernel_and_the_loop(
+    path, tensor, row, value, monkeypatch
+):
+    """``score + f`` with f = -inf at key 2 runs in the C++ kernel (``tiled``), tile by tile, and
+    gives what the reference gives: f's -inf masks a finite score, but a NaN score (key 2's own,
+    here) stays NaN, as torch's ``score + f`` would have it; a hidden NaN value stays out."""
+    q, k, v = qkv(t=4, s=6)
+    if tensor is not None:
+        {"q": q, "k": k, "v": v}[tensor][0, 0, row, 0] = value
+    table = torch.randn(2, 11)
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + torch.where(kv_idx == 2, -INF, table[h, q_idx - kv_idx + 5])
+
+    assert mods.adds_to_score(score_mod)
+    out, lse, weights = run(path, q, k, v, monkeypatch, score_mod=score_mod, causal=True)
+    out64, lse64, weights64 = run(
+        "reference",
+        q.double(),
+        k.double(),
+        v.double(),
+        monkeypatch,
+        score_mod=score_mod,
+        causal=True,
+    )
     assert_same(out, out64)
     assert_same(lse, lse64)
     assert_same(weights, weights64)

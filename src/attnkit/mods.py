@@ -122,6 +122,100 @@ def score(
     return out
 
 
+def adds_to_score(score_mod: ScoreMod) -> bool:
+    """Whether ``score_mod(score, b, h, q_idx, kv_idx)`` is ``score + f(b, h, q_idx, kv_idx)`` (or
+    ``score - f``) with ``f`` independent of the score: a relative-position bias, ALiBi, a T5
+    bucket table. Such a mod's ``f`` can be evaluated without the scores, a tile at a time, and
+    added in the C++ kernel ([`bias`][attnkit.mods.bias]); the sum is the same float32 sum, bit
+    for bit. Told from the torch operations the mod runs on one score, once per function: the
+    last must be that addition, of the score itself and of a tensor computed without it. A mod
+    that reads a tensor's value into Python (``bool``, ``item``) is not taken as one, as its
+    operations may differ from block to block; nor is ``(score + a) + b``, whose rounding differs
+    from ``score + (a + b)``."""
+    return _adds_to_score(score_mod)
+
+
+_ADDITIONS = (torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor)
+_TO_PYTHON = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default)
+
+
+@functools.lru_cache(maxsize=64)
+def _adds_to_score(score_mod: ScoreMod) -> bool:
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    score = torch.zeros((1, 1, 1, 1))
+    from_score = {id(score)}  # the tensors computed from the score
+    made_by: dict[int, tuple] = {}  # id of a result -> (operation, its arguments)
+    alive = [score]  # no id is reused while the trace runs
+    to_python = False
+
+    class Trace(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            nonlocal to_python
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            to_python |= func in _TO_PYTHON
+            inputs = [x for x in tree_leaves((args, kwargs)) if isinstance(x, Tensor)]
+            outputs = [x for x in tree_leaves(out) if isinstance(x, Tensor)]
+            alive.extend(outputs)
+            for x in outputs:
+                made_by[id(x)] = (func, args, kwargs)
+                if any(id(y) in from_score for y in inputs):
+                    from_score.add(id(x))
+            return out
+
+    try:
+        with torch.no_grad(), Trace():
+            out = score_mod(score, *Block.of(range(1), range(1), range(1), range(1)))
+    except Exception:  # the general path will say what is wrong
+        return False
+    if to_python or not isinstance(out, Tensor) or out.shape != score.shape:
+        return False
+    if out.dtype != score.dtype or id(out) not in made_by:
+        return False
+    func, args, kwargs = made_by[id(out)]
+    if func not in _ADDITIONS or kwargs.get("alpha", 1) != 1 or len(args) != 2:
+        return False
+    first, second = args
+    if func is torch.ops.aten.add.Tensor and second is score:
+        first, second = second, first
+    return first is score and not (isinstance(second, Tensor) and id(second) in from_score)
+
+
+def bias(score_mod: ScoreMod, at: Block, *, compiled: bool = False) -> Tensor:
+    """The ``f`` of a mod that [adds to the score][attnkit.mods.adds_to_score] over a block:
+    ``score_mod(0, b, h, q_idx, kv_idx)``, float32, of a shape that broadcasts to ``at.shape``.
+    ``compiled``: through ``torch.compile`` ([`compiled_or_eager`][attnkit.mods.compiled_or_eager]),
+    which makes it one pass that writes the block."""
+    zero = torch.zeros((1, 1, 1, 1), device=at.q.device)
+    try:
+        f = (compiled_or_eager(score_mod) if compiled else score_mod)(zero, *at)
+        _elementwise(f, at.shape)
+    except Exception:  # raises the error of the general path, naming the mod and the block
+        f = score(score_mod, zero.expand(at.shape), at)
+    return f
+
+
+def bias_grads(
+    score_mod: ScoreMod,
+    at: Block,
+    dbias: Tensor,
+    tensors: tuple[Tensor, ...],
+    *,
+    compiled: bool = False,
+) -> tuple[Tensor | None, ...]:
+    """The gradients of ``tensors`` (those the mod reads) from ``dbias``, the loss's gradient with
+    respect to the mod's [`bias`][attnkit.mods.bias] over the block ``at``; None for one that
+    ``f`` does not read."""
+    zero = torch.zeros((1, 1, 1, 1), device=at.q.device)
+    with torch.enable_grad():
+        f = (compiled_or_eager(score_mod) if compiled else score_mod)(zero, *at)
+    if not f.requires_grad:
+        return (None,) * len(tensors)
+    return torch.autograd.grad(f, tensors, dbias.sum_to_size(f.shape), allow_unused=True)
+
+
 COMPILE_FROM = 1024 * 1024
 """The fewest scores (``t * s``) from which a call evaluates its mods compiled, where
 [`compile_block`][attnkit.mods.compile_block] can: below it, compiling costs more than it saves."""
@@ -351,6 +445,9 @@ def at_positions(given: dict, q_offset: int, kv_offset: int) -> dict:
     if (q_offset == 0 and kv_offset == 0) or (score_mod is None and mask_mod is None):
         return given
     shifted = dict(given)
+    # 0-d tensors, not ints: torch.compile takes them as inputs rather than compiling anew for
+    # each offset (a cache's every position, a ring's every pair of chunks)
+    q_offset, kv_offset = torch.tensor(q_offset), torch.tensor(kv_offset)
     if score_mod is not None:
 
         def score_at(score, b, h, q_idx, kv_idx):

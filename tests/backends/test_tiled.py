@@ -334,8 +334,9 @@ def test_the_cpp_kernel_refuses_operands_that_do_not_fit_with_a_message():
         blocks=(4, 4),
         route=0,
     ):
+        tiles = (8, 8, None)  # one tile: no score_mod
         return kernel.forward(
-            *operands, bias, empty_bool, key_mask, alibi, 0.0, -1, -1, 0, *blocks, route
+            *operands, bias, empty_bool, key_mask, alibi, 0.0, -1, -1, 0, *blocks, route, *tiles
         )
 
     assert forward()[0].shape == (1, 2, 5, 4)

@@ -17,6 +17,12 @@
 //   key_mask (b, s) bool or empty; alibi (h,) float32 or empty; softcap 0 for none;
 //   window (left, right) around p(i) = i + s - t + shift, -1 unbounded (shift: 0, or the offset
 //   of a chunk of a longer sequence).
+//   tiles: the kernel walks over panels of `tile_rows` queries and, within a panel, over tiles of
+//   `tile_keys` keys (multiples of the block sizes; t and s for one tile). `mod_bias`, a Python
+//   function or None, gives each tile's additions of a score_mod that adds to the score
+//   (score + f(b, h, q_idx, kv_idx)): mod_bias(r0, r1, c0, c1) -> float32 f broadcastable to
+//   (b, h, r1 - r0, c1 - c0); in the backward, `mod_bias_grad(r0, r1, c0, c1, dbias)` receives
+//   the loss's gradient with respect to it. A tile's f is the only thing of size rows x keys.
 // Query head i uses key/value head i / (h / h_kv).
 
 #include <torch/extension.h>
@@ -150,6 +156,10 @@ inline bool finite_value(pairs::Bf16 x) { return pairs::finite(x); }
 // non-finite values, see reference.py).
 inline float nan_unless_finite(float x) { return finite(x) ? x : kNaN; }
 
+// A score plus a bias (a score_mod's or a float mask's): -inf masks the key, whether the bias or
+// the score (masked by a score_mod before) made it; +inf or NaN is NaN.
+inline float masked_or_nan(float x) { return x == kNegInf ? kNegInf : nan_unless_finite(x); }
+
 // tanh(x), vectorisable: an odd Taylor polynomial near 0 (where 1 - e^{-2|x|} would cancel), else
 // (1 - e) / (1 + e) with e = e^{-2|x|}.
 inline float tanh_fast(float x) {
@@ -207,7 +217,7 @@ struct Strided {
 
   static Strided of(const torch::Tensor& x) {
     Strided m;
-    if (x.numel() == 0) return m;
+    if (!x.defined() || x.numel() == 0) return m;
     m.data = x.data_ptr<T>();
     m.sb = x.stride(0), m.sh = x.stride(1), m.st = x.stride(2), m.ss = x.stride(3);
     return m;
@@ -222,10 +232,17 @@ struct Scoring {
   int64_t s, diagonal, left, right;  // p(i) = i + diagonal
   float softcap;                // 0: none
   const float* alibi;           // (h,) or null
+  Strided<float> mod_bias;      // a score_mod's additions over the current tile, or none
+  int64_t mod_row0 = 0, mod_col0 = 0;  // the tile's first query and key
   Strided<float> bias;
   Strided<bool> allowed;
   const bool* key_mask;         // (b, s) contiguous rows, or null
   int64_t key_mask_stride;
+
+  void set_mod_bias(const torch::Tensor& tile, int64_t r0, int64_t c0) {
+    mod_bias = Strided<float>::of(tile);
+    mod_row0 = r0, mod_col0 = c0;
+  }
 
   // The keys [lo, hi) that query i may see by position, clipped to the block [j0, j1) (empty, with
   // lo = hi inside the block, when the row's window lies wholly before or after it).
@@ -247,7 +264,9 @@ struct Scoring {
   // Whether the raw scores of query i over keys [j0, j0 + n) are its scores as they are: nothing
   // modifies or masks them (they still turn NaN where not finite).
   bool plain(int64_t i, int64_t j0, int64_t n) const {
-    if (softcap > 0.f || alibi || bias.data || allowed.data || key_mask) return false;
+    if (softcap > 0.f || alibi || mod_bias.data || bias.data || allowed.data || key_mask) {
+      return false;
+    }
     const auto [lo, hi] = visible(i, j0, j0 + n);
     return lo == j0 && hi == j0 + n;
   }
@@ -282,17 +301,26 @@ struct Scoring {
     }
 #pragma omp simd
     for (int64_t j = a; j < z; ++j) row[j] = nan_unless_finite(row[j]);
+    if (const float* f = mod_bias.row(batch, head, i - mod_row0)) {  // what score_mod computes:
+      f += (j0 - mod_col0) * mod_bias.ss;  // a NaN score stays NaN, even where f is -inf
+      if (mod_bias.ss == 1) {
+#pragma omp simd
+        for (int64_t j = a; j < z; ++j) row[j] = masked_or_nan(row[j] + f[j]);
+      } else {
+        for (int64_t j = a; j < z; ++j) row[j] = masked_or_nan(row[j] + f[j * mod_bias.ss]);
+      }
+    }
     if (const float* b = bias.row(batch, head, i)) {  // -inf masks; NaN or +inf make a NaN score
       b += j0 * bias.ss;
       if (bias.ss == 1) {
 #pragma omp simd
         for (int64_t j = a; j < z; ++j) {
-          row[j] = b[j] == kNegInf ? kNegInf : nan_unless_finite(row[j] + b[j]);
+          row[j] = b[j] == kNegInf ? kNegInf : masked_or_nan(row[j] + b[j]);
         }
       } else {
         for (int64_t j = a; j < z; ++j) {
           const float m = b[j * bias.ss];
-          row[j] = m == kNegInf ? kNegInf : nan_unless_finite(row[j] + m);
+          row[j] = m == kNegInf ? kNegInf : masked_or_nan(row[j] + m);
         }
       }
     }
@@ -615,91 +643,139 @@ struct Bf16Blocks {
   }
 };
 
+// How a call is cut into tiles (see the header), and the Python functions of a score_mod's bias.
+struct Tiles {
+  int64_t rows, keys;
+  py::object mod_bias, mod_bias_grad;  // None without a score_mod (or, in the backward, its grad)
+
+  // The panels of queries: [r0, r1) for r0 = 0, rows, 2 rows, ...
+  template <typename F>
+  void panels(int64_t t, F&& f) const {
+    for (int64_t r0 = 0; r0 < t; r0 += rows) f(r0, std::min(t, r0 + rows));
+  }
+  // The tiles of the keys [lo, hi) that a panel sees, on the grid of `keys` (so that a key block
+  // of the grid of block_k lies in one tile).
+  template <typename F>
+  void key_tiles(int64_t lo, int64_t hi, F&& f) const {
+    for (int64_t c0 = lo / keys * keys; c0 < hi; c0 += keys) f(c0, std::min(hi, c0 + keys));
+  }
+  // The score_mod's bias of the tile, expanded to (b, h, r1 - r0, c1 - c0); undefined without one.
+  torch::Tensor bias(const Sizes& z, int64_t r0, int64_t r1, int64_t c0, int64_t c1) const {
+    if (mod_bias.is_none()) return {};
+    auto f = mod_bias(r0, r1, c0, c1).cast<torch::Tensor>();
+    TORCH_CHECK(f.dim() == 4 && f.scalar_type() == torch::kFloat && f.device().is_cpu(),
+                "tiled: mod_bias must return a float32 CPU tensor of 4 dims");
+    return f.expand({z.b, z.h, r1 - r0, c1 - c0});
+  }
+};
+
+Tiles tiles_of(int64_t tile_rows, int64_t tile_keys, int64_t block_q, int64_t block_k,
+               py::object mod_bias, py::object mod_bias_grad) {
+  TORCH_CHECK(tile_rows > 0 && tile_rows % block_q == 0 && tile_keys > 0 &&
+                  tile_keys % block_k == 0,
+              "tiled: tile sizes must be positive multiples of the block sizes");
+  return Tiles{tile_rows, tile_keys, std::move(mod_bias), std::move(mod_bias_grad)};
+}
+
+// The running max m, sum l and unnormalised output (kept in `out` until the end) of every row live
+// across the tiles; a tile's work is one parallel pass over its panel's query blocks.
 template <typename Blocks>
 std::tuple<torch::Tensor, torch::Tensor> forward_blocks(const Blocks& blocks, const Sizes& z,
-                                                        const Scoring& sc, int64_t block_q,
-                                                        int64_t block_k) {
+                                                        Scoring sc, int64_t block_q,
+                                                        int64_t block_k, const Tiles& tiles) {
   const int64_t b = z.b, h = z.h, t = z.t, s = z.s, dv = z.dv, groups = z.h / z.h_kv;
   const int64_t width = blocks.width(dv);
-  auto out = torch::empty({b, h, t, width}, torch::kFloat);
+  auto out = torch::zeros({b, h, t, width}, torch::kFloat);
   auto lse = torch::empty({b, h, t}, torch::kFloat);
-  const int64_t q_blocks = (t + block_q - 1) / block_q;
   float *op = out.data_ptr<float>(), *lp = lse.data_ptr<float>();
+  std::vector<float> m(b * h * t, kNegInf), l(b * h * t, 0.f);
+  std::vector<char> poisoned(b * h * t, 0);  // a NaN score met: the row's output and lse are NaN
   const auto* vp = blocks.values(0);
 
   const std::vector<char> bad = nonfinite_rows(vp, b * z.h_kv * s, dv);
+  // (b h t, dv): a row sees a non-finite value in that column; only if some value is not finite
+  std::vector<char> touched(std::any_of(bad.begin(), bad.end(), [](char x) { return x; })
+                                ? b * h * t * dv
+                                : 0);
 
-  at::parallel_for(0, b * h * q_blocks, 1, [&](int64_t first, int64_t last) {
-    c10::InferenceMode no_autograd;  // the block products' views need no autograd bookkeeping
-    const int64_t ld_max = blocks.score_stride(block_k);
-    std::vector<float> scores(block_q * ld_max), capped(block_k), acc(block_q * width);
-    std::vector<float> m(block_q), l(block_q);
-    std::vector<char> poisoned(block_q);  // a NaN score met: the row's output and lse are NaN
-    std::vector<char> touched;            // (bq, dv): a row sees a non-finite value in that column
-    typename Blocks::Scratch scratch(blocks, block_q, block_k);
-    for (int64_t item = first; item < last; ++item) {
-      const int64_t qb = zigzag(item % q_blocks, q_blocks), bh = item / q_blocks;
-      const int64_t batch = bh / h, head = bh % h, kv = batch * z.h_kv + head / groups;
-      const int64_t i0 = qb * block_q, i1 = std::min(t, i0 + block_q), bq = i1 - i0;
-      const auto* v_head = vp + kv * s * dv;
-      std::fill(m.begin(), m.begin() + bq, kNegInf);
-      std::fill(l.begin(), l.begin() + bq, 0.f);
-      std::fill(acc.begin(), acc.begin() + bq * width, 0.f);
-      std::fill(poisoned.begin(), poisoned.begin() + bq, 0);
-      touched.clear();
-      const auto [lo, hi] = sc.block_range(i0, i1);
-      for (int64_t j0 = lo; j0 < hi; j0 += block_k) {
-        const int64_t n = std::min(block_k, hi - j0), ld = blocks.score_stride(n);
-        float* sp = scores.data();
-        const char* bad_keys = bad.data() + kv * s + j0;  // keys whose value row is not finite
-        const bool clean_block = std::none_of(bad_keys, bad_keys + n, [](char x) { return x; });
-        blocks.scores(bh, i0, bq, kv, j0, n, sp, scratch);  // S = Q K^T
-        for (int64_t r = 0; r < bq; ++r) {
-          float* row = sp + r * ld;
-          float block_top;
-          if (sc.plain(i0 + r, j0, n)) {  // one pass, not two: a non-finite score makes it NaN
-            block_top = row_max<true>(row, n);
-          } else {
-            sc.apply(row, capped.data(), batch, head, i0 + r, j0, n);
-            block_top = row_max(row, n);
-          }
-          if (!clean_block) {  // selection, not multiplication: only the keys a row sees touch it
-            touched.resize(bq * dv);
-            for (int64_t j = 0; j < n; ++j) {
-              if (!bad_keys[j] || row[j] == kNegInf) continue;
-              const auto* value = v_head + (j0 + j) * dv;
-              for (int64_t c = 0; c < dv; ++c) touched[r * dv + c] |= !finite_value(value[c]);
-            }
-          }
-          poisoned[r] |= block_top != block_top;
-          const float top = std::max(m[r], block_top);
-          if (top == kNegInf || poisoned[r]) {  // nothing allowed so far, or NaN: adds nothing
-            blocks.no_weights(row, n, r, j0, scratch);
-            continue;
-          }
-          const float sum = blocks.weights(row, n, top, r, j0, scratch);  // P, and its row sum
-          const float shrink = exp_nonpositive(m[r] - top);  // 0 when m was -inf
-          l[r] = l[r] * shrink + sum;
-          m[r] = top;
-          if (shrink != 1.f) {
-            float* a = acc.data() + r * width;
+  tiles.panels(t, [&](int64_t r0, int64_t r1) {
+    const int64_t q_blocks = (r1 - r0 + block_q - 1) / block_q;
+    const auto [lo, hi] = sc.block_range(r0, r1);
+    tiles.key_tiles(lo, hi, [&](int64_t c0, int64_t c1) {
+      const torch::Tensor mod_bias = tiles.bias(z, r0, r1, c0, c1);
+      sc.set_mod_bias(mod_bias, r0, c0);
+      at::parallel_for(0, b * h * q_blocks, 1, [&](int64_t first, int64_t last) {
+        c10::InferenceMode no_autograd;  // the block products' views need no autograd bookkeeping
+        const int64_t ld_max = blocks.score_stride(block_k);
+        std::vector<float> scores(block_q * ld_max), capped(block_k);
+        typename Blocks::Scratch scratch(blocks, block_q, block_k);
+        for (int64_t item = first; item < last; ++item) {
+          const int64_t qb = zigzag(item % q_blocks, q_blocks), bh = item / q_blocks;
+          const int64_t batch = bh / h, head = bh % h, kv = batch * z.h_kv + head / groups;
+          const int64_t i0 = r0 + qb * block_q, i1 = std::min(r1, i0 + block_q), bq = i1 - i0;
+          const auto* v_head = vp + kv * s * dv;
+          float *mr = m.data() + bh * t + i0, *lr = l.data() + bh * t + i0;
+          float* acc = op + (bh * t + i0) * width;
+          char* poisoned_rows = poisoned.data() + bh * t + i0;
+          char* touched_rows = touched.empty() ? nullptr : touched.data() + (bh * t + i0) * dv;
+          const auto [row_lo, row_hi] = sc.block_range(i0, i1);
+          const int64_t from = std::max(row_lo, c0), to = std::min(row_hi, c1);
+          for (int64_t j0 = from; j0 < to; j0 += block_k) {
+            const int64_t n = std::min(block_k, to - j0), ld = blocks.score_stride(n);
+            float* sp = scores.data();
+            const char* bad_keys = bad.data() + kv * s + j0;  // keys whose value row is not finite
+            const bool clean_block = std::none_of(bad_keys, bad_keys + n, [](char x) { return x; });
+            blocks.scores(bh, i0, bq, kv, j0, n, sp, scratch);  // S = Q K^T
+            for (int64_t r = 0; r < bq; ++r) {
+              float* row = sp + r * ld;
+              float block_top;
+              if (sc.plain(i0 + r, j0, n)) {  // one pass, not two: a non-finite score makes it NaN
+                block_top = row_max<true>(row, n);
+              } else {
+                sc.apply(row, capped.data(), batch, head, i0 + r, j0, n);
+                block_top = row_max(row, n);
+              }
+              if (!clean_block) {  // selection, not multiplication: only the keys a row sees touch it
+                for (int64_t j = 0; j < n; ++j) {
+                  if (!bad_keys[j] || row[j] == kNegInf) continue;
+                  const auto* value = v_head + (j0 + j) * dv;
+                  for (int64_t c = 0; c < dv; ++c) {
+                    touched_rows[r * dv + c] |= !finite_value(value[c]);
+                  }
+                }
+              }
+              poisoned_rows[r] |= block_top != block_top;
+              const float top = std::max(mr[r], block_top);
+              if (top == kNegInf || poisoned_rows[r]) {  // nothing allowed so far, or NaN: adds nothing
+                blocks.no_weights(row, n, r, j0, scratch);
+                continue;
+              }
+              const float sum = blocks.weights(row, n, top, r, j0, scratch);  // P, and its row sum
+              const float shrink = exp_nonpositive(mr[r] - top);  // 0 when m was -inf
+              lr[r] = lr[r] * shrink + sum;
+              mr[r] = top;
+              if (shrink != 1.f) {
+                float* a = acc + r * width;
 #pragma omp simd
-            for (int64_t c = 0; c < dv; ++c) a[c] *= shrink;
+                for (int64_t c = 0; c < dv; ++c) a[c] *= shrink;
+              }
+            }
+            blocks.add_values(sp, bq, kv, j0, n, !clean_block, acc, scratch);  // += P V
           }
         }
-        blocks.add_values(sp, bq, kv, j0, n, !clean_block, acc.data(), scratch);  // += P V
+      });
+    });
+  });
+  at::parallel_for(0, b * h * t, 256, [&](int64_t first, int64_t last) {
+    for (int64_t row = first; row < last; ++row) {
+      float* o = op + row * width;
+      const bool empty = l[row] == 0.f && !poisoned[row];
+      const float inverse = poisoned[row] ? kNaN : empty ? 0.f : 1.f / l[row];
+      for (int64_t c = 0; c < dv; ++c) o[c] *= inverse;
+      if (!touched.empty()) {
+        for (int64_t c = 0; c < dv; ++c) o[c] = touched[row * dv + c] ? kNaN : o[c];
       }
-      for (int64_t r = 0; r < bq; ++r) {
-        float* o = op + (bh * t + i0 + r) * width;
-        const float* a = acc.data() + r * width;
-        const bool empty = l[r] == 0.f && !poisoned[r];
-        const float inverse = poisoned[r] ? kNaN : empty ? 0.f : 1.f / l[r];
-        for (int64_t c = 0; c < dv; ++c) o[c] = a[c] * inverse;
-        if (!touched.empty()) {
-          for (int64_t c = 0; c < dv; ++c) o[c] = touched[r * dv + c] ? kNaN : o[c];
-        }
-        lp[bh * t + i0 + r] = poisoned[r] ? kNaN : empty ? kNegInf : m[r] + std::log(l[r]);
-      }
+      lp[row] = poisoned[row] ? kNaN : empty ? kNegInf : m[row] + std::log(l[row]);
     }
   });
   return {width == dv ? out : out.narrow(3, 0, dv), lse};
@@ -707,11 +783,12 @@ std::tuple<torch::Tensor, torch::Tensor> forward_blocks(const Blocks& blocks, co
 
 template <typename Blocks>
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> backward_blocks(
-    const Blocks& blocks, const Sizes& z, const Scoring& sc, const torch::Tensor& lse,
-    const torch::Tensor& delta, int64_t block_q, int64_t block_k, bool alibi_grad) {
+    const Blocks& blocks, const Sizes& z, Scoring sc, const torch::Tensor& lse,
+    const torch::Tensor& delta, int64_t block_q, int64_t block_k, bool alibi_grad,
+    const Tiles& tiles) {
   const int64_t b = z.b, h = z.h, h_kv = z.h_kv, t = z.t, s = z.s, groups = h / h_kv;
   const int64_t dq_width = blocks.width(z.d), dk_width = dq_width, dv_width = blocks.width(z.dv);
-  const int64_t q_blocks = (t + block_q - 1) / block_q, k_blocks = (s + block_k - 1) / block_k;
+  const int64_t k_blocks = (s + block_k - 1) / block_k;
   const int64_t split =
       std::max<int64_t>(1, std::min(k_blocks, at::get_num_threads() / (b * h_kv)));
   TORCH_CHECK(!alibi_grad || sc.alibi != nullptr, "tiled: alibi_grad without ALiBi slopes");
@@ -724,72 +801,93 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> backward_
   const float *lp = lse.data_ptr<float>(), *dlp = delta.data_ptr<float>();
   float* dqp = dq_parts.data_ptr<float>();
   float *dkp = dk.data_ptr<float>(), *dvp = dvv.data_ptr<float>();
-  const bool capping = sc.softcap > 0.f;
+  const bool capping = sc.softcap > 0.f, bias_grad = !tiles.mod_bias_grad.is_none();
 
-  at::parallel_for(0, b * h_kv * split, 1, [&](int64_t first, int64_t last) {
-    c10::InferenceMode no_autograd;
-    const int64_t ld_max = blocks.score_stride(block_k);
-    std::vector<float> probs(block_q * ld_max), dscores(block_q * ld_max);
-    std::vector<float> capped(capping ? block_q * block_k : 0);
-    typename Blocks::Scratch scratch(blocks, block_q, block_k);
-    for (int64_t item = first; item < last; ++item) {
-      const int64_t kv = item / split, part = item % split;
-      const int64_t batch = kv / h_kv, kv_head = kv % h_kv;
-      float* dk_head = dkp + kv * s * dk_width;
-      float* dv_head = dvp + kv * s * dv_width;
-      for (int64_t head = kv_head * groups; head < (kv_head + 1) * groups; ++head) {
-        const int64_t bh = batch * h + head;
-        for (int64_t qb = 0; qb < q_blocks; ++qb) {
-          const int64_t i0 = qb * block_q, i1 = std::min(t, i0 + block_q), bq = i1 - i0;
-          float* dq_blk = dqp + ((part * b * h + bh) * t + i0) * dq_width;
-          const auto [lo, hi] = sc.block_range(i0, i1);
-          if (lo == hi) continue;  // no key visible to this query block: its dq rows stay 0
-          blocks.prepare(bh, i0, bq, scratch);
-          // This part's key blocks: those of index part, part + split, ... on the grid of block_k.
-          const int64_t first_block = lo / block_k + (part - lo / block_k % split + split) % split;
-          for (int64_t grid = first_block * block_k; grid < hi; grid += split * block_k) {
-            const int64_t j0 = std::max(grid, lo), n = std::min(grid + block_k, hi) - j0;
-            const int64_t ld = blocks.score_stride(n);
-            float *p = probs.data(), *ds = dscores.data();
-            blocks.scores(bh, i0, bq, kv, j0, n, p, scratch);  // S = Q K^T
-            for (int64_t r = 0; r < bq; ++r) {
-              float* row = p + r * ld;
-              sc.apply(row, capping ? capped.data() + r * n : nullptr, batch, head, i0 + r, j0, n);
-              probs_row(row, n, lp[bh * t + i0 + r]);  // P
-            }
-            blocks.add_dv(p, bh, i0, bq, j0, n, dv_head, scratch);  // dV += P^T dO
-            blocks.dprobs(bh, i0, bq, kv, j0, n, ds, scratch);      // dP = dO V^T
-            for (int64_t r = 0; r < bq; ++r) {
-              const float* pr = p + r * ld;
-              float* dr = ds + r * ld;
-              const float di = dlp[bh * t + i0 + r];
+  tiles.panels(t, [&](int64_t r0, int64_t r1) {
+    const int64_t q_blocks = (r1 - r0 + block_q - 1) / block_q;
+    const auto [lo, hi] = sc.block_range(r0, r1);
+    tiles.key_tiles(lo, hi, [&](int64_t c0, int64_t c1) {
+      const torch::Tensor mod_bias = tiles.bias(z, r0, r1, c0, c1);
+      sc.set_mod_bias(mod_bias, r0, c0);
+      // dL/df over the tile: dS where a block was visited, 0 elsewhere
+      const torch::Tensor dbias = bias_grad ? torch::zeros({b, h, r1 - r0, c1 - c0}, f32)
+                                            : torch::Tensor();
+      float* dbp = bias_grad ? dbias.data_ptr<float>() : nullptr;
+      at::parallel_for(0, b * h_kv * split, 1, [&](int64_t first, int64_t last) {
+        c10::InferenceMode no_autograd;
+        const int64_t ld_max = blocks.score_stride(block_k);
+        std::vector<float> probs(block_q * ld_max), dscores(block_q * ld_max);
+        std::vector<float> capped(capping ? block_q * block_k : 0);
+        typename Blocks::Scratch scratch(blocks, block_q, block_k);
+        for (int64_t item = first; item < last; ++item) {
+          const int64_t kv = item / split, part = item % split;
+          const int64_t batch = kv / h_kv, kv_head = kv % h_kv;
+          float* dk_head = dkp + kv * s * dk_width;
+          float* dv_head = dvp + kv * s * dv_width;
+          for (int64_t head = kv_head * groups; head < (kv_head + 1) * groups; ++head) {
+            const int64_t bh = batch * h + head;
+            for (int64_t qb = 0; qb < q_blocks; ++qb) {
+              const int64_t i0 = r0 + qb * block_q, i1 = std::min(r1, i0 + block_q), bq = i1 - i0;
+              float* dq_blk = dqp + ((part * b * h + bh) * t + i0) * dq_width;
+              const auto [row_lo, row_hi] = sc.block_range(i0, i1);
+              const int64_t from = std::max(row_lo, c0), to = std::min(row_hi, c1);
+              if (from >= to) continue;  // no key of the tile visible to this query block
+              blocks.prepare(bh, i0, bq, scratch);
+              // This part's key blocks: those of index part, part + split, ... on the grid of
+              // block_k.
+              const int64_t first_block =
+                  from / block_k + (part - from / block_k % split + split) % split;
+              for (int64_t grid = first_block * block_k; grid < to; grid += split * block_k) {
+                const int64_t j0 = std::max(grid, from), n = std::min(grid + block_k, to) - j0;
+                const int64_t ld = blocks.score_stride(n);
+                float *p = probs.data(), *ds = dscores.data();
+                blocks.scores(bh, i0, bq, kv, j0, n, p, scratch);  // S = Q K^T
+                for (int64_t r = 0; r < bq; ++r) {
+                  float* row = p + r * ld;
+                  sc.apply(row, capping ? capped.data() + r * n : nullptr, batch, head, i0 + r, j0,
+                           n);
+                  probs_row(row, n, lp[bh * t + i0 + r]);  // P
+                }
+                blocks.add_dv(p, bh, i0, bq, j0, n, dv_head, scratch);  // dV += P^T dO
+                blocks.dprobs(bh, i0, bq, kv, j0, n, ds, scratch);      // dP = dO V^T
+                for (int64_t r = 0; r < bq; ++r) {
+                  const float* pr = p + r * ld;
+                  float* dr = ds + r * ld;
+                  const float di = dlp[bh * t + i0 + r];
 #pragma omp simd
-              for (int64_t j = 0; j < n; ++j) {  // dS = P (dP - D): 0 where P is, whatever dP holds
-                dr[j] = pr[j] == 0.f ? 0.f : pr[j] * (dr[j] - di);
-              }
-              if (alibi_grad) {  // score -= slope |p(i) - j|, after the soft-cap
-                const float pos = static_cast<float>(i0 + r + sc.diagonal - j0);
-                float dslope = 0.f;
+                  for (int64_t j = 0; j < n; ++j) {  // dS = P (dP - D): 0 where P is, whatever dP holds
+                    dr[j] = pr[j] == 0.f ? 0.f : pr[j] * (dr[j] - di);
+                  }
+                  if (dbp != nullptr) {  // the score_mod's f is added after the soft-cap and ALiBi
+                    float* d = dbp + ((bh * (r1 - r0)) + i0 + r - r0) * (c1 - c0) + j0 - c0;
+                    std::copy(dr, dr + n, d);
+                  }
+                  if (alibi_grad) {  // score -= slope |p(i) - j|, after the soft-cap
+                    const float pos = static_cast<float>(i0 + r + sc.diagonal - j0);
+                    float dslope = 0.f;
 #pragma omp simd reduction(+ : dslope)
-                for (int64_t j = 0; j < n; ++j) {
-                  dslope -= dr[j] * std::fabs(pos - static_cast<float>(j));
-                }
-                dap[(part * b + batch) * h + head] += dslope;
-              }
-              if (capping) {
-                const float* th = capped.data() + r * n;
+                    for (int64_t j = 0; j < n; ++j) {
+                      dslope -= dr[j] * std::fabs(pos - static_cast<float>(j));
+                    }
+                    dap[(part * b + batch) * h + head] += dslope;
+                  }
+                  if (capping) {
+                    const float* th = capped.data() + r * n;
 #pragma omp simd
-                for (int64_t j = 0; j < n; ++j) {  // through tanh (th is unset where dS is 0)
-                  dr[j] = dr[j] == 0.f ? 0.f : dr[j] * (1.f - th[j] * th[j]);
+                    for (int64_t j = 0; j < n; ++j) {  // through tanh (th is unset where dS is 0)
+                      dr[j] = dr[j] == 0.f ? 0.f : dr[j] * (1.f - th[j] * th[j]);
+                    }
+                  }
                 }
+                blocks.add_dq(ds, bq, kv, j0, n, dq_blk, scratch);       // dQ += dS K
+                blocks.add_dk(ds, bh, i0, bq, j0, n, dk_head, scratch);  // dK += dS^T Q
               }
             }
-            blocks.add_dq(ds, bq, kv, j0, n, dq_blk, scratch);           // dQ += dS K
-            blocks.add_dk(ds, bh, i0, bq, j0, n, dk_head, scratch);      // dK += dS^T Q
           }
         }
-      }
-    }
+      });
+      if (bias_grad) tiles.mod_bias_grad(r0, r1, c0, c1, dbias);
+    });
   });
   auto dalibi = alibi_grad ? dalibi_parts.sum({0, 1}) : dalibi_parts;
   auto dq = split == 1 ? dq_parts[0] : dq_parts.sum(0);
@@ -819,16 +917,18 @@ bool fast_pairs(int64_t route) {
 std::tuple<torch::Tensor, torch::Tensor> forward(
     torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor bias, torch::Tensor allowed,
     torch::Tensor key_mask, torch::Tensor alibi, double softcap, int64_t left, int64_t right,
-    int64_t shift, int64_t block_q, int64_t block_k, int64_t route) {
+    int64_t shift, int64_t block_q, int64_t block_k, int64_t route, int64_t tile_rows,
+    int64_t tile_keys, py::object mod_bias) {
   const auto dtype = check_operands({&q, &k, &v});
   const Sizes z = sizes_of(q, k, v);
   const Scoring sc = make_scoring(z.b, z.h, z.t, z.s, bias, allowed, key_mask, alibi, softcap,
                                   left, right, shift, block_q, block_k);
+  const Tiles tiles = tiles_of(tile_rows, tile_keys, block_q, block_k, mod_bias, py::none());
   if (dtype == torch::kFloat) {
-    return forward_blocks(Float32Blocks(z, q, k, v, nullptr), z, sc, block_q, block_k);
+    return forward_blocks(Float32Blocks(z, q, k, v, nullptr), z, sc, block_q, block_k, tiles);
   }
   return forward_blocks(Bf16Blocks(z, q, k, v, nullptr, fast_pairs(route)), z, sc, block_q,
-                        block_k);
+                        block_k, tiles);
 }
 
 // Gradients w.r.t. the pre-scaled q, k, v and (if `alibi_grad`) the ALiBi slopes, float32. `delta`
@@ -843,7 +943,8 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> backward(
     torch::Tensor dout, torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor lse,
     torch::Tensor delta, torch::Tensor bias, torch::Tensor allowed, torch::Tensor key_mask,
     torch::Tensor alibi, double softcap, int64_t left, int64_t right, int64_t shift,
-    int64_t block_q, int64_t block_k, bool alibi_grad, int64_t route) {
+    int64_t block_q, int64_t block_k, bool alibi_grad, int64_t route, int64_t tile_rows,
+    int64_t tile_keys, py::object mod_bias, py::object mod_bias_grad) {
   const auto dtype = check_operands({&dout, &q, &k, &v});
   const Sizes z = sizes_of(q, k, v);
   TORCH_CHECK(dout.sizes() == torch::IntArrayRef({z.b, z.h, z.t, z.dv}),
@@ -854,12 +955,13 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> backward(
               "tiled: lse and delta must be contiguous float32 (b, h, t)");
   const Scoring sc = make_scoring(z.b, z.h, z.t, z.s, bias, allowed, key_mask, alibi, softcap,
                                   left, right, shift, block_q, block_k);
+  const Tiles tiles = tiles_of(tile_rows, tile_keys, block_q, block_k, mod_bias, mod_bias_grad);
   if (dtype == torch::kFloat) {
     return backward_blocks(Float32Blocks(z, q, k, v, &dout), z, sc, lse, delta, block_q, block_k,
-                           alibi_grad);
+                           alibi_grad, tiles);
   }
   return backward_blocks(Bf16Blocks(z, q, k, v, &dout, fast_pairs(route)), z, sc, lse, delta,
-                         block_q, block_k, alibi_grad);
+                         block_q, block_k, alibi_grad, tiles);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -46,7 +46,7 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
-from attnkit import _cpu
+from attnkit import _cpu, mods
 from attnkit.backends import tiled_loop, tiled_native
 from attnkit.backends.base import (
     AttentionOutput,
@@ -230,7 +230,7 @@ def backward(
     if kernel is not None:
         operands = _native_operands(q, k, v, plan)
         dq, dk, dv, dslopes = tiled_native.backward(
-            kernel, dout, operands, lse, delta, plan, slopes_grad
+            kernel, dout, operands, lse, delta, plan, slopes_grad, mod_grads
         )
     else:
         grouped = (plan.b, plan.h_kv, plan.groups, t)
@@ -305,11 +305,16 @@ def _native_kernel(device: torch.device, matmul_dtype: torch.dtype) -> ModuleTyp
 
 
 def _kernel(device: torch.device, matmul_dtype: torch.dtype, request: Request):
-    """The C++ kernel if it can run this call, else None: a ``score_mod`` or ``block_mask`` is
-    Python, which the C++ kernel cannot call, so they run in the loop."""
-    if request.score_mod is not None or request.block_mask is not None:
+    """The C++ kernel if it can run this call, else None. A ``score_mod`` and a ``block_mask`` are
+    Python functions, which the kernel cannot call per score: a mod that adds to the score
+    ([`adds_to_score`][attnkit.mods.adds_to_score]) runs in the kernel, which asks for its bias a
+    tile at a time; other mods and block masks run in the loop."""
+    if request.block_mask is not None:
         return None
-    return _native_kernel(device, matmul_dtype)
+    kernel = _native_kernel(device, matmul_dtype)
+    if kernel is None or request.score_mod is None or mods.adds_to_score(request.score_mod):
+        return kernel
+    return None
 
 
 def _call_dtype(q: Tensor) -> torch.dtype:

@@ -1,8 +1,8 @@
 """The tiled backend's PyTorch loop: FlashAttention-2's online softmax, block by block, forward and
 recomputing backward, in ordinary tensor operations. It is the readable shape of the algorithm and
 the path for float64, half-precision block products, ``torch.compile`` (which traces it into one
-graph) and ``torch.func`` transforms; ``tiled.cpp`` runs the same algorithm where the products are
-float32 on a CPU. [`attnkit.backends.tiled`][attnkit.backends.tiled] chooses between them and holds the autograd function.
+graph), ``torch.func`` transforms, block masks and ``score_mod`` functions other than those that
+add to the score; ``tiled.cpp`` runs the same algorithm where the products are float32 on a CPU. [`attnkit.backends.tiled`][attnkit.backends.tiled] chooses between them and holds the autograd function.
 
 Shapes: ``b`` batch, ``h_kv`` key/value heads, ``g`` query heads per key/value head, ``t``
 queries, ``s`` keys, ``d`` head dim, ``bq``/``bk`` block sizes.

@@ -17,13 +17,16 @@ kernel's form.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import Tensor
 
+from attnkit import mods
 from attnkit.backends._native import Kernel
+from attnkit.mods import Block
 
 if TYPE_CHECKING:
     from attnkit.backends.tiled_loop import Plan
@@ -97,6 +100,62 @@ def options(plan: Plan) -> tuple:
     return bias, allowed, key_mask, slopes, req.softcap or 0.0, left, right, req.masks.shift
 
 
+TILE_BYTES = 16 * 2**20
+"""The most memory a tile of a ``score_mod``'s bias takes (float32, every batch row and head): it
+stays in the CPU's last-level cache between being written and being read, and the allocator
+reuses it from tile to tile."""
+
+
+class Tiles(NamedTuple):
+    """How the kernel cuts a call: panels of ``rows`` queries, tiles of ``keys`` keys; and the
+    functions that give a ``score_mod``'s bias per tile and take its gradient (None without)."""
+
+    rows: int
+    keys: int
+    mod_bias: Callable | None = None
+    mod_bias_grad: Callable | None = None
+
+
+def tiles(plan: Plan, mod_grads: list[Tensor | None] | None = None) -> Tiles:
+    """One tile for a call without a ``score_mod``. With one that
+    [adds to the score][attnkit.mods.adds_to_score], tiles of at most ``TILE_BYTES`` of its bias,
+    with enough query blocks a panel to keep every thread busy. ``mod_grads`` (the backward): the
+    gradients of the tensors the mod reads, accumulated tile by tile."""
+    whole = Tiles(_round_up(plan.t, plan.block_q), _round_up(plan.s, plan.block_k))
+    score_mod = plan.request.score_mod
+    if score_mod is None:
+        return whole
+    heads = plan.h_kv * plan.groups
+    rows = plan.block_q * -(-2 * torch.get_num_threads() // (plan.b * heads))  # items to share
+    rows = min(rows, whole.rows)
+    keys = TILE_BYTES // (4 * plan.b * heads * rows) // plan.block_k * plan.block_k
+    keys = min(max(keys, plan.block_k), whole.keys)
+    compiled = plan.compile_mods
+
+    def block(r0: int, r1: int, c0: int, c1: int) -> Block:
+        return Block.of(range(plan.b), range(heads), range(r0, r1), range(c0, c1))
+
+    def mod_bias(r0: int, r1: int, c0: int, c1: int) -> Tensor:
+        return mods.bias(score_mod, block(r0, r1, c0, c1), compiled=compiled)
+
+    tensors = plan.request.mod_tensors
+    if mod_grads is None or not tensors:
+        return Tiles(rows, keys, mod_bias)
+
+    def mod_bias_grad(r0: int, r1: int, c0: int, c1: int, dbias: Tensor) -> None:
+        at = block(r0, r1, c0, c1)
+        grads = mods.bias_grads(score_mod, at, dbias, tensors, compiled=compiled)
+        for i, grad in enumerate(grads):
+            if grad is not None:
+                mod_grads[i] = grad if mod_grads[i] is None else mod_grads[i] + grad
+
+    return Tiles(rows, keys, mod_bias, mod_bias_grad)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return max(1, -(-n // multiple)) * multiple
+
+
 def forward(
     kernel: ModuleType, operands: tuple[Tensor, Tensor, Tensor], plan: Plan
 ) -> tuple[Tensor, Tensor]:
@@ -104,7 +163,12 @@ def forward(
     dv = operands[2].shape[-1]
     with marked("attnkit::tiled_native_forward"):
         out, lse = kernel.forward(
-            *map(_even, operands), *options(plan), plan.block_q, plan.block_k, _route(kernel)
+            *map(_even, operands),
+            *options(plan),
+            plan.block_q,
+            plan.block_k,
+            _route(kernel),
+            *tiles(plan)[:3],
         )
     return out[..., :dv], lse
 
@@ -117,8 +181,10 @@ def backward(
     delta: Tensor,
     plan: Plan,
     slopes_grad: bool,
+    mod_grads: list[Tensor | None] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-    """Gradients of the pre-scaled q, of k, of v and of the slopes (if ``slopes_grad``), float32.
+    """Gradients of the pre-scaled q, of k, of v and of the slopes (if ``slopes_grad``), float32;
+    those of the tensors a ``score_mod`` reads are added into ``mod_grads``.
     ``delta`` is ``dO_i . O_i - dlse_i``; rows of ``lse`` at -inf (no key) are read as 0."""
     d, d_v = operands[0].shape[-1], operands[2].shape[-1]
     dout = _even(dout.to(operands[0].dtype).contiguous())
@@ -134,5 +200,6 @@ def backward(
             plan.block_k,
             slopes_grad,
             _route(kernel),
+            *tiles(plan, mod_grads),
         )
     return dq[..., :d], dk[..., :d], dv[..., :d_v], dslopes if slopes_grad else None
