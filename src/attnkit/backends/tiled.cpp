@@ -299,15 +299,22 @@ struct Scoring {
 #pragma omp simd
       for (int64_t j = a; j < z; ++j) row[j] -= slope * std::fabs(p - static_cast<float>(j));
     }
+    // The score_mod's f, added in the same pass that makes a non-finite score NaN; a NaN score
+    // stays NaN even where f is -inf, as score + f would have it.
+    const float* f = mod_bias.row(batch, head, i - mod_row0);
+    const int64_t fs = mod_bias.ss;
+    if (f == nullptr) {
 #pragma omp simd
-    for (int64_t j = a; j < z; ++j) row[j] = nan_unless_finite(row[j]);
-    if (const float* f = mod_bias.row(batch, head, i - mod_row0)) {  // what score_mod computes:
-      f += (j0 - mod_col0) * mod_bias.ss;  // a NaN score stays NaN, even where f is -inf
-      if (mod_bias.ss == 1) {
+      for (int64_t j = a; j < z; ++j) row[j] = nan_unless_finite(row[j]);
+    } else {
+      f += (j0 - mod_col0) * fs;
+      if (fs == 1) {
 #pragma omp simd
-        for (int64_t j = a; j < z; ++j) row[j] = masked_or_nan(row[j] + f[j]);
+        for (int64_t j = a; j < z; ++j) row[j] = masked_or_nan(nan_unless_finite(row[j]) + f[j]);
       } else {
-        for (int64_t j = a; j < z; ++j) row[j] = masked_or_nan(row[j] + f[j * mod_bias.ss]);
+        for (int64_t j = a; j < z; ++j) {
+          row[j] = masked_or_nan(nan_unless_finite(row[j]) + f[j * fs]);
+        }
       }
     }
     if (const float* b = bias.row(batch, head, i)) {  // -inf masks; NaN or +inf make a NaN score

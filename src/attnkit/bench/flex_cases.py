@@ -23,6 +23,7 @@ import attnkit
 from attnkit.functional import attention
 
 FLEX_VARIANTS = ("relbias", "alibi-mod", "document", "prefix-lm")
+OWN_MASK = ("prefix-lm",)  # variants whose mask is not the causal one (reports do not say causal)
 DOCUMENTS = 8
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from attnkit import _cpu
+from attnkit.bench.flex_cases import OWN_MASK
 from attnkit.bench.measure import Result
 
 BASELINES = {"kernel": "torch-sdpa", "module": "torch-mha"}
@@ -111,7 +112,10 @@ def markdown(records: list[dict], info: dict) -> str:
             "|---|---|---:|---:|---:|---:|---:|---:|",
         ]
         for r in mine:
-            case = f"{'causal' if r['causal'] else 'full'} {r['dtype']} {r['mode']} N={r['n']}"
+            mask = "causal" if r["causal"] else "full"
+            if r["variant"] in OWN_MASK:
+                mask = "mask"  # its own: the variant's name says which
+            case = f"{mask} {r['dtype']} {r['mode']} N={r['n']}"
             if r["variant"] != "plain":
                 case = f"{r['variant']} {case}"
             timing = _fmt(r["median_ms"], ".1f") if r["status"] == "ok" else r["status"]
