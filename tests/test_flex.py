@@ -258,7 +258,9 @@ def test_partial_blocks_call_mask_mod_full_blocks_skip_it_empty_blocks_are_never
     assert sorted(calls) == [(i, i) for i in range(0, 32, 8)]  # the diagonal's blocks only
 
 
-def test_the_backward_stores_no_score_sized_tensor():
+@pytest.mark.parametrize("path", ["loop", "native"])
+def test_the_backward_stores_no_score_sized_tensor(path):
+    """The loop (given a mask_mod) and the C++ kernel (given causal=True and a mod that adds)."""
     t, s = 37, 53
     q, k, v = (x.requires_grad_() for x in inputs(1, H, t, s))
     table = torch.randn(H, 2 * 53, requires_grad=True)
@@ -271,8 +273,10 @@ def test_the_backward_stores_no_score_sized_tensor():
     def score_mod(score, b, h, q_idx, kv_idx):
         return score + table[h, q_idx - kv_idx + 52]
 
+    mask = {"mask_mod": causal} if path == "loop" else {"causal": True}
+    assert F.which_backend(q, k, v, score_mod=score_mod, **mask).path == path
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
-        out = F.attention(q, k, v, score_mod=score_mod, mask_mod=causal, backend="tiled")
+        out = F.attention(q, k, v, score_mod=score_mod, backend="tiled", **mask)
     assert shapes, "the hook saw nothing: the test would pass vacuously"
     assert all(t not in shape[-2:] or s not in shape[-2:] for shape in shapes), shapes
     out.sum().backward()
