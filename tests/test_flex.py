@@ -355,6 +355,17 @@ def _branches_on_values(score, b, h, q_idx, kv_idx):
     return score + 1.0 if bool(q_idx.max() > 3) else score * 2.0
 
 
+def _clamps_then_adds(score, b, h, q_idx, kv_idx):
+    score.clamp_(-1.0, 1.0)
+    return score + TABLE[h, q_idx - kv_idx + 28]
+
+
+def _adds_then_clamps_a_view(score, b, h, q_idx, kv_idx):
+    out = score + TABLE[h, q_idx - kv_idx + 28]
+    out.view(-1).clamp_(max=0.0)
+    return out
+
+
 ADDS_TO_SCORE = {  # name: (score_mod, whether it is score + f(b, h, q_idx, kv_idx))
     "relative bias": (relative_bias(TABLE), True),
     "ALiBi (score - f)": (alibi, True),
@@ -373,7 +384,26 @@ ADDS_TO_SCORE = {  # name: (score_mod, whether it is score + f(b, h, q_idx, kv_i
     "in place": (lambda score, b, h, q, kv: score.add_(1.0), False),
     "float64 result": (lambda score, b, h, q, kv: score + TABLE.double()[h, q - kv + 28], False),
     "branches on values": (_branches_on_values, False),
+    "changes the score in place first": (_clamps_then_adds, False),
+    "writes into its result": (_adds_then_clamps_a_view, False),
+    "reads the score through tolist": (
+        lambda score, b, h, q, kv: score + torch.tensor(score.tolist()),
+        False,
+    ),
 }
+
+
+class _StatefulBias:
+    """A mod whose Python state decides what it computes (and that cannot be hashed)."""
+
+    __hash__ = None
+
+    def __init__(self):
+        self.cap = None
+
+    def __call__(self, score, b, h, q_idx, kv_idx):
+        score = score + TABLE[h, q_idx - kv_idx + 28]
+        return score if self.cap is None else self.cap * torch.tanh(score / self.cap)
 
 
 @pytest.mark.parametrize("name", ADDS_TO_SCORE)
@@ -384,6 +414,38 @@ def test_mods_that_add_to_the_score_are_told_from_their_graph(name):
     assert mods.adds_to_score(score_mod) is adds
     q, k, v = inputs(1, H, 13, 13)
     assert F.which_backend(q, k, v, score_mod=score_mod).path == ("native" if adds else "loop")
+
+
+def test_a_mod_is_told_at_each_call_so_its_state_may_change():
+    q, k, v = inputs(1, H, 13, 13, dtype=torch.float64)
+    mod = _StatefulBias()
+    for cap in (None, 0.5):  # score + f, then a soft-cap of it: the kernel, then the loop
+        mod.cap = cap
+        x = q.float()
+        assert F.which_backend(x, x, x, score_mod=mod).path == ("native" if cap is None else "loop")
+        out = F.attention(q.float(), k.float(), v.float(), score_mod=mod)
+        torch.testing.assert_close(
+            out, F.attention(q, k, v, score_mod=mod, backend="reference").float()
+        )
+
+
+def test_the_gradient_of_a_mod_that_needs_vmap_reaches_its_table():
+    """f runs one score at a time (broadcasting does not fit it), forward and backward."""
+    table = TABLE.clone().requires_grad_()
+
+    def stacks(score, b, h, q_idx, kv_idx):
+        d = torch.stack([q_idx, kv_idx])
+        return score + table[h, d[0] - d[1] + 28]
+
+    q, k, v = inputs(1, H, 13, 13)
+    assert F.which_backend(q, k, v, score_mod=stacks).path == "native"
+    (got,) = torch.autograd.grad(F.attention(q, k, v, score_mod=stacks).sum(), table)
+    table64 = TABLE.double().requires_grad_()
+    want = F.attention(
+        q.double(), k.double(), v.double(), score_mod=relative_bias(table64), backend="reference"
+    )
+    (want,) = torch.autograd.grad(want.sum(), table64)
+    torch.testing.assert_close(got, want.float())
 
 
 def _adding_mods(table, t5_table):

@@ -127,35 +127,30 @@ def adds_to_score(score_mod: ScoreMod) -> bool:
     ``score - f``) with ``f`` independent of the score: a relative-position bias, ALiBi, a T5
     bucket table. Such a mod's ``f`` can be evaluated without the scores, a tile at a time, and
     added in the C++ kernel ([`bias`][attnkit.mods.bias]); the sum is the same float32 sum, bit
-    for bit. Told from the torch operations the mod runs on one score, once per function: the
-    last must be that addition, of the score itself and of a tensor computed without it. A mod
-    that reads a tensor's value into Python (``bool``, ``item``) is not taken as one, as its
-    operations may differ from block to block; nor is ``(score + a) + b``, whose rounding differs
-    from ``score + (a + b)``."""
-    return _adds_to_score(score_mod)
+    for bit.
 
-
-_ADDITIONS = (torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor)
-_TO_PYTHON = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default)
-
-
-@functools.lru_cache(maxsize=64)
-def _adds_to_score(score_mod: ScoreMod) -> bool:
+    Told from the torch operations the mod runs on one score, at each call (a mod's Python state
+    may change between calls): the last must be that addition, of the score itself and of a
+    tensor computed without it, and none may write into a tensor; then, on a few score values,
+    the mod must give exactly ``score + f``. A mod that reads a tensor's value into Python
+    (``bool``, ``item``) is not taken, as its operations may differ from block to block; nor is
+    ``(score + a) + b``, whose rounding differs from ``score + (a + b)``."""
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
 
+    at = Block.of(range(1), range(1), range(1), range(1))  # indices every call has
     score = torch.zeros((1, 1, 1, 1))
     from_score = {id(score)}  # the tensors computed from the score
     made_by: dict[int, tuple] = {}  # id of a result -> (operation, its arguments)
     alive = [score]  # no id is reused while the trace runs
-    to_python = False
+    refused = False  # an operation that writes into a tensor, or reads one into Python
 
     class Trace(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            nonlocal to_python
+            nonlocal refused
             kwargs = kwargs or {}
             out = func(*args, **kwargs)
-            to_python |= func in _TO_PYTHON
+            refused |= func in _TO_PYTHON or func._schema.is_mutable
             inputs = [x for x in tree_leaves((args, kwargs)) if isinstance(x, Tensor)]
             outputs = [x for x in tree_leaves(out) if isinstance(x, Tensor)]
             alive.extend(outputs)
@@ -166,11 +161,15 @@ def _adds_to_score(score_mod: ScoreMod) -> bool:
             return out
 
     try:
-        with torch.no_grad(), Trace():
-            out = score_mod(score, *Block.of(range(1), range(1), range(1), range(1)))
+        with torch.no_grad():
+            with Trace():
+                out = score_mod(score, *at)
+            f = score_mod(torch.zeros((1, 1, 1, 1)), *at)
+            probes = [torch.full((1, 1, 1, 1), x) for x in _PROBES]
+            agree = all(torch.equal(score_mod(p.clone(), *at), p + f) for p in probes)
     except Exception:  # the general path will say what is wrong
         return False
-    if to_python or not isinstance(out, Tensor) or out.shape != score.shape:
+    if refused or not agree or not isinstance(out, Tensor) or out.shape != score.shape:
         return False
     if out.dtype != score.dtype or id(out) not in made_by:
         return False
@@ -181,6 +180,11 @@ def _adds_to_score(score_mod: ScoreMod) -> bool:
     if func is torch.ops.aten.add.Tensor and second is score:
         first, second = second, first
     return first is score and not (isinstance(second, Tensor) and id(second) in from_score)
+
+
+_ADDITIONS = (torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor)
+_TO_PYTHON = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default)
+_PROBES = (1.5, -3.25, 7e5)  # scores on which the mod must give score + f exactly
 
 
 def bias(score_mod: ScoreMod, at: Block, *, compiled: bool = False) -> Tensor:
@@ -210,7 +214,11 @@ def bias_grads(
     ``f`` does not read."""
     zero = torch.zeros((1, 1, 1, 1), device=at.q.device)
     with torch.enable_grad():
-        f = (compiled_or_eager(score_mod) if compiled else score_mod)(zero, *at)
+        try:
+            f = (compiled_or_eager(score_mod) if compiled else score_mod)(zero, *at)
+            _elementwise(f, at.shape)
+        except Exception:  # as in bias: one score at a time, or the general path's error
+            f = score(score_mod, zero.expand(at.shape), at)
     if not f.requires_grad:
         return (None,) * len(tensors)
     return torch.autograd.grad(f, tensors, dbias.sum_to_size(f.shape), allow_unused=True)

@@ -652,7 +652,7 @@ struct Bf16Blocks {
 
 // How a call is cut into tiles (see the header), and the Python functions of a score_mod's bias.
 struct Tiles {
-  int64_t rows, keys;
+  int64_t rows, keys, block_k;
   py::object mod_bias, mod_bias_grad;  // None without a score_mod (or, in the backward, its grad)
 
   // The panels of queries: [r0, r1) for r0 = 0, rows, 2 rows, ...
@@ -660,11 +660,11 @@ struct Tiles {
   void panels(int64_t t, F&& f) const {
     for (int64_t r0 = 0; r0 < t; r0 += rows) f(r0, std::min(t, r0 + rows));
   }
-  // The tiles of the keys [lo, hi) that a panel sees, on the grid of `keys` (so that a key block
-  // of the grid of block_k lies in one tile).
+  // The tiles of `keys` keys that cover the keys [lo, hi) a panel sees, from the key block of
+  // the grid of block_k that holds lo (so that every key block of that grid lies in one tile).
   template <typename F>
   void key_tiles(int64_t lo, int64_t hi, F&& f) const {
-    for (int64_t c0 = lo / keys * keys; c0 < hi; c0 += keys) f(c0, std::min(hi, c0 + keys));
+    for (int64_t c0 = lo / block_k * block_k; c0 < hi; c0 += keys) f(c0, std::min(hi, c0 + keys));
   }
   // The score_mod's bias of the tile, expanded to (b, h, r1 - r0, c1 - c0); undefined without one.
   torch::Tensor bias(const Sizes& z, int64_t r0, int64_t r1, int64_t c0, int64_t c1) const {
@@ -681,7 +681,7 @@ Tiles tiles_of(int64_t tile_rows, int64_t tile_keys, int64_t block_q, int64_t bl
   TORCH_CHECK(tile_rows > 0 && tile_rows % block_q == 0 && tile_keys > 0 &&
                   tile_keys % block_k == 0,
               "tiled: tile sizes must be positive multiples of the block sizes");
-  return Tiles{tile_rows, tile_keys, std::move(mod_bias), std::move(mod_bias_grad)};
+  return Tiles{tile_rows, tile_keys, block_k, std::move(mod_bias), std::move(mod_bias_grad)};
 }
 
 // The running max m, sum l and unnormalised output (kept in `out` until the end) of every row live

@@ -101,9 +101,9 @@ def options(plan: Plan) -> tuple:
 
 
 TILE_BYTES = 16 * 2**20
-"""The most memory a tile of a ``score_mod``'s bias takes (float32, every batch row and head): it
-stays in the CPU's last-level cache between being written and being read, and the allocator
-reuses it from tile to tile."""
+"""The memory a tile of a ``score_mod``'s bias may take (float32, every batch row and head), unless
+one block of queries by one block of keys takes more: it stays in the CPU's last-level cache
+between being written and being read, and the allocator reuses it from tile to tile."""
 
 
 class Tiles(NamedTuple):
@@ -118,7 +118,7 @@ class Tiles(NamedTuple):
 
 def tiles(plan: Plan, mod_grads: list[Tensor | None] | None = None) -> Tiles:
     """One tile for a call without a ``score_mod``. With one that
-    [adds to the score][attnkit.mods.adds_to_score], tiles of at most ``TILE_BYTES`` of its bias,
+    [adds to the score][attnkit.mods.adds_to_score], tiles of about ``TILE_BYTES`` of its bias,
     with enough query blocks a panel to keep every thread busy. ``mod_grads`` (the backward): the
     gradients of the tensors the mod reads, accumulated tile by tile."""
     whole = Tiles(_round_up(plan.t, plan.block_q), _round_up(plan.s, plan.block_k))
@@ -147,7 +147,7 @@ def tiles(plan: Plan, mod_grads: list[Tensor | None] | None = None) -> Tiles:
         grads = mods.bias_grads(score_mod, at, dbias, tensors, compiled=compiled)
         for i, grad in enumerate(grads):
             if grad is not None:
-                mod_grads[i] = grad if mod_grads[i] is None else mod_grads[i] + grad
+                mod_grads[i] = grad if mod_grads[i] is None else mod_grads[i].add_(grad)
 
     return Tiles(rows, keys, mod_bias, mod_bias_grad)
 
