@@ -666,6 +666,18 @@ struct Tiles {
   void key_tiles(int64_t lo, int64_t hi, F&& f) const {
     for (int64_t c0 = lo / block_k * block_k; c0 < hi; c0 += keys) f(c0, std::min(hi, c0 + keys));
   }
+  // f(r0, r1, c0, c1) for every tile of a call, panel by panel, with `sc` adding the tile's bias.
+  template <typename F>
+  void walk(const Sizes& z, Scoring& sc, F&& f) const {
+    panels(z.t, [&](int64_t r0, int64_t r1) {
+      const auto [lo, hi] = sc.block_range(r0, r1);
+      key_tiles(lo, hi, [&](int64_t c0, int64_t c1) {
+        const torch::Tensor tile_bias = bias(z, r0, r1, c0, c1);  // alive while f runs
+        sc.set_mod_bias(tile_bias, r0, c0);
+        f(r0, r1, c0, c1);
+      });
+    });
+  }
   // The score_mod's bias of the tile, expanded to (b, h, r1 - r0, c1 - c0); undefined without one.
   torch::Tensor bias(const Sizes& z, int64_t r0, int64_t r1, int64_t c0, int64_t c1) const {
     if (mod_bias.is_none()) return {};
@@ -705,72 +717,67 @@ std::tuple<torch::Tensor, torch::Tensor> forward_blocks(const Blocks& blocks, co
                                 ? b * h * t * dv
                                 : 0);
 
-  tiles.panels(t, [&](int64_t r0, int64_t r1) {
+  tiles.walk(z, sc, [&](int64_t r0, int64_t r1, int64_t c0, int64_t c1) {
     const int64_t q_blocks = (r1 - r0 + block_q - 1) / block_q;
-    const auto [lo, hi] = sc.block_range(r0, r1);
-    tiles.key_tiles(lo, hi, [&](int64_t c0, int64_t c1) {
-      const torch::Tensor mod_bias = tiles.bias(z, r0, r1, c0, c1);
-      sc.set_mod_bias(mod_bias, r0, c0);
-      at::parallel_for(0, b * h * q_blocks, 1, [&](int64_t first, int64_t last) {
-        c10::InferenceMode no_autograd;  // the block products' views need no autograd bookkeeping
-        const int64_t ld_max = blocks.score_stride(block_k);
-        std::vector<float> scores(block_q * ld_max), capped(block_k);
-        typename Blocks::Scratch scratch(blocks, block_q, block_k);
-        for (int64_t item = first; item < last; ++item) {
-          const int64_t qb = zigzag(item % q_blocks, q_blocks), bh = item / q_blocks;
-          const int64_t batch = bh / h, head = bh % h, kv = batch * z.h_kv + head / groups;
-          const int64_t i0 = r0 + qb * block_q, i1 = std::min(r1, i0 + block_q), bq = i1 - i0;
-          const auto* v_head = vp + kv * s * dv;
-          float *mr = m.data() + bh * t + i0, *lr = l.data() + bh * t + i0;
-          float* acc = op + (bh * t + i0) * width;
-          char* poisoned_rows = poisoned.data() + bh * t + i0;
-          char* touched_rows = touched.empty() ? nullptr : touched.data() + (bh * t + i0) * dv;
-          const auto [row_lo, row_hi] = sc.block_range(i0, i1);
-          const int64_t from = std::max(row_lo, c0), to = std::min(row_hi, c1);
-          for (int64_t j0 = from; j0 < to; j0 += block_k) {
-            const int64_t n = std::min(block_k, to - j0), ld = blocks.score_stride(n);
-            float* sp = scores.data();
-            const char* bad_keys = bad.data() + kv * s + j0;  // keys whose value row is not finite
-            const bool clean_block = std::none_of(bad_keys, bad_keys + n, [](char x) { return x; });
-            blocks.scores(bh, i0, bq, kv, j0, n, sp, scratch);  // S = Q K^T
-            for (int64_t r = 0; r < bq; ++r) {
-              float* row = sp + r * ld;
-              float block_top;
-              if (sc.plain(i0 + r, j0, n)) {  // one pass, not two: a non-finite score makes it NaN
-                block_top = row_max<true>(row, n);
-              } else {
-                sc.apply(row, capped.data(), batch, head, i0 + r, j0, n);
-                block_top = row_max(row, n);
-              }
-              if (!clean_block) {  // selection, not multiplication: only the keys a row sees touch it
-                for (int64_t j = 0; j < n; ++j) {
-                  if (!bad_keys[j] || row[j] == kNegInf) continue;
-                  const auto* value = v_head + (j0 + j) * dv;
-                  for (int64_t c = 0; c < dv; ++c) {
-                    touched_rows[r * dv + c] |= !finite_value(value[c]);
-                  }
+    at::parallel_for(0, b * h * q_blocks, 1, [&](int64_t first, int64_t last) {
+      c10::InferenceMode no_autograd;  // the block products' views need no autograd bookkeeping
+      const int64_t ld_max = blocks.score_stride(block_k);
+      std::vector<float> scores(block_q * ld_max), capped(block_k);
+      typename Blocks::Scratch scratch(blocks, block_q, block_k);
+      for (int64_t item = first; item < last; ++item) {
+        const int64_t qb = zigzag(item % q_blocks, q_blocks), bh = item / q_blocks;
+        const int64_t batch = bh / h, head = bh % h, kv = batch * z.h_kv + head / groups;
+        const int64_t i0 = r0 + qb * block_q, i1 = std::min(r1, i0 + block_q), bq = i1 - i0;
+        const auto* v_head = vp + kv * s * dv;
+        float *mr = m.data() + bh * t + i0, *lr = l.data() + bh * t + i0;
+        float* acc = op + (bh * t + i0) * width;
+        char* poisoned_rows = poisoned.data() + bh * t + i0;
+        char* touched_rows = touched.empty() ? nullptr : touched.data() + (bh * t + i0) * dv;
+        const auto [row_lo, row_hi] = sc.block_range(i0, i1);
+        const int64_t from = std::max(row_lo, c0), to = std::min(row_hi, c1);
+        for (int64_t j0 = from; j0 < to; j0 += block_k) {
+          const int64_t n = std::min(block_k, to - j0), ld = blocks.score_stride(n);
+          float* sp = scores.data();
+          const char* bad_keys = bad.data() + kv * s + j0;  // keys whose value row is not finite
+          const bool clean_block = std::none_of(bad_keys, bad_keys + n, [](char x) { return x; });
+          blocks.scores(bh, i0, bq, kv, j0, n, sp, scratch);  // S = Q K^T
+          for (int64_t r = 0; r < bq; ++r) {
+            float* row = sp + r * ld;
+            float block_top;
+            if (sc.plain(i0 + r, j0, n)) {  // one pass, not two: a non-finite score makes it NaN
+              block_top = row_max<true>(row, n);
+            } else {
+              sc.apply(row, capped.data(), batch, head, i0 + r, j0, n);
+              block_top = row_max(row, n);
+            }
+            if (!clean_block) {  // selection, not multiplication: only the keys a row sees touch it
+              for (int64_t j = 0; j < n; ++j) {
+                if (!bad_keys[j] || row[j] == kNegInf) continue;
+                const auto* value = v_head + (j0 + j) * dv;
+                for (int64_t c = 0; c < dv; ++c) {
+                  touched_rows[r * dv + c] |= !finite_value(value[c]);
                 }
               }
-              poisoned_rows[r] |= block_top != block_top;
-              const float top = std::max(mr[r], block_top);
-              if (top == kNegInf || poisoned_rows[r]) {  // nothing allowed so far, or NaN: adds nothing
-                blocks.no_weights(row, n, r, j0, scratch);
-                continue;
-              }
-              const float sum = blocks.weights(row, n, top, r, j0, scratch);  // P, and its row sum
-              const float shrink = exp_nonpositive(mr[r] - top);  // 0 when m was -inf
-              lr[r] = lr[r] * shrink + sum;
-              mr[r] = top;
-              if (shrink != 1.f) {
-                float* a = acc + r * width;
-#pragma omp simd
-                for (int64_t c = 0; c < dv; ++c) a[c] *= shrink;
-              }
             }
-            blocks.add_values(sp, bq, kv, j0, n, !clean_block, acc, scratch);  // += P V
+            poisoned_rows[r] |= block_top != block_top;
+            const float top = std::max(mr[r], block_top);
+            if (top == kNegInf || poisoned_rows[r]) {  // nothing allowed so far, or NaN: adds nothing
+              blocks.no_weights(row, n, r, j0, scratch);
+              continue;
+            }
+            const float sum = blocks.weights(row, n, top, r, j0, scratch);  // P, and its row sum
+            const float shrink = exp_nonpositive(mr[r] - top);  // 0 when m was -inf
+            lr[r] = lr[r] * shrink + sum;
+            mr[r] = top;
+            if (shrink != 1.f) {
+              float* a = acc + r * width;
+#pragma omp simd
+              for (int64_t c = 0; c < dv; ++c) a[c] *= shrink;
+            }
           }
+          blocks.add_values(sp, bq, kv, j0, n, !clean_block, acc, scratch);  // += P V
         }
-      });
+      }
     });
   });
   at::parallel_for(0, b * h * t, 256, [&](int64_t first, int64_t last) {
@@ -810,91 +817,86 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> backward_
   float *dkp = dk.data_ptr<float>(), *dvp = dvv.data_ptr<float>();
   const bool capping = sc.softcap > 0.f, bias_grad = !tiles.mod_bias_grad.is_none();
 
-  tiles.panels(t, [&](int64_t r0, int64_t r1) {
+  tiles.walk(z, sc, [&](int64_t r0, int64_t r1, int64_t c0, int64_t c1) {
     const int64_t q_blocks = (r1 - r0 + block_q - 1) / block_q;
-    const auto [lo, hi] = sc.block_range(r0, r1);
-    tiles.key_tiles(lo, hi, [&](int64_t c0, int64_t c1) {
-      const torch::Tensor mod_bias = tiles.bias(z, r0, r1, c0, c1);
-      sc.set_mod_bias(mod_bias, r0, c0);
-      // dL/df over the tile: dS where a block was visited, 0 elsewhere
-      const torch::Tensor dbias = bias_grad ? torch::zeros({b, h, r1 - r0, c1 - c0}, f32)
-                                            : torch::Tensor();
-      float* dbp = bias_grad ? dbias.data_ptr<float>() : nullptr;
-      at::parallel_for(0, b * h_kv * split, 1, [&](int64_t first, int64_t last) {
-        c10::InferenceMode no_autograd;
-        const int64_t ld_max = blocks.score_stride(block_k);
-        std::vector<float> probs(block_q * ld_max), dscores(block_q * ld_max);
-        std::vector<float> capped(capping ? block_q * block_k : 0);
-        typename Blocks::Scratch scratch(blocks, block_q, block_k);
-        for (int64_t item = first; item < last; ++item) {
-          const int64_t kv = item / split, part = item % split;
-          const int64_t batch = kv / h_kv, kv_head = kv % h_kv;
-          float* dk_head = dkp + kv * s * dk_width;
-          float* dv_head = dvp + kv * s * dv_width;
-          for (int64_t head = kv_head * groups; head < (kv_head + 1) * groups; ++head) {
-            const int64_t bh = batch * h + head;
-            for (int64_t qb = 0; qb < q_blocks; ++qb) {
-              const int64_t i0 = r0 + qb * block_q, i1 = std::min(r1, i0 + block_q), bq = i1 - i0;
-              float* dq_blk = dqp + ((part * b * h + bh) * t + i0) * dq_width;
-              const auto [row_lo, row_hi] = sc.block_range(i0, i1);
-              const int64_t from = std::max(row_lo, c0), to = std::min(row_hi, c1);
-              if (from >= to) continue;  // no key of the tile visible to this query block
-              blocks.prepare(bh, i0, bq, scratch);
-              // This part's key blocks: those of index part, part + split, ... on the grid of
-              // block_k.
-              const int64_t first_block =
-                  from / block_k + (part - from / block_k % split + split) % split;
-              for (int64_t grid = first_block * block_k; grid < to; grid += split * block_k) {
-                const int64_t j0 = std::max(grid, from), n = std::min(grid + block_k, to) - j0;
-                const int64_t ld = blocks.score_stride(n);
-                float *p = probs.data(), *ds = dscores.data();
-                blocks.scores(bh, i0, bq, kv, j0, n, p, scratch);  // S = Q K^T
-                for (int64_t r = 0; r < bq; ++r) {
-                  float* row = p + r * ld;
-                  sc.apply(row, capping ? capped.data() + r * n : nullptr, batch, head, i0 + r, j0,
-                           n);
-                  probs_row(row, n, lp[bh * t + i0 + r]);  // P
-                }
-                blocks.add_dv(p, bh, i0, bq, j0, n, dv_head, scratch);  // dV += P^T dO
-                blocks.dprobs(bh, i0, bq, kv, j0, n, ds, scratch);      // dP = dO V^T
-                for (int64_t r = 0; r < bq; ++r) {
-                  const float* pr = p + r * ld;
-                  float* dr = ds + r * ld;
-                  const float di = dlp[bh * t + i0 + r];
-#pragma omp simd
-                  for (int64_t j = 0; j < n; ++j) {  // dS = P (dP - D): 0 where P is, whatever dP holds
-                    dr[j] = pr[j] == 0.f ? 0.f : pr[j] * (dr[j] - di);
-                  }
-                  if (dbp != nullptr) {  // the score_mod's f is added after the soft-cap and ALiBi
-                    float* d = dbp + ((bh * (r1 - r0)) + i0 + r - r0) * (c1 - c0) + j0 - c0;
-                    std::copy(dr, dr + n, d);
-                  }
-                  if (alibi_grad) {  // score -= slope |p(i) - j|, after the soft-cap
-                    const float pos = static_cast<float>(i0 + r + sc.diagonal - j0);
-                    float dslope = 0.f;
-#pragma omp simd reduction(+ : dslope)
-                    for (int64_t j = 0; j < n; ++j) {
-                      dslope -= dr[j] * std::fabs(pos - static_cast<float>(j));
-                    }
-                    dap[(part * b + batch) * h + head] += dslope;
-                  }
-                  if (capping) {
-                    const float* th = capped.data() + r * n;
-#pragma omp simd
-                    for (int64_t j = 0; j < n; ++j) {  // through tanh (th is unset where dS is 0)
-                      dr[j] = dr[j] == 0.f ? 0.f : dr[j] * (1.f - th[j] * th[j]);
-                    }
-                  }
-                }
-                blocks.add_dq(ds, bq, kv, j0, n, dq_blk, scratch);       // dQ += dS K
-                blocks.add_dk(ds, bh, i0, bq, j0, n, dk_head, scratch);  // dK += dS^T Q
+    // dL/df over the tile: dS where a block was visited, 0 elsewhere
+    const torch::Tensor dbias = bias_grad ? torch::zeros({b, h, r1 - r0, c1 - c0}, f32)
+                                          : torch::Tensor();
+    float* dbp = bias_grad ? dbias.data_ptr<float>() : nullptr;
+    at::parallel_for(0, b * h_kv * split, 1, [&](int64_t first, int64_t last) {
+      c10::InferenceMode no_autograd;
+      const int64_t ld_max = blocks.score_stride(block_k);
+      std::vector<float> probs(block_q * ld_max), dscores(block_q * ld_max);
+      std::vector<float> capped(capping ? block_q * block_k : 0);
+      typename Blocks::Scratch scratch(blocks, block_q, block_k);
+      for (int64_t item = first; item < last; ++item) {
+        const int64_t kv = item / split, part = item % split;
+        const int64_t batch = kv / h_kv, kv_head = kv % h_kv;
+        float* dk_head = dkp + kv * s * dk_width;
+        float* dv_head = dvp + kv * s * dv_width;
+        for (int64_t head = kv_head * groups; head < (kv_head + 1) * groups; ++head) {
+          const int64_t bh = batch * h + head;
+          for (int64_t qb = 0; qb < q_blocks; ++qb) {
+            const int64_t i0 = r0 + qb * block_q, i1 = std::min(r1, i0 + block_q), bq = i1 - i0;
+            float* dq_blk = dqp + ((part * b * h + bh) * t + i0) * dq_width;
+            const auto [row_lo, row_hi] = sc.block_range(i0, i1);
+            const int64_t from = std::max(row_lo, c0), to = std::min(row_hi, c1);
+            if (from >= to) continue;  // no key of the tile visible to this query block
+            blocks.prepare(bh, i0, bq, scratch);
+            // This part's key blocks: those of index part, part + split, ... on the grid of
+            // block_k.
+            const int64_t first_block =
+                from / block_k + (part - from / block_k % split + split) % split;
+            for (int64_t grid = first_block * block_k; grid < to; grid += split * block_k) {
+              const int64_t j0 = std::max(grid, from), n = std::min(grid + block_k, to) - j0;
+              const int64_t ld = blocks.score_stride(n);
+              float *p = probs.data(), *ds = dscores.data();
+              blocks.scores(bh, i0, bq, kv, j0, n, p, scratch);  // S = Q K^T
+              for (int64_t r = 0; r < bq; ++r) {
+                float* row = p + r * ld;
+                sc.apply(row, capping ? capped.data() + r * n : nullptr, batch, head, i0 + r, j0,
+                         n);
+                probs_row(row, n, lp[bh * t + i0 + r]);  // P
               }
+              blocks.add_dv(p, bh, i0, bq, j0, n, dv_head, scratch);  // dV += P^T dO
+              blocks.dprobs(bh, i0, bq, kv, j0, n, ds, scratch);      // dP = dO V^T
+              for (int64_t r = 0; r < bq; ++r) {
+                const float* pr = p + r * ld;
+                float* dr = ds + r * ld;
+                const float di = dlp[bh * t + i0 + r];
+#pragma omp simd
+                for (int64_t j = 0; j < n; ++j) {  // dS = P (dP - D): 0 where P is, whatever dP holds
+                  dr[j] = pr[j] == 0.f ? 0.f : pr[j] * (dr[j] - di);
+                }
+                if (dbp != nullptr) {  // the score_mod's f is added after the soft-cap and ALiBi
+                  float* d = dbp + ((bh * (r1 - r0)) + i0 + r - r0) * (c1 - c0) + j0 - c0;
+                  std::copy(dr, dr + n, d);
+                }
+                if (alibi_grad) {  // score -= slope |p(i) - j|, after the soft-cap
+                  const float pos = static_cast<float>(i0 + r + sc.diagonal - j0);
+                  float dslope = 0.f;
+#pragma omp simd reduction(+ : dslope)
+                  for (int64_t j = 0; j < n; ++j) {
+                    dslope -= dr[j] * std::fabs(pos - static_cast<float>(j));
+                  }
+                  dap[(part * b + batch) * h + head] += dslope;
+                }
+                if (capping) {
+                  const float* th = capped.data() + r * n;
+#pragma omp simd
+                  for (int64_t j = 0; j < n; ++j) {  // through tanh (th is unset where dS is 0)
+                    dr[j] = dr[j] == 0.f ? 0.f : dr[j] * (1.f - th[j] * th[j]);
+                  }
+                }
+              }
+              blocks.add_dq(ds, bq, kv, j0, n, dq_blk, scratch);       // dQ += dS K
+              blocks.add_dk(ds, bh, i0, bq, j0, n, dk_head, scratch);  // dK += dS^T Q
             }
           }
         }
-      });
-      if (bias_grad) tiles.mod_bias_grad(r0, r1, c0, c1, dbias);
+      }
     });
+    if (bias_grad) tiles.mod_bias_grad(r0, r1, c0, c1, dbias);
   });
   auto dalibi = alibi_grad ? dalibi_parts.sum({0, 1}) : dalibi_parts;
   auto dq = split == 1 ? dq_parts[0] : dq_parts.sum(0);
