@@ -196,7 +196,7 @@ def bias(score_mod: ScoreMod, at: Block, *, compiled: bool = False) -> Tensor:
     try:
         f = (compiled_or_eager(score_mod) if compiled else score_mod)(zero, *at)
         _elementwise(f, at.shape)
-    except Exception:  # raises the error of the general path, naming the mod and the block
+    except Exception:  # one score at a time, or the general path's error naming mod and block
         f = score(score_mod, zero.expand(at.shape), at)
     return f
 
@@ -212,13 +212,8 @@ def bias_grads(
     """The gradients of ``tensors`` (those the mod reads) from ``dbias``, the loss's gradient with
     respect to the mod's [`bias`][attnkit.mods.bias] over the block ``at``; None for one that
     ``f`` does not read."""
-    zero = torch.zeros((1, 1, 1, 1), device=at.q.device)
     with torch.enable_grad():
-        try:
-            f = (compiled_or_eager(score_mod) if compiled else score_mod)(zero, *at)
-            _elementwise(f, at.shape)
-        except Exception:  # as in bias: one score at a time, or the general path's error
-            f = score(score_mod, zero.expand(at.shape), at)
+        f = bias(score_mod, at, compiled=compiled)
     if not f.requires_grad:
         return (None,) * len(tensors)
     return torch.autograd.grad(f, tensors, dbias.sum_to_size(f.shape), allow_unused=True)
