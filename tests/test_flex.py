@@ -453,6 +453,19 @@ def test_the_gradient_of_a_mod_that_needs_vmap_reaches_its_table():
     torch.testing.assert_close(got, want.float())
 
 
+def test_a_mod_that_fails_on_a_later_tile_in_the_kernel_names_itself_and_the_block():
+    """The mod passes the one-score check (indices 0), then indexes past its table."""
+    small = torch.randn(H, 5)
+
+    def too_short(score, b, h, q_idx, kv_idx):
+        return score + small[h, q_idx - kv_idx + 2]
+
+    q, k, v = inputs(1, H, 13, 13)
+    assert F.which_backend(q, k, v, score_mod=too_short).path == "native"
+    with pytest.raises(IndexError, match=r"score_mod .*too_short failed on the block of queries"):
+        F.attention(q, k, v, score_mod=too_short)
+
+
 def _adding_mods(table, t5_table):
     """Mods that add to the score, reading ``table`` and ``t5_table``."""
 
