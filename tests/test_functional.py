@@ -283,7 +283,11 @@ def test_causal_with_more_queries_than_keys_empties_the_first_rows():
     # p(i) = i + s - t = i - 2: queries 0 and 1 see no key
     assert torch.equal(out[..., :2, :], torch.zeros(1, 1, 2, 4))
     assert torch.isneginf(lse[..., :2]).all() and torch.isfinite(lse[..., 2:]).all()
-    assert torch.equal(weights[0, 0, 2], torch.tensor([1.0, 0.0, 0.0]))
+    # Query 2 sees key 0 alone: weight 1 up to the last bit of its score. The weights are
+    # recomputed from the lse by other matrix products than the kernel's, whose roundings differ
+    # on some CPUs (the products' code paths are the CPU's), so that bit may differ.
+    torch.testing.assert_close(weights[0, 0, 2, 0], torch.tensor(1.0), rtol=0, atol=2**-22)
+    assert torch.equal(weights[0, 0, 2, 1:], torch.zeros(2))
 
 
 @pytest.mark.parametrize("backend", GENERAL)
