@@ -54,6 +54,8 @@ def compare_case(rank: int, world: int, case: dict) -> dict[str, float]:
     the largest differences of the output, lse and gradients of this rank's shard (and of the
     slopes' or table's gradient, summed over the ranks)."""
     tiled.BLOCK_Q, tiled.BLOCK_K = 5, 7  # many blocks, lengths that do not divide them
+    # Pieces of about 2 keys and 3 queries a chunk: several rounds, pieces of unequal sizes.
+    ring.KEY_PIECE, ring.QUERY_PIECE = case.get("pieces", (2, 3))
     dtype = case.get("dtype", torch.float64)
     b, h, h_kv, d = 2, case.get("h", 2), case.get("h_kv", 2), 8
     t, s = case["t"], case.get("s", case["t"])
@@ -279,6 +281,7 @@ def module_case(rank: int, world: int, layout: str) -> dict[str, float]:
     from attnkit import MultiHeadAttention
 
     tiled.BLOCK_Q, tiled.BLOCK_K = 5, 7
+    ring.KEY_PIECE, ring.QUERY_PIECE = 2, 3
     torch.manual_seed(0)
     mha = MultiHeadAttention(
         16, 16, context_length=None, dropout=0.0, num_heads=4, num_kv_heads=2, rope=True,
@@ -301,3 +304,24 @@ def module_case(rank: int, world: int, layout: str) -> dict[str, float]:
         w = ring.shard(w, 1, layout=layout) if i < 2 else w
         differences[name] = (g.detach() - w.detach()).abs().max().item()
     return differences
+
+
+def largest_transfer(rank: int, world: int, layout: str) -> int:
+    """Forward and backward with key pieces of about 4 keys a chunk, over shards of 16 tokens: the
+    most tokens of any tensor this rank sent or received (keys, values, their key mask and the
+    gradients' sums)."""
+    ring.KEY_PIECE = 4
+    tokens = []
+    exchange = ring._Ring.exchange
+
+    def recorded(self, outgoing, incoming, what):
+        tokens.extend(x.shape[-2] if x.dim() == 4 else x.shape[-1] for x in (*outgoing, *incoming))
+        return exchange(self, outgoing, incoming, what)
+
+    ring._Ring.exchange = recorded
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 16, 8, requires_grad=True) for _ in range(3))
+    key_mask = torch.rand(1, 16) > 0.2
+    out = ring.ring_attention(q, k, v, causal=True, layout=layout, key_mask=key_mask)
+    out.sum().backward()
+    return max(tokens)

@@ -11,7 +11,8 @@ import ring_ranks
 from attnkit.distributed import ring_attention
 
 CASES = {  # lengths: contiguous splits into 1..4 chunks (12), zigzag into 2..8 (24)
-    "full": {"t": 12},
+    "full, whole shards travel": {"t": 12, "pieces": (1024, 1024)},
+    "causal, whole shards travel": {"t": 12, "causal": True, "pieces": (1024, 1024)},
     "causal": {"t": 12, "causal": True},
     "causal, zigzag": {"t": 24, "causal": True, "layout": "zigzag"},
     "GQA, causal, zigzag": {"t": 24, "h": 4, "h_kv": 2, "causal": True, "layout": "zigzag"},
@@ -69,6 +70,14 @@ def test_ring_attention_equals_attention_of_the_whole_sequence(differences, case
             assert difference <= allowed, (
                 f"world {world}, rank {rank}: {name} differs by {difference:.3g}"
             )
+
+
+@pytest.mark.parametrize(("layout", "piece"), [("contiguous", 4), ("zigzag", 8)])
+def test_keys_travel_a_piece_at_a_time(layout, piece):
+    # shards of 16 keys: one chunk of 16 (contiguous) or two of 8 (zigzag), cut into slices of 4;
+    # a piece is the same slice of each chunk
+    for largest in ring_ranks.run(2, ring_ranks.largest_transfer, layout):
+        assert largest == piece
 
 
 def test_shards_of_different_lengths_raise_on_every_rank():

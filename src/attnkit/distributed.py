@@ -2,15 +2,21 @@
 ``torch.distributed``, exact, forward and backward.
 
 Each of the ``P`` ranks of a process group holds a shard of the sequence: its queries, keys and
-values, ``(b, h, t / P, d)`` and ``(b, h_kv, s / P, d)``. The key/value shards travel around the
+values, ``(b, h, t / P, d)`` and ``(b, h_kv, s / P, d)``. The keys and values travel around the
 ring (rank ``r`` sends to ``r + 1`` and receives from ``r - 1``) while each rank attends with its
-queries to the shard it holds, the next transfer running behind the current block's compute. The
+queries to the keys it holds, the next transfer running behind the current block's compute. The
 partial results merge through their log-sum-exp, so no rank ever holds the whole sequence, and a
 row's result is the softmax over every key (Liu et al., 2023, "Ring Attention with Blockwise
-Transformers"). The backward sends the key/value shards around once more, each with the
-gradients of its keys and values, which every rank adds to and which arrive home after ``P``
-steps; each block's weights are recomputed from the rows' whole lse, as the tiled kernel's
-backward does for its own blocks.
+Transformers"). The backward sends the keys and values around once more, each with the gradients
+of its keys and values, which every rank adds to and which arrive home after ``P`` steps; each
+block's weights are recomputed from the rows' whole lse, as the tiled kernel's backward does for
+its own blocks.
+
+A shard's keys travel in pieces of about ``KEY_PIECE`` keys of each chunk, in rounds: round ``j``
+takes piece ``j`` of every shard once around the ring. A rank so holds two pieces of other ranks'
+keys and values at a time, not two shards, and in the backward three pieces of gradient sums: at
+4 ranks its peak extra memory is about a quarter of one process's on the whole sequence. With one
+rank, the call is [`attention`][attnkit.functional.attention] of the shard, the whole sequence.
 
 Positions are global: a causal mask, a window and ALiBi see where each chunk sits in the whole
 sequence (queries aligned bottom-right when ``t != s``, as everywhere in attnkit); ``score_mod``
@@ -30,6 +36,7 @@ NCCL on GPUs).
 from __future__ import annotations
 
 import datetime
+import itertools
 import math
 import os
 import queue
@@ -37,7 +44,7 @@ import socket
 import time
 import traceback
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -378,12 +385,28 @@ def ring_attention(
         score_mod=mods.name_of(score_mod) if score_mod is not None else None,
         mask_mod=mods.name_of(mask_mod) if mask_mod is not None else None,
     )
-    call = _Call(
-        ring=ring,
-        q_chunks=_local(chunks(t, ring.size, layout)[ring.rank]),
-        k_chunks=[_local(c) for c in chunks(s, ring.size, layout)],
-        t=t,
-        s=s,
+    if ring.size == 1:  # the shard is the whole sequence: attention of it, in the inputs' dtype
+        with torch.autocast(q.device.type, enabled=False):  # as across a ring
+            return functional.attention(
+                q,
+                k,
+                v,
+                key_mask=key_mask,
+                causal=causal,
+                window=window,
+                alibi_slopes=alibi_slopes,
+                softcap=softcap,
+                scale=scale,
+                score_mod=score_mod,
+                mask_mod=mask_mod,
+                return_lse=return_lse,
+                backend="tiled",
+            )
+    call = _Call.of(
+        ring,
+        t,
+        s,
+        layout,
         causal=causal,
         window=window,
         softcap=softcap,
@@ -391,9 +414,10 @@ def ring_attention(
         score_mod=score_mod,
         mask_mod=mask_mod,
     )
-    qc, kc = call.q_chunks[0], call.k_chunks[ring.rank][0]  # any pair: the tiled kernel's refusals
+    piece = call.k_pieces[ring.rank][0]  # any pair: the tiled kernel's refusals
+    qc, kc = call.q_pieces[0], piece.parts[0]
     rows = (slice(None), slice(None), qc.rows)
-    k_first, v_first = k[:, :, kc.rows], v[:, :, kc.rows]
+    k_first, v_first = (x.narrow(2, piece.homes[0], kc.length) for x in (k, v))
     first = call.request(q[rows], k_first, v_first, None, alibi_slopes, qc, kc)
     choose_backend("tiled", first, q[rows], k_first, v_first)  # raises if it cannot, saying why
     mod_tensors = functional._mod_tensors(score_mod, q)
@@ -447,8 +471,8 @@ def _agree(ring: _Ring, q, k, v, layout: str, **options) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class _Chunk:
-    """A piece of a rank's shard: ``length`` rows from ``offset`` in the shard, which sit from
-    ``start`` in the whole sequence."""
+    """Rows that lie together: ``length`` rows from ``offset`` in the tensor that holds them
+    (a shard, or a piece of one), which sit from ``start`` in the whole sequence."""
 
     offset: int
     start: int
@@ -457,6 +481,11 @@ class _Chunk:
     @property
     def rows(self) -> slice:
         return slice(self.offset, self.offset + self.length)
+
+    def slices(self, count: int) -> list[_Chunk]:
+        """The chunk cut into ``count`` near-equal slices."""
+        cuts = [self.length * j // count for j in range(count + 1)]
+        return [_Chunk(self.offset + a, self.start + a, b - a) for a, b in itertools.pairwise(cuts)]
 
 
 def _local(pieces: list[tuple[int, int]]) -> list[_Chunk]:
@@ -467,12 +496,59 @@ def _local(pieces: list[tuple[int, int]]) -> list[_Chunk]:
 
 
 @dataclass(frozen=True)
+class _Piece:
+    """Piece ``j`` of ``count`` of a shard's keys, as it travels: the ``j``-th of ``count``
+    near-equal slices of each of the shard's chunks, joined. ``parts`` are those slices as the
+    piece holds them; ``homes`` their offsets in the shard."""
+
+    parts: tuple[_Chunk, ...]
+    homes: tuple[int, ...]
+
+    @staticmethod
+    def of(shard: list[_Chunk], j: int, count: int) -> _Piece:
+        parts, homes, offset = [], [], 0
+        for chunk in shard:
+            part = chunk.slices(count)[j]
+            parts.append(_Chunk(offset, part.start, part.length))
+            homes.append(part.offset)
+            offset += part.length
+        return _Piece(tuple(parts), tuple(homes))
+
+    def cut(self, x: Tensor, dim: int) -> Tensor:
+        """This piece of the shard ``x``, a contiguous copy (it travels)."""
+        return torch.cat([x.narrow(dim, h, c.length) for h, c in zip(self.homes, self.parts)], dim)
+
+    def place(self, x: Tensor, into: Tensor, dim: int) -> None:
+        """Copy ``x``, this piece, to its rows of the shard ``into``."""
+        for h, c in zip(self.homes, self.parts):
+            into.narrow(dim, h, c.length).copy_(x.narrow(dim, c.offset, c.length))
+
+
+KEY_PIECE = 1024
+"""About how many keys of a chunk travel together as a piece (a chunk is cut into near-equal
+slices). Each rank holds two pieces of other ranks' keys and values at a time (the one it computes
+with, the one arriving), and in the backward three of their gradients' sums, so smaller pieces take
+less memory. How well a transfer hides behind the compute does not depend on the piece's size
+(both grow with it); the fixed cost of each step does."""
+
+QUERY_PIECE = 2048
+"""About how many queries of a chunk one call of the tiled kernel takes: the call's own buffers
+(its queries scaled, their gradients) grow with it, and the fixed cost of a call shrinks."""
+
+
+def _pieces(length: int, piece: int) -> int:
+    """How many near-equal slices of about ``piece`` cut a chunk of ``length``."""
+    return max(1, -(-length // piece))
+
+
+@dataclass(frozen=True)
 class _Call:
-    """One call's options and geometry: this rank's query chunks, every rank's key chunks."""
+    """One call's options and geometry: the pieces of this rank's queries and of every rank's
+    keys."""
 
     ring: _Ring
-    q_chunks: list[_Chunk]
-    k_chunks: list[list[_Chunk]]
+    q_pieces: list[_Chunk]
+    k_pieces: list[list[_Piece]]  # [rank][j]
     t: int
     s: int
     causal: bool
@@ -482,15 +558,39 @@ class _Call:
     score_mod: mods.ScoreMod | None
     mask_mod: mods.MaskMod | None = None
 
-    def pairs(self, src: int) -> list[tuple[_Chunk, _Chunk]]:
-        """The (query chunk, key chunk) pairs, keys from rank ``src``, in which some query may
-        see some key by position: the others are never computed."""
+    @staticmethod
+    def of(ring: _Ring, t: int, s: int, layout: str, **options) -> _Call:
+        q_chunks = _local(chunks(t, ring.size, layout)[ring.rank])
+        k_chunks = [_local(c) for c in chunks(s, ring.size, layout)]
+        count = _pieces(k_chunks[0][0].length, KEY_PIECE)
+        return _Call(
+            ring=ring,
+            q_pieces=[p for c in q_chunks for p in c.slices(_pieces(c.length, QUERY_PIECE))],
+            k_pieces=[[_Piece.of(shard, j, count) for j in range(count)] for shard in k_chunks],
+            t=t,
+            s=s,
+            **options,
+        )
+
+    def schedule(self) -> Iterator[tuple[int, int, int]]:
+        """``(j, step, src)`` of each step: round ``j`` brings piece ``j`` of every rank's keys
+        around the ring, this rank's own first (step 0), then that of rank ``src``, which arrives
+        from the previous rank while the one before is computed."""
+        for j in range(len(self.k_pieces[0])):
+            for step in range(self.ring.size):
+                yield j, step, self.ring.peer(-step)
+
+    def pairs(self, src: int, j: int) -> list[tuple[_Chunk, _Chunk]]:
+        """The (query piece, key part) pairs of piece ``j`` of rank ``src``'s keys in which some
+        query may see some key by position: the others are never computed."""
         limits = masks.merge_window(self.causal, self.window, self.t, self.s)
         left, right = limits or (-1, -1)
         visible = []
-        for qc in self.q_chunks:
+        for qc in self.q_pieces:
             first, last = qc.start + self.s - self.t, qc.start + qc.length - 1 + self.s - self.t
-            for kc in self.k_chunks[src]:
+            for kc in self.k_pieces[src][j].parts:
+                if kc.length == 0:
+                    continue
                 if right >= 0 and kc.start > last + right:
                     continue
                 if left >= 0 and kc.start + kc.length - 1 < first - left:
@@ -525,12 +625,12 @@ class _Call:
 
 
 def _merge(out: Tensor, lse: Tensor, out_b: Tensor, lse_b: Tensor) -> None:
-    """Join a block's ``(out_b, lse_b)`` into the rows' running ``(out, lse)``, in place. A row
-    that has seen no allowed key on either side stays 0 and -inf (the usual sigmoid form of this
-    merge gives NaN there); a NaN lse spreads."""
+    """Join a block's ``(out_b, lse_b)`` into the rows' running ``(out, lse)``, in place (``out_b``
+    is spent). A row that has seen no allowed key on either side stays 0 and -inf (the usual
+    sigmoid form of this merge gives NaN there); a NaN lse spreads."""
     both = torch.logaddexp(lse, lse_b)
     base = both.masked_fill(both == _NEG_INF, 0.0)
-    out.mul_(torch.exp(lse - base)[..., None]).add_(out_b * torch.exp(lse_b - base)[..., None])
+    out.mul_(torch.exp(lse - base)[..., None]).add_(out_b.mul_(torch.exp(lse_b - base)[..., None]))
     lse.copy_(both)
 
 
@@ -540,51 +640,53 @@ def _forward(q, k, v, slopes, key_mask, call: _Call) -> tuple[Tensor, Tensor]:
     b, h, t, _ = q.shape
     out = q.new_zeros(b, h, t, v.shape[-1], dtype=stats)
     lse = q.new_full((b, h, t), _NEG_INF, dtype=stats)
-    held = _travelling(k, v, key_mask)
-    for step in range(ring.size):
-        src = (ring.rank - step) % ring.size
-        incoming, arrived = None, None
-        if step < ring.size - 1:  # the next shard travels while this one is computed
-            incoming = [torch.empty_like(x) for x in held]
-            arrived = ring.exchange(held, incoming, "keys and values")
+
+    def attend(held: list[Tensor], src: int, j: int) -> None:
+        """Merge this rank's queries' attention to piece ``j`` of rank ``src``'s keys into the
+        rows' running output and lse."""
         k_src, v_src, mask_src = _received(held)
-        for qc, kc in call.pairs(src):
+        for qc, kc in call.pairs(src, j):
             qi, ki, vi = q[:, :, qc.rows], k_src[:, :, kc.rows], v_src[:, :, kc.rows]
             mi = None if mask_src is None else mask_src[:, kc.rows]
             request = call.request(qi, ki, vi, mi, slopes, qc, kc)
-            out_b, lse_b = tiled.partial(
-                qi, ki, vi, request
-            )  # in `stats`: rounded once, at the end
+            out_b, lse_b = tiled.partial(qi, ki, vi, request)  # in `stats`: rounded at the end
             _merge(out[:, :, qc.rows], lse[:, :, qc.rows], out_b, lse_b)
-        if arrived is not None:
-            arrived()
-            held = incoming
+
+    held: list[Tensor] = []
+    for j, step, src in call.schedule():
+        if step == 0:
+            held = _travelling(k, v, key_mask, call.k_pieces[ring.rank][j])
+        goes_on = step < ring.size - 1  # to the next rank, which computes with it next step
+        incoming = [torch.empty_like(x) for x in held] if goes_on else []
+        arrived = ring.exchange(held if goes_on else [], incoming, "keys and values")
+        attend(held, src, j)
+        arrived()
+        held = incoming
     return out.to(q.dtype), lse
 
 
 def _backward(q, k, v, slopes, key_mask, out, lse, dout, dlse, mod_tensors, call: _Call):
     """The gradients of this rank's q, k, v (and of the slopes and the mod's tensors: this rank's
-    part). Each step computes the gradients of the keys and values it holds from this rank's
-    queries, while the sums of the ranks before it for those keys arrive; the sum then goes on
-    with the keys, and reaches their rank after ``P`` steps."""
+    part). The pieces of keys and values go around as in the forward. Each step computes the
+    gradients of the piece it holds from this rank's queries while the sum of the ranks before it
+    for that piece arrives; the sum then goes on, and after a round reaches the piece's own rank
+    (during the next round's first step, or after the last round)."""
     ring = call.ring
     stats = torch.promote_types(q.dtype, torch.float32)
     dq = torch.zeros_like(q, dtype=stats)
+    dk, dv = k.new_zeros(k.shape, dtype=stats), v.new_zeros(v.shape, dtype=stats)
     slopes_grad = slopes is not None and slopes.requires_grad
     dslopes = torch.zeros_like(slopes) if slopes_grad else None
     mod_grads: list[Tensor | None] = [None] * len(mod_tensors)
-    held = _travelling(k, v, key_mask)
-    sums: list[Tensor] = []  # dK, dV of the keys held last step, for the next rank
-    for step in range(ring.size):
-        src = (ring.rank - step) % ring.size
-        next_held = [torch.empty_like(x) for x in held] if step < ring.size - 1 else []
-        before = [torch.empty_like(x) for x in sums]  # the earlier ranks' sums for `held`
-        arrived = ring.exchange(
-            (held if next_held else []) + sums, next_held + before, "keys, values and gradients"
-        )
+
+    def gradients(held: list[Tensor], src: int, j: int) -> list[Tensor]:
+        """dK and dV of piece ``j`` of rank ``src``'s keys from this rank's queries, in `stats`;
+        adds this rank's queries' part into dq, dslopes and mod_grads."""
+        nonlocal dslopes, mod_grads
         k_src, v_src, mask_src = _received(held)
-        dk, dv = k.new_zeros(k.shape, dtype=stats), v.new_zeros(v.shape, dtype=stats)
-        for qc, kc in call.pairs(src):
+        dk_piece = k_src.new_zeros(k_src.shape, dtype=stats)
+        dv_piece = v_src.new_zeros(v_src.shape, dtype=stats)
+        for qc, kc in call.pairs(src, j):
             qi, ki, vi = q[:, :, qc.rows], k_src[:, :, kc.rows], v_src[:, :, kc.rows]
             mi = None if mask_src is None else mask_src[:, kc.rows]
             request = call.request(qi, ki, vi, mi, slopes, qc, kc)._replace(mod_tensors=mod_tensors)
@@ -603,31 +705,53 @@ def _backward(q, k, v, slopes, key_mask, out, lse, dout, dlse, mod_tensors, call
                 cast=False,
             )
             dq[rows] += gq
-            dk[:, :, kc.rows] += gk
-            dv[:, :, kc.rows] += gv
+            dk_piece[:, :, kc.rows] += gk
+            dv_piece[:, :, kc.rows] += gv
             if gs is not None:
                 dslopes += gs
             mod_grads = [
                 a if b is None else b if a is None else a + b for a, b in zip(mod_grads, gm)
             ]
+        return [dk_piece, dv_piece]
+
+    def home(j: int, sums: list[Tensor]) -> None:
+        """The sums over every rank of this rank's piece ``j``: its keys' and values' gradients."""
+        piece = call.k_pieces[ring.rank][j]
+        piece.place(sums[0], dk, 2)
+        piece.place(sums[1], dv, 2)
+
+    held: list[Tensor] = []
+    sums: list[Tensor] = []  # of the piece computed last step, for the next rank
+    for j, step, src in call.schedule():
+        if step == 0:
+            held = _travelling(k, v, key_mask, call.k_pieces[ring.rank][j])
+        goes_on = step < ring.size - 1
+        incoming = [torch.empty_like(x) for x in held] if goes_on else []
+        before = [torch.empty_like(x) for x in sums]  # step 0: this rank's piece j - 1, home
+        arrived = ring.exchange(
+            (held if goes_on else []) + sums, incoming + before, "keys, values and gradients"
+        )
+        grads = gradients(held, src, j)
         arrived()
-        if before:
-            dk, dv = dk.add_(before[0]), dv.add_(before[1])
-        sums, held = [dk, dv], next_held
-    if ring.size > 1:  # the last sums go home: this rank receives its own keys' gradients
-        home = [torch.empty_like(x) for x in sums]
-        ring.exchange(sums, home, "gradients of keys and values")()
-        sums = home
-    dk, dv = sums
+        if step > 0:  # the sums of the ranks before this one for the piece held
+            grads = [g.add_(x) for g, x in zip(grads, before)]
+        elif before:
+            home(j - 1, before)
+        sums, held = grads, incoming
+    back = [torch.empty_like(x) for x in sums]  # the last piece's sums go home
+    ring.exchange(sums, back, "gradients of keys and values")()
+    home(len(call.k_pieces[ring.rank]) - 1, back)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dslopes, mod_grads
 
 
-def _travelling(k: Tensor, v: Tensor, key_mask: Tensor | None) -> list[Tensor]:
-    """What goes around the ring: contiguous keys and values, their padding zeroed (it may hold
-    anything, and 0 times a NaN there would reach the gradients), and the key mask as bytes."""
-    held = [masks.zero_padding(x, key_mask).contiguous() for x in (k, v)]
-    if key_mask is not None:
-        held.append(key_mask.to(torch.uint8).contiguous())
+def _travelling(k: Tensor, v: Tensor, key_mask: Tensor | None, piece: _Piece) -> list[Tensor]:
+    """What goes around the ring of this rank's ``piece``: its keys and values, contiguous, their
+    padding zeroed (it may hold anything, and 0 times a NaN there would reach the gradients), and
+    its key mask as bytes."""
+    mask = None if key_mask is None else piece.cut(key_mask, 1)
+    held = [masks.zero_padding(piece.cut(x, 2), mask) for x in (k, v)]
+    if mask is not None:
+        held.append(mask.to(torch.uint8))
     return held
 
 

@@ -246,7 +246,7 @@ def backward(
                 slopes_grad=slopes_grad,
                 mod_grads=mod_grads,
             )
-    dq = (dq * plan.request.scale).view(b, h, t, d)  # the scores used q * scale
+    dq = dq.mul_(plan.request.scale).view(b, h, t, d)  # the scores used q * scale
     slopes = request.alibi_slopes
     dslopes = None if dslopes is None else dslopes.to(slopes.dtype)
     if cast:

@@ -2,8 +2,9 @@
 loopback, against attention of the whole sequence in one process.
 
 For each sequence length, world size and layout, the ranks start as new processes with one thread
-each and run forward + backward, causal, on their shards: the first run gives each rank's peak
-extra memory (the growth of its peak RSS), the next ``warmups`` warm up, and ``repeats`` are
+each and run forward + backward, causal, on their shards: after a run on a short sequence
+(``WARM_UP_TOKENS``), the first run gives each rank's peak extra memory (the growth of its peak
+RSS), the next ``warmups`` warm up, and ``repeats`` are
 timed between barriers. Per case: the time of a step (the slowest rank's, median), each rank's
 CPU time (its work, which the machine's cores share when there are more ranks than cores), the
 busiest rank's CPU time over the least busy one's (the balance of the layout), the bytes each rank
@@ -25,6 +26,11 @@ import torch
 from attnkit._progress import Progress
 from attnkit.bench.report import machine
 from attnkit.distributed import run_local
+
+WARM_UP_TOKENS = 1024
+"""Tokens a rank of the step run before the one whose memory is measured: enough for whole blocks
+of the kernel, so that the buffers made once a process (the BLAS library's, gloo's) are not counted
+as the step's."""
 
 
 @dataclass(frozen=True)
@@ -84,7 +90,8 @@ def _rank_main(rank: int, world: int, n: int, layout: str, config: RingConfig) -
 
     torch.manual_seed(rank)
     b, h, d, t = config.b, config.h, config.d, n // world
-    q, k, v = (torch.randn(b, h, 2, d, requires_grad=True) for _ in range(3))
+    warm = min(t, WARM_UP_TOKENS)
+    q, k, v = (torch.randn(b, h, warm, d, requires_grad=True) for _ in range(3))
     sent = [0]
     exchange = ring._Ring.exchange
 
@@ -102,7 +109,7 @@ def _rank_main(rank: int, world: int, n: int, layout: str, config: RingConfig) -
         out.sum().backward()
         q.grad = k.grad = v.grad = None
 
-    step()  # on two tokens a rank: the kernels load, gloo makes its buffers
+    step()  # the kernels load, gloo and the BLAS library make their lasting buffers
     q, k, v = (torch.randn(b, h, t, d, requires_grad=True) for _ in range(3))
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     step()
