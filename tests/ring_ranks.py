@@ -325,3 +325,30 @@ def largest_transfer(rank: int, world: int, layout: str) -> int:
     out = ring.ring_attention(q, k, v, causal=True, layout=layout, key_mask=key_mask)
     out.sum().backward()
     return max(tokens)
+
+
+def under_autocast(rank: int, world: int) -> list[float]:
+    """The largest differences of the output and gradients of ring attention (causal, zigzag, a
+    mask_mod: the PyTorch loop's products) under bf16 autocast from those without it."""
+    ring.KEY_PIECE, ring.QUERY_PIECE = 2, 3
+    torch.manual_seed(0)
+    whole = [torch.randn(1, 2, 16, 8) for _ in range(3)]
+    mine = [ring.shard(x, 2, layout="zigzag") for x in whole]
+    documents = torch.arange(16) // 5
+
+    def run(autocast: bool) -> list[Tensor]:
+        leaves = [x.clone().requires_grad_() for x in mine]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = ring.ring_attention(
+                *leaves, causal=True, layout="zigzag", mask_mod=same_document(documents)
+            )
+        return [out, *torch.autograd.grad((out * out).sum(), leaves)]
+
+    return [(a - b).abs().max().item() for a, b in zip(run(True), run(False))]
+
+
+def mismatched_pieces(rank: int, world: int) -> tuple[str, str]:
+    """Rank 0 cuts the keys into other pieces than the rest: the transfers could not match."""
+    ring.KEY_PIECE = 2 if rank == 0 else 4
+    q = k = v = torch.randn(1, 2, 8, 8)
+    return _error_of(lambda: ring.ring_attention(q, k, v, causal=True, timeout=20))

@@ -80,6 +80,12 @@ def test_keys_travel_a_piece_at_a_time(layout, piece):
         assert largest == piece
 
 
+@pytest.mark.parametrize("world", [1, 2])
+def test_it_computes_in_the_inputs_dtype_under_autocast(world):
+    for differences in ring_ranks.run(world, ring_ranks.under_autocast):
+        assert differences == [0.0] * 4
+
+
 def test_shards_of_different_lengths_raise_on_every_rank():
     for rank, (kind, message) in enumerate(ring_ranks.run(3, ring_ranks.mismatched_shards)):
         assert kind == "ValueError"
@@ -91,6 +97,12 @@ def test_shards_of_different_dtypes_or_options_raise_on_every_rank():
     for kind, message in ring_ranks.run(2, ring_ranks.mismatched_options):
         assert kind == "ValueError"
         assert "shards or options differ" in message
+
+
+def test_ranks_that_cut_the_keys_into_other_pieces_raise_on_every_rank():
+    for kind, message in ring_ranks.run(3, ring_ranks.mismatched_pieces):
+        assert kind == "ValueError"
+        assert "shards or options differ" in message and "'key_piece': " in message
 
 
 def test_a_subgroup_whose_ranks_are_not_the_global_ones():

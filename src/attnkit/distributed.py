@@ -308,6 +308,8 @@ def ring_attention(
     """[`attention`][attnkit.functional.attention] over a sequence whose queries, keys and values
     are split along it over the ranks of ``group``: each rank passes its shard and gets its
     shard of the output (and of the lse). Every rank must call it, with shards of the same shape.
+    It computes in the inputs' dtype, under autocast too. With one rank it is ``attention`` of
+    the shard, the whole sequence (which, unlike a ring of several, takes a second derivative).
 
     Args:
         q: this rank's queries ``(b, h, t / P, d)``.
@@ -384,9 +386,10 @@ def ring_attention(
         scale=scale,
         score_mod=mods.name_of(score_mod) if score_mod is not None else None,
         mask_mod=mods.name_of(mask_mod) if mask_mod is not None else None,
+        key_piece=KEY_PIECE,  # the pieces that travel must have the same sizes everywhere
     )
     if ring.size == 1:  # the shard is the whole sequence: attention of it, in the inputs' dtype
-        with torch.autocast(q.device.type, enabled=False):  # as across a ring
+        with torch.autocast(q.device.type, enabled=False):
             return functional.attention(
                 q,
                 k,
@@ -505,14 +508,18 @@ class _Piece:
     homes: tuple[int, ...]
 
     @staticmethod
-    def of(shard: list[_Chunk], j: int, count: int) -> _Piece:
-        parts, homes, offset = [], [], 0
-        for chunk in shard:
-            part = chunk.slices(count)[j]
-            parts.append(_Chunk(offset, part.start, part.length))
-            homes.append(part.offset)
-            offset += part.length
-        return _Piece(tuple(parts), tuple(homes))
+    def cut_up(shard: list[_Chunk], count: int) -> list[_Piece]:
+        """The ``count`` pieces of a shard of these chunks."""
+        pieces = []
+        for parts in zip(*(chunk.slices(count) for chunk in shard)):
+            offsets = itertools.accumulate((p.length for p in parts), initial=0)
+            pieces.append(
+                _Piece(
+                    tuple(_Chunk(o, p.start, p.length) for o, p in zip(offsets, parts)),
+                    tuple(p.offset for p in parts),
+                )
+            )
+        return pieces
 
     def cut(self, x: Tensor, dim: int) -> Tensor:
         """This piece of the shard ``x``, a contiguous copy (it travels)."""
@@ -566,7 +573,7 @@ class _Call:
         return _Call(
             ring=ring,
             q_pieces=[p for c in q_chunks for p in c.slices(_pieces(c.length, QUERY_PIECE))],
-            k_pieces=[[_Piece.of(shard, j, count) for j in range(count)] for shard in k_chunks],
+            k_pieces=[_Piece.cut_up(shard, count) for shard in k_chunks],
             t=t,
             s=s,
             **options,
@@ -635,6 +642,11 @@ def _merge(out: Tensor, lse: Tensor, out_b: Tensor, lse_b: Tensor) -> None:
 
 
 def _forward(q, k, v, slopes, key_mask, call: _Call) -> tuple[Tensor, Tensor]:
+    with torch.autocast(q.device.type, enabled=False):  # in the inputs' dtype, as in one process
+        return _ring_forward(q, k, v, slopes, key_mask, call)
+
+
+def _ring_forward(q, k, v, slopes, key_mask, call: _Call) -> tuple[Tensor, Tensor]:
     ring = call.ring
     stats = torch.promote_types(q.dtype, torch.float32)
     b, h, t, _ = q.shape
@@ -674,7 +686,7 @@ def _backward(q, k, v, slopes, key_mask, out, lse, dout, dlse, mod_tensors, call
     ring = call.ring
     stats = torch.promote_types(q.dtype, torch.float32)
     dq = torch.zeros_like(q, dtype=stats)
-    dk, dv = k.new_zeros(k.shape, dtype=stats), v.new_zeros(v.shape, dtype=stats)
+    dk, dv = torch.zeros_like(k), torch.zeros_like(v)  # each row placed once, when its sum is home
     slopes_grad = slopes is not None and slopes.requires_grad
     dslopes = torch.zeros_like(slopes) if slopes_grad else None
     mod_grads: list[Tensor | None] = [None] * len(mod_tensors)
@@ -741,7 +753,7 @@ def _backward(q, k, v, slopes, key_mask, out, lse, dout, dlse, mod_tensors, call
     back = [torch.empty_like(x) for x in sums]  # the last piece's sums go home
     ring.exchange(sums, back, "gradients of keys and values")()
     home(len(call.k_pieces[ring.rank]) - 1, back)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dslopes, mod_grads
+    return dq.to(q.dtype), dk, dv, dslopes, mod_grads
 
 
 def _travelling(k: Tensor, v: Tensor, key_mask: Tensor | None, piece: _Piece) -> list[Tensor]:
@@ -780,9 +792,10 @@ class _RingAttention(torch.autograd.Function):
                 "create_graph=True"
             )
         q, k, v, slopes, key_mask, out, lse, *mod_tensors = ctx.saved_tensors
-        dq, dk, dv, dslopes, mod_grads = _backward(
-            q, k, v, slopes, key_mask, out, lse, dout, dlse, tuple(mod_tensors), ctx.call
-        )
+        with torch.autocast(q.device.type, enabled=False):
+            dq, dk, dv, dslopes, mod_grads = _backward(
+                q, k, v, slopes, key_mask, out, lse, dout, dlse, tuple(mod_tensors), ctx.call
+            )
         return dq, dk, dv, dslopes, None, None, *mod_grads
 
 
