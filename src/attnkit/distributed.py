@@ -355,22 +355,18 @@ def ring_attention(
         if given:
             raise ValueError(f"ring_attention does not take {name}: {_REFUSED[name]}")
     ring = _Ring.of(group, timeout)
+    options = {
+        "key_mask": key_mask,
+        "causal": causal,
+        "window": window,
+        "alibi_slopes": alibi_slopes,
+        "softcap": softcap,
+        "scale": scale,
+        "score_mod": score_mod,
+        "mask_mod": mask_mod,
+    }
     functional._request(  # this shard's own checks: shapes, dtypes, options
-        q,
-        k,
-        v,
-        attn_mask=None,
-        key_mask=key_mask,
-        causal=causal,
-        window=window,
-        alibi_slopes=alibi_slopes,
-        softcap=softcap,
-        scale=scale,
-        dropout_p=0.0,
-        return_lse=False,
-        return_weights=False,
-        score_mod=score_mod,
-        mask_mod=mask_mod,
+        q, k, v, attn_mask=None, dropout_p=0.0, return_lse=False, return_weights=False, **options
     )
     t, s = _agree(
         ring,
@@ -390,21 +386,7 @@ def ring_attention(
     )
     if ring.size == 1:  # the shard is the whole sequence: attention of it, in the inputs' dtype
         with torch.autocast(q.device.type, enabled=False):
-            return functional.attention(
-                q,
-                k,
-                v,
-                key_mask=key_mask,
-                causal=causal,
-                window=window,
-                alibi_slopes=alibi_slopes,
-                softcap=softcap,
-                scale=scale,
-                score_mod=score_mod,
-                mask_mod=mask_mod,
-                return_lse=return_lse,
-                backend="tiled",
-            )
+            return functional.attention(q, k, v, return_lse=return_lse, backend="tiled", **options)
     call = _Call.of(
         ring,
         t,
