@@ -6,6 +6,8 @@ window masks never reach a result in attnkit's own kernels (reference, tiled, de
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from hypothesis import given
@@ -289,6 +291,21 @@ def test_rows_of_huge_finite_values_are_finite():
     v = torch.randn(1, 1, 2, 64)
     for backend in ("reference", "sdpa", "tiled"):
         assert torch.isfinite(attention(q, k, v, scale=1.0, backend=backend)).all(), backend
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("bad", [NAN, math.inf, -math.inf, None])
+def test_nonfinite_rows_finds_each_kind_in_each_dtype(dtype, bad):
+    from attnkit.backends.nonfinite import nonfinite_rows
+
+    biggest = torch.finfo(dtype).max / 2  # finite, but rows of them sum past the largest value
+    x = torch.full((2, 3, 8), biggest, dtype=dtype)
+    expected = torch.zeros(2, 3, dtype=torch.bool)
+    if bad is not None:
+        x[1, 0, 5] = bad
+        expected[1, 0] = True
+    assert torch.equal(nonfinite_rows(x), expected)
+    assert nonfinite_rows(x[:, :0]).shape == (2, 0)
 
 
 @pytest.mark.parametrize("path", ["reference", "tiled", "tiled:loop"])

@@ -39,23 +39,29 @@ def can_branch_on_data(*tensors: Tensor) -> bool:
     return all(type(x) is Tensor and x.is_cpu for x in tensors)
 
 
-def _sum(x: Tensor, dim: int | None = None) -> Tensor:
-    """A sum that half-precision values cannot overflow (fp16 stops at 65504), without a copy."""
-    wide = torch.promote_types(x.dtype, torch.float32)
-    return x.sum(dtype=wide) if dim is None else x.sum(dim=dim, dtype=wide)
+def _finite(x: Tensor) -> bool:
+    """Whether every value of ``x`` is finite, in one pass: for float32 and float64 their sum (not
+    finite if a value is not, and, rarely, on overflow: a caller's exact check then decides); for
+    half precision their min and max, since widening them to sum in float32 runs at a fifth of the
+    speed (0.3 against 1.3-2.2 ms over 12 x 4096 x 64 bf16 values, Intel Xeon, AMX class)."""
+    if x.numel() == 0:
+        return True
+    if x.dtype in (torch.float16, torch.bfloat16):
+        low, high = torch.aminmax(x)  # a NaN anywhere makes both NaN
+        return bool(torch.isfinite(low) & torch.isfinite(high))
+    return bool(torch.isfinite(x.sum()))
 
 
 def nonfinite_rows(x: Tensor) -> Tensor:
     """``(...)`` True where a row ``x[..., :]`` holds a NaN or an infinity.
 
-    A row's sum is non-finite if one of its values is, and otherwise only when large finite values
-    overflow; ``0 * x`` summed is exact (0 or NaN) but needs a temporary of ``x``'s size. So where
-    Python may look, the plain sums decide, and the exact form runs only when one is not finite.
-    (torch's ``isfinite(x).all(-1)`` took 860 us over 12 x 512 x 64 floats here, a sum 30-60.)"""
-    if can_branch_on_data(x):
-        sums = _sum(x, -1)
-        if bool(torch.isfinite(sums).all()):
-            return torch.zeros(sums.shape, dtype=torch.bool, device=x.device)
+    A sum is non-finite if one of its values is, and otherwise only when large finite values
+    overflow; ``0 * x`` summed by rows is exact (0 or NaN) but needs a temporary of ``x``'s size.
+    So where Python may look, one pass over the whole of ``x`` decides (`_finite`), and the exact
+    form runs only when it finds a value that is not finite. (torch's ``isfinite(x).all(-1)`` took
+    860 us over 12 x 512 x 64 floats on Zen 3, a sum 30-60.)"""
+    if can_branch_on_data(x) and _finite(x):
+        return torch.zeros(x.shape[:-1], dtype=torch.bool, device=x.device)
     return torch.isnan((x * 0).sum(dim=-1))
 
 
@@ -75,4 +81,4 @@ def may_hold_nonfinite(*tensors: Tensor) -> bool:
     careful path is right then too, only slower); elsewhere, always."""
     if not can_branch_on_data(*tensors):
         return True
-    return not all(bool(torch.isfinite(_sum(x))) for x in tensors)
+    return not all(_finite(x) for x in tensors)

@@ -98,14 +98,17 @@ def rows_made_nan(
     h, h_kv = q.shape[1], k.shape[1]
     bad_q = nonfinite_rows(q)[..., None]  # (b, h, t, 1)
     bad_k = nonfinite_rows(k)  # (b, h_kv, s)
-    bad_k = bad_k.repeat_interleave(h // h_kv, dim=1)  # (b, h, s): query head i uses kv i // g
-    if is_causal:  # t == s: query i sees keys 0..i
-        sees_bad = (bad_k.cumsum(dim=-1) > 0)[..., None]
-    elif allowed is None:
-        sees_bad = bad_k.any(dim=-1)[:, :, None, None]
-    else:  # (.., t, s) x (b, h, s, 1): the number of bad keys a row sees
-        sees_bad = allowed.to(q.dtype) @ bad_k[..., None].to(q.dtype) > 0
-    bad = bad_q | sees_bad
+    if can_branch_on_data(bad_k) and not bool(bad_k.any()):
+        bad = bad_q  # no key to see: the usual case, in which the passes below would find nothing
+    else:
+        bad_k = bad_k.repeat_interleave(h // h_kv, dim=1)  # (b, h, s): query head i uses kv i // g
+        if is_causal:  # t == s: query i sees keys 0..i
+            sees_bad = (bad_k.cumsum(dim=-1) > 0)[..., None]
+        elif allowed is None:
+            sees_bad = bad_k.any(dim=-1)[:, :, None, None]
+        else:  # (.., t, s) x (b, h, s, 1): the number of bad keys a row sees
+            sees_bad = allowed.to(q.dtype) @ bad_k[..., None].to(q.dtype) > 0
+        bad = bad_q | sees_bad
     if bias is not None:  # NaN or +inf added to a score a row sees (-inf masks)
         bad_bias = torch.isnan(bias) | torch.isposinf(bias)
         if allowed is not None:
