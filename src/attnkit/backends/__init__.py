@@ -102,7 +102,7 @@ tiled vs SDPA, forward / forward+backward: t = s = 128 1.5-2.0x / 0.75-0.86x, 25
 1.44x, t = 64 1.04x / 0.85x, t = 128 0.73x / 0.55x (below that, packing K and V costs more than
 the few rows gain). Chosen from the CPU's features: without AVX512-BF16 the kernel multiplies
 bf16 in float32 and this rule does not apply; with AMX, SDPA's bf16 kernel multiplies on AMX and
-runs 2.2-3.9x faster than this kernel (an Intel Xeon of the Sapphire Rapids class, N=4096, forward
+runs 2.1-4.0x faster than this kernel (an Intel Xeon of the Sapphire Rapids class, N=4096, forward
 and forward+backward), so it does not apply there either."""
 
 
