@@ -3,8 +3,8 @@ loopback, against attention of the whole sequence in one process.
 
 For each sequence length, world size and layout, the ranks start as new processes with one thread
 each and run forward + backward, causal, on their shards: after a run on a short sequence
-(``WARM_UP_TOKENS``), the first run gives each rank's peak extra memory (the growth of its peak
-RSS), the next ``warmups`` warm up, and ``repeats`` are
+(``WARM_UP_TOKENS``), the first run gives each rank's peak extra memory (its peak RSS over its
+RSS before the run), the next ``warmups`` warm up, and ``repeats`` are
 timed between barriers. Per case: the time of a step (the slowest rank's, median), each rank's
 CPU time (its work, which the machine's cores share when there are more ranks than cores), the
 busiest rank's CPU time over the least busy one's (the balance of the layout), the bytes each rank
@@ -15,6 +15,7 @@ sends per step, and the peak memory per rank. ``whole`` is
 from __future__ import annotations
 
 import json
+import os
 import resource
 import statistics
 import time
@@ -111,9 +112,9 @@ def _rank_main(rank: int, world: int, n: int, layout: str, config: RingConfig) -
 
     step()  # the kernels load, gloo and the BLAS library make their lasting buffers
     q, k, v = (torch.randn(b, h, t, d, requires_grad=True) for _ in range(3))
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    before = _resident_mib()  # now, not the warm-up's peak, which would hide part of the step's
     step()
-    peak_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - before
     for _ in range(config.warmups):
         step()
     wall, cpu = [], []
@@ -131,6 +132,14 @@ def _rank_main(rank: int, world: int, n: int, layout: str, config: RingConfig) -
         "cpu_s": statistics.median(cpu),
         "sent_bytes": sent[0] // config.repeats,
     }
+
+
+def _resident_mib() -> float:
+    """This process's resident memory now (Linux; elsewhere its peak so far)."""
+    statm = Path("/proc/self/statm")
+    if statm.exists():
+        return int(statm.read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def markdown(record: dict) -> str:
