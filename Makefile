@@ -2,27 +2,39 @@
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
-STAMP  := $(VENV)/.installed-stamp
+# What `make demo` needs (torch, attnkit), then what the tests add (pytest, ruff, transformers,
+# the browser, notebooks and docs tooling). Each is reinstalled when the requirements or pins change.
+DEMO_STAMP := $(VENV)/.demo-stamp
+TEST_STAMP := $(VENV)/.test-stamp
 
-.PHONY: demo test docs lint format clean browser
+.PHONY: demo test test-build kernels docs lint format clean browser
 
-# The venv is rebuilt whenever the package's requirements or the pins change.
-$(STAMP): pyproject.toml constraints.txt
+$(DEMO_STAMP): pyproject.toml setup.py constraints.txt
+	@echo "make: creating $(VENV) with torch 2.13.0 (CPU) and attnkit"
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev]'
-	touch $(STAMP)
+	$(BIN)/python -m pip install --progress-bar off -c constraints.txt -e .
+	touch $@
 
-demo: $(STAMP)
+$(TEST_STAMP): $(DEMO_STAMP)
+	@echo "make: installing the test tooling (pytest, ruff, transformers, playwright, jupyter, mkdocs)"
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev]'
+	touch $@
+
+# The C++ kernels for this CPU, built once ahead of use (a no-op when they are built).
+kernels: $(DEMO_STAMP)
+	@$(BIN)/attnkit build || echo "make: attnkit runs PyTorch operations where a kernel is missing (slower)"
+
+demo: kernels
 	$(BIN)/attnkit explain
 
 # The documentation site, from docs/ and the docstrings, into site/ (not committed).
-docs: $(STAMP)
+docs: $(TEST_STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
-lint: $(STAMP)
-	$(BIN)/ruff check src tests examples
-	$(BIN)/ruff format --check src tests examples
+lint: $(TEST_STAMP)
+	$(BIN)/ruff check src tests examples setup.py
+	$(BIN)/ruff format --check src tests examples setup.py
 
 # Debian's Chromium for the browser test (tests/test_browser.py), where this user can install it
 # (root with apt-get); elsewhere that test skips and says why (CI makes the skip a failure).
@@ -32,12 +44,16 @@ browser:
 	  || { apt-get update -qq >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null 2>&1; }; }; } \
 	  || echo "note: Chromium could not be installed here; the browser test will skip"
 
-test: lint browser
-	$(BIN)/python -m pytest
+test: lint browser kernels
+	$(BIN)/python -m pytest -m "not build"
 
-format: $(STAMP)
-	$(BIN)/ruff format src tests examples
-	$(BIN)/ruff check --fix src tests examples
+# The tests that compile kernels from scratch and build a wheel (a few minutes; CI runs them).
+test-build: $(TEST_STAMP) kernels
+	$(BIN)/python -m pytest -m build
+
+format: $(TEST_STAMP)
+	$(BIN)/ruff format src tests examples setup.py
+	$(BIN)/ruff check --fix src tests examples setup.py
 
 clean:
 	rm -rf $(VENV) site .pytest_cache .ruff_cache .hypothesis build dist src/*.egg-info

@@ -10,6 +10,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
+from attnkit import _cpu
 from attnkit.backends import tiled, tiled_native
 
 # Small example counts keep `make test` quick on a 2-core machine; ATTNKIT_HYPOTHESIS=thorough for more.
@@ -36,6 +37,16 @@ def _small_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(tiled, "BLOCK_K", 7)
     # a score_mod's bias in tiles of 2 key blocks when b * h = 8 (TILE_BYTES // (4 b h rows))
     monkeypatch.setattr(tiled_native, "TILE_BYTES", 4 * 8 * 5 * 14)
+
+
+@pytest.fixture
+def every_extension(monkeypatch):
+    """A CPU that has every extension attnkit knows (the probe's cache is emptied before and after),
+    so that the narrowing tests check something on any CPU."""
+    _cpu._features.cache_clear()
+    monkeypatch.setattr(_cpu, "_detected", lambda: _cpu.KNOWN)
+    yield
+    _cpu._features.cache_clear()
 
 
 @pytest.fixture

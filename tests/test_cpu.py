@@ -12,18 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from attnkit import _cpu
+from attnkit import _build, _cpu
 from attnkit.backends import _native
-
-
-@pytest.fixture
-def every_extension(monkeypatch):
-    """A CPU that has every extension attnkit knows (the probe's cache is emptied before and after),
-    so that the narrowing tests check something on any CPU."""
-    _cpu._features.cache_clear()
-    monkeypatch.setattr(_cpu, "_detected", lambda: _cpu.KNOWN)
-    yield
-    _cpu._features.cache_clear()
 
 
 def test_the_probe_reports_known_extensions_only():
@@ -80,34 +70,35 @@ def test_bf16_products_are_fast_exactly_with_avx512_bf16_or_amx(monkeypatch, eve
 
 
 @pytest.mark.parametrize(
-    "spec, named",
+    "spec, level",
     [
-        ("none", "baseline"),
-        ("avx2", "avx2_fma_f16c"),
-        ("avx512", "avx2_fma_f16c_avx512f_avx512bw_avx512vl_avx512dq"),
-        ("avx512_bf16", "avx2_fma_f16c_avx512f_avx512bw_avx512vl_avx512dq_avx512bf16"),
-        ("amx", "avx2_fma_f16c_avx512f_avx512bw_avx512vl_avx512dq_avx512bf16"),
+        ("none", "none"),
+        ("avx2", "avx2"),
+        ("avx512", "avx512"),
+        ("avx512_bf16", "avx512_bf16"),
+        ("amx", "avx512_bf16"),  # the kernels use no AMX: an AMX CPU runs the avx512_bf16 build
+        ("avx2,avx512f", "avx2"),  # a level needs all of its extensions
     ],
 )
-def test_a_build_is_named_after_every_extension_it_enables(
-    spec, named, monkeypatch, every_extension
-):
-    """A build for one CPU is never loaded on another that lacks an extension it uses: the
-    extensions are in its name, and its flags enable nothing else."""
+def test_a_build_is_for_the_highest_level_the_cpu_has(spec, level, monkeypatch, every_extension):
+    """A build for one CPU is never loaded on another that lacks an extension it uses: its level is
+    in its name, and its flags enable that level's extensions and nothing else."""
     monkeypatch.setenv(_cpu.ENV, spec)
-    tag, flags = _native._isa_flags()
-    assert tag == named
-    isa_flags = [flag for flag in flags if flag in _native._FLAGS.values()]
-    assert [
-        _native._FLAGS[name] for name in _native._FLAGS if name.replace("_", "") in named.split("_")
-    ] == isa_flags
-    assert ("-mprefer-vector-width=512" in flags) == ("avx512f" in named)
-    kernel = _native.Kernel("tiled.cpp", ("-O3",))
-    assert kernel.name().startswith(f"attnkit_tiled_{named}_")
+    assert _cpu.build_level() == level
+    assert _native.Kernel("tiled").name().startswith(f"attnkit_tiled_{level.replace('_', '')}_")
+    flags = _build.command("tiled", level, "x", Path("x.so"))
+    isa = {flag for flag in flags if flag.startswith("-mavx") or flag in ("-mfma", "-mf16c")}
+    assert isa == {
+        flag for flag in _build.LEVELS[level] if flag.startswith("-m") and "=" not in flag
+    }
+    assert ("-mprefer-vector-width=512" in flags) == ("avx512" in level)
+    for extension in ("avx2", "avx512f", "avx512_bf16"):
+        if extension not in _cpu.LEVELS[level]:
+            assert f"-m{extension.replace('_', '')}" not in flags
 
 
 def test_builds_for_different_cpus_have_different_names(monkeypatch, every_extension):
-    kernel = _native.Kernel("tiled.cpp", ("-O3",))
+    kernel = _native.Kernel("tiled")
     names = set()
     for spec in ("none", "avx2", "avx512", "avx512_bf16"):
         monkeypatch.setenv(_cpu.ENV, spec)
@@ -117,10 +108,7 @@ def test_builds_for_different_cpus_have_different_names(monkeypatch, every_exten
 
 def test_the_probe_narrows_what_this_cpu_has(monkeypatch):
     """On the real CPU: the build's extensions are among those the CPU has."""
-    _, flags = _native._isa_flags()
-    for name, flag in _native._FLAGS.items():
-        if flag in flags:
-            assert name in _cpu.features()
+    assert _cpu.LEVELS[_cpu.build_level()] <= _cpu.features()
     monkeypatch.setenv(_cpu.ENV, "")
     assert _cpu.features() == _cpu._detected()  # blank: not narrowed
 

@@ -46,6 +46,7 @@ NOT_RUN = {
     "make test": "the suite itself",
     "ATTNKIT_CPU_FEATURES=avx2 make test": "the whole suite again; test_cpu.py runs that setting",
     "pip install": "installs from a package registry",
+    "pip wheel": "builds a wheel; test_native.py's build-marked test builds and installs one",
 }
 
 FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE

@@ -35,6 +35,8 @@ from pathlib import Path
 
 import torch
 
+from attnkit import _build
+
 KNOWN = frozenset(
     {
         "avx2",
@@ -127,6 +129,13 @@ def features() -> frozenset[str]:
 def has(*names: str) -> bool:
     """Whether the CPU has every one of ``names`` (after narrowing)."""
     return set(names) <= features()
+
+
+def build_level() -> str:
+    """The highest level of the C++ kernels' builds (`attnkit._build.LEVELS`) that this CPU runs,
+    after narrowing: an AMX CPU runs the ``avx512_bf16`` build, one without AVX2 the ``none`` one."""
+    present = features()
+    return [level for level in _build.LEVELS if LEVELS[level] <= present][-1]
 
 
 def fast_half_products(dtype: torch.dtype) -> bool:

@@ -25,13 +25,14 @@ import inspect
 import math
 import os
 import types
-import warnings
 from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import noop_mask
+
+from attnkit import _warn
 
 ScoreMod = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
@@ -279,6 +280,9 @@ def compiled_or_eager(fn: Callable, *, dynamic: bool | None = None) -> Callable:
     return _compiled(fn, dynamic)
 
 
+_NO_COMPILER: list[str] = []  # inductor's error, once it found no C++ compiler in this process
+
+
 @functools.lru_cache(maxsize=32)
 def _compiled(fn: Callable, dynamic: bool | None) -> Callable:
     compiled = None  # made on first use: torch.compile's first call imports dynamo (a second)
@@ -286,7 +290,7 @@ def _compiled(fn: Callable, dynamic: bool | None) -> Callable:
 
     def run(*args):
         nonlocal compiled, failed
-        if failed:
+        if failed or _NO_COMPILER:
             return fn(*args)
         try:
             compiled = compiled or torch.compile(fn, dynamic=dynamic)
@@ -294,11 +298,12 @@ def _compiled(fn: Callable, dynamic: bool | None) -> Callable:
         except Exception as error:  # the fallback: eager, which raises the function's own errors
             failed = True
             result = fn(*args)
-            warnings.warn(
-                f"{name_of(fn)} could not be compiled ({type(error).__name__}: {error}); it runs "
-                "uncompiled",
-                stacklevel=3,
-            )
+            cause = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:200]}"
+            if "InvalidCxxCompiler" in cause:  # no function compiles here: say so once
+                _NO_COMPILER.append(cause)
+                _warn.warn(f"torch.compile needs a C++ compiler ({cause}); attnkit runs uncompiled")
+            else:
+                _warn.warn(f"{name_of(fn)} could not be compiled ({cause}); it runs uncompiled")
             return result
 
     return run

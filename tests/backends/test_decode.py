@@ -145,7 +145,7 @@ def test_named_decode_refuses_what_it_cannot_run():
 
 
 def test_without_the_kernel_auto_uses_sdpa_and_a_named_call_says_why(monkeypatch):
-    monkeypatch.setattr(decode, "KERNEL", Kernel("decode.cpp", ()))
+    monkeypatch.setattr(decode, "KERNEL", Kernel("decode"))
     monkeypatch.setenv("ATTNKIT_NATIVE", "0")
     q = torch.randn(1, 2, 1, 8)
     k = v = torch.randn(1, 2, 64, 8)

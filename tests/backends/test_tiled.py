@@ -246,23 +246,23 @@ def test_bf16_runs_the_kernel_only_where_its_build_has_avx512_bf16(monkeypatch):
     assert tiled_native.KERNEL.name() == kernel.__name__  # once loaded, the loaded build's name
 
 
-def test_a_kernel_that_cannot_be_built_falls_back_to_the_loop_with_a_warning(monkeypatch):
-    broken = _native.Kernel("no_such_kernel.cpp", ())
+def test_a_kernel_that_cannot_be_built_falls_back_to_the_loop_with_a_warning(monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    broken = _native.Kernel("tiled")
     monkeypatch.setattr(tiled_native, "KERNEL", broken)
     q, k, v = qkv(t=23, s=31)
-    with pytest.warns(UserWarning, match="no_such_kernel.cpp could not be built"):
+    with pytest.warns(UserWarning, match=r"tiled.cpp is unavailable: no C\+\+ compiler"):
         ran = paths_taken(lambda: attention(q, k, v, backend="tiled").sum().backward())
     assert ran == ["attnkit::tiled_loop_backward", "attnkit::tiled_loop_forward"]
-    assert broken.available() == (False, broken._failure) and broken.build_seconds is not None
+    assert broken.available() == (False, broken._failure) and broken.origin is None
     expected, _, _ = naive_attention(*(x.detach().double() for x in (q, k, v)))
     torch.testing.assert_close(attention(q, k, v, backend="tiled"), expected.float())
 
 
 def test_attnkit_native_0_disables_the_kernel(monkeypatch):
     monkeypatch.setenv("ATTNKIT_NATIVE", "0")
-    monkeypatch.setattr(
-        tiled_native, "KERNEL", _native.Kernel("tiled.cpp", tiled_native.KERNEL.cflags)
-    )
+    monkeypatch.setattr(tiled_native, "KERNEL", _native.Kernel("tiled"))
     assert tiled_native.KERNEL.available() == (False, "disabled by ATTNKIT_NATIVE=0")
     ran = paths_taken(forward_backward())
     assert ran == ["attnkit::tiled_loop_backward", "attnkit::tiled_loop_forward"]

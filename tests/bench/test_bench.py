@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from attnkit.backends import tiled_native
 from attnkit.bench import BenchConfig, run
 from attnkit.bench.measure import Result, matmul_gflops, probe_memory, time_interleaved
 from attnkit.bench.peers import Case
@@ -38,8 +39,10 @@ def test_smoke_runs_end_to_end(tmp_path, capsys):
     assert all(r["vs_baseline"] == 1.0 for r in sdpa)
     assert data["info"]["machine"]["torch"] == torch.__version__
     tiled_kernel = data["info"]["native"]["tiled.cpp"]
-    assert tiled_kernel["available"] and tiled_kernel["seconds"] >= 0  # build time, measured
-    assert "C++ kernels: tiled.cpp built or loaded in " in out
+    assert tiled_kernel["available"] and tiled_kernel["level"] == tiled_native.KERNEL.level()
+    assert tiled_kernel["origin"] in ("prebuilt", "cached", "built")
+    assert (tiled_kernel["seconds"] is None) == (tiled_kernel["origin"] != "built")
+    assert f"C++ kernels: tiled.cpp for {tiled_kernel['level']}, " in out
     assert (tmp_path / "results.md").read_text().startswith("Machine: ")
     assert (tmp_path / "results.png").stat().st_size > 10_000
 

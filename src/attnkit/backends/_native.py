@@ -1,118 +1,215 @@
-"""attnkit's C++ kernels: each built once with `torch.utils.cpp_extension`, then cached.
+"""attnkit's C++ kernels, as the backends use them: found, built if need be, loaded once.
 
-A kernel is one ``.cpp`` file next to this module (with the ``.h`` files beside it). The first use builds it (about a minute; ninja and
-a C++ compiler are needed), torch caches the build in ``TORCH_EXTENSIONS_DIR`` and later processes
-load it in well under a second. Where it cannot be built, or with ``ATTNKIT_NATIVE=0``, the kernel is
-unavailable and its backend says why: callers fall back to PyTorch operations, never silently to
-something that computes a different thing.
+A kernel (``tiled`` or ``decode``) is built for this CPU's level (`attnkit._cpu.build_level`:
+the vector instructions it has, narrowed by ``ATTNKIT_CPU_FEATURES``). Its first use in a process
+loads, in this order:
+
+1. the build a wheel carries for the highest level this CPU runs (``attnkit/_prebuilt``), where
+   the wheel was built for this torch's major.minor version and C++ ABI (otherwise it is ignored,
+   with one warning naming both versions);
+2. the build in the extensions folder (``TORCH_EXTENSIONS_DIR``, else torch's default), which
+   ``attnkit build`` makes ahead of time;
+3. else a build made now, in the foreground (`attnkit._build.build`: a line on stderr before and
+   after, Ctrl-C stops it).
+
+Where no build can be had (no compiler, a compile error; or ``ATTNKIT_NATIVE=0``), one short
+warning names the cause, the kernel is unavailable for the rest of the process and its backend
+says why: callers run PyTorch operations instead, never something that computes a different thing.
 """
 
 from __future__ import annotations
 
-import hashlib
-import logging
+import importlib.util
 import os
-import time
-import warnings
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 
-from attnkit import _cpu
+from attnkit import _build, _cpu, _warn
 
-# The compiler flag of each extension a build may enable, in the order the build's name lists them.
-_FLAGS = {
-    "avx2": "-mavx2",
-    "fma": "-mfma",
-    "f16c": "-mf16c",
-    "avx512f": "-mavx512f",
-    "avx512bw": "-mavx512bw",
-    "avx512vl": "-mavx512vl",
-    "avx512dq": "-mavx512dq",
-    "avx512_bf16": "-mavx512bf16",
-}
+PREBUILT = Path(__file__).parent.parent / "_prebuilt"
+"""Where a wheel carries its builds (absent in a checkout)."""
 
+ESTIMATE = "about half a minute on 2 cores"
+"""What a build's first line says it will take (each kernel compiles in 20-30 s on the project's
+2-core machines; see docs/guides/backends.md)."""
 
-def _isa_flags() -> tuple[str, list[str]]:
-    """The instruction-set flags of a build for this CPU (from `attnkit._cpu.features`; not
-    -march=native, which would enable extensions the probe was told to hide), and a tag naming
-    every extension they enable, which keeps builds for different CPUs apart: a build is never
-    loaded on a CPU that lacks an extension it uses."""
-    present = _cpu.features()
-    enabled = [name for name in _FLAGS if name in present]
-    if not {"avx2", "fma"} <= present:  # the kernels' vector code assumes both or neither
-        enabled = []
-    tag = "_".join(name.replace("_", "") for name in enabled) or "baseline"
-    flags = [_FLAGS[name] for name in enabled]
-    if "avx512f" in enabled:  # GCC's default tuning vectorises loops 256 bits wide even then
-        flags.append("-mprefer-vector-width=512")
-    return tag, flags
+_warned_versions: list[str] = []  # the prebuilt kernels' version warning, given once a process
 
 
 @dataclass
 class Kernel:
-    """One C++ source, built on first use.
+    """One C++ kernel (``backends/<kernel>.cpp``), loaded on first use.
 
     Attributes:
-        source: the ``.cpp`` file, beside this module.
-        cflags: optimisation flags (the instruction-set flags are added); part of the build's name,
-            so that a change of flags rebuilds.
-        build_seconds: how long the last `load` took to build or to load the cached build.
+        kernel: its name, a key of `attnkit._build.KERNELS`.
+        build_seconds: how long this process spent compiling it (None if it compiled nothing).
+        origin: where the loaded build came from: ``"prebuilt"`` (in the wheel), ``"cached"``
+            (the extensions folder) or ``"built"`` (compiled by this process); None before.
     """
 
-    source: str
-    cflags: tuple[str, ...]
+    kernel: str
     build_seconds: float | None = None
+    origin: str | None = None
     _module: ModuleType | None = field(default=None, repr=False)
     _failure: str | None = field(default=None, repr=False)
+    _loading: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
-    def path(self) -> Path:
-        return Path(__file__).with_name(self.source)
+    def source(self) -> str:
+        return f"{self.kernel}.cpp"
+
+    @property
+    def cflags(self) -> tuple[str, ...]:
+        return _build.KERNELS[self.kernel]
 
     def name(self) -> str:
-        """The build's name: once loaded, the loaded one's; before, the one a build would have now
-        (its instruction-set tag, and a hash of the sources and flags)."""
+        """The build's name: once loaded, the loaded one's; before, the one that would load now."""
         if self._module is not None:
             return self._module.__name__
-        isa, flags = _isa_flags()
-        stem = self.path.stem
-        headers = sorted(self.path.parent.glob("*.h"))  # what the source may include
-        key = b"".join(p.read_bytes() for p in [self.path, *headers])
-        key += " ".join([*self.cflags, *flags]).encode()
-        return f"attnkit_{stem}_{isa}_{hashlib.sha1(key).hexdigest()[:10]}"
+        prebuilt = self.prebuilt()
+        return prebuilt.stem if prebuilt is not None else self.cached().parent.name
+
+    def level(self) -> str:
+        """The CPU level of the build that loads (or would load) here."""
+        prebuilt = self.prebuilt()
+        if prebuilt is not None:
+            return _level_of(prebuilt.stem)
+        return _cpu.build_level()
+
+    def prebuilt(self) -> Path | None:
+        """The wheel's build for the highest level this CPU runs, if the wheel carries one made
+        for this torch (else None, with one warning per process when the torch differs)."""
+        manifest = _build.read_manifest(PREBUILT)
+        if manifest is None:
+            return None
+        mine = _build.torch_build_id()
+        theirs = {key: manifest.get(key) for key in mine}
+        if theirs != mine:
+            if not _warned_versions:
+                _warned_versions.append(str(theirs))
+                _warn.warn(
+                    f"attnkit's prebuilt kernels were built for {_describe(theirs)}, this is "
+                    f"{_describe(mine)}: they are ignored, and kernels are built for this torch "
+                    "on first use (`attnkit build` builds them now)"
+                )
+            return None
+        builds = manifest.get("kernels", {}).get(self.kernel, {})
+        levels = list(_build.LEVELS)
+        for level in reversed(levels[: levels.index(_cpu.build_level()) + 1]):
+            if level in builds:
+                return PREBUILT / builds[level]
+        return None
+
+    def cached(self) -> Path:
+        """Where this CPU's build lives in the extensions folder (it may not exist yet)."""
+        name = _build.build_name(self.kernel, _cpu.build_level())
+        return _build.extensions_folder() / name / f"{name}.so"
 
     def load(self) -> ModuleType | None:
-        """The compiled module, or None when it cannot be built (the reason: `available`)."""
+        """The compiled module, or None when it cannot be had (the reason: `available`). Builds
+        it in the foreground when no build exists; Ctrl-C raises ``KeyboardInterrupt``."""
         if self._module is not None or self._failure is not None:
             return self._module
+        with self._loading:  # threads making their first calls together load it once
+            if self._module is None and self._failure is None:
+                self._load()
+        return self._module
+
+    def _load(self) -> None:
         if os.environ.get("ATTNKIT_NATIVE", "1") == "0":
             self._failure = "disabled by ATTNKIT_NATIVE=0"
-            return None
-        started = time.perf_counter()
+            return
         try:
-            from torch.utils import cpp_extension
-
-            _, flags = _isa_flags()
-            name = self.name()
-            logging.getLogger("attnkit").info("building the C++ kernel %s (once)", name)
-            # -fopenmp: at::parallel_for runs on OpenMP; without it the kernel runs on one thread.
-            # The extension then shares the libgomp.so.1 that torch has loaded.
-            self._module = cpp_extension.load(
-                name,
-                [str(self.path)],
-                extra_cflags=[*self.cflags, "-fopenmp", *flags],
-                extra_ldflags=["-fopenmp"],
-                verbose=False,
-            )
-        except Exception as error:  # a missing compiler or ninja shows up as many exception types
-            self._failure = (
-                f"the C++ kernel {self.source} could not be built: {type(error).__name__}: {error}"
-            )
-            warnings.warn(f"{self._failure}; attnkit uses PyTorch operations instead", stacklevel=3)
-        self.build_seconds = time.perf_counter() - started
-        return self._module
+            path, origin = self.prebuilt(), "prebuilt"
+            if path is None:
+                built = _build.build(self.kernel, _cpu.build_level(), estimate=ESTIMATE)
+                path, origin = built.path, "built" if built.compiled else "cached"
+                self.build_seconds = built.seconds if built.compiled else None
+            self._module, self.origin = _import(path), origin
+        except (_build.BuildError, ImportError, OSError) as error:
+            self._failure = f"the C++ kernel {self.source} is unavailable: {error}"
+            _warn.warn(f"{self._failure}; attnkit uses PyTorch operations instead")
 
     def available(self) -> tuple[bool, str | None]:
         """Whether the kernel is usable, building it if need be, and why not."""
         return self.load() is not None, self._failure
+
+
+def _import(path: Path) -> ModuleType:
+    """Load the extension module at ``path``; its import name is the file's stem."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"{path} is not an extension module")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _level_of(stem: str) -> str:
+    """The level in a build's name (``attnkit_tiled_avx512bf16`` -> ``avx512_bf16``)."""
+    tag = stem.split("_")[2]
+    return next(level for level in _build.LEVELS if level.replace("_", "") == tag)
+
+
+def _describe(build_id: dict) -> str:
+    abi = "the C++11 ABI" if build_id.get("cxx11_abi") else "the pre-C++11 ABI"
+    return f"torch {build_id.get('torch')} ({abi}, Python {build_id.get('python')})"
+
+
+KERNELS = {name: Kernel(name) for name in _build.KERNELS}
+"""The kernels of this process, by name (the backends hold theirs: ``tiled_native.KERNEL``)."""
+
+
+@dataclass(frozen=True)
+class Report:
+    """What `build_all` did for one kernel.
+
+    Attributes:
+        kernel: its name.
+        level: the CPU level of the build.
+        origin: ``"prebuilt"`` (in the wheel), ``"cached"`` (already in the extensions folder),
+            ``"built"`` (compiled now), ``"missing"`` (not built, with ``check``) or ``"failed"``.
+        path: the build's file (where it would be, when missing or failed).
+        seconds: the time compiling took (0 when nothing was compiled).
+        error: why it failed, or None.
+    """
+
+    kernel: str
+    level: str
+    origin: str
+    path: Path
+    seconds: float = 0.0
+    error: str | None = None
+
+
+def build_all(*, force: bool = False, check: bool = False) -> list[Report]:
+    """Make every kernel ready for this CPU ahead of use, two builds at a time, and load them into
+    this process: a usable prebuilt build is kept, a build in the extensions folder too unless
+    ``force``; ``check`` builds nothing and reports what is there. Ctrl-C raises
+    ``KeyboardInterrupt``."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    level = _cpu.build_level()
+
+    def one(kernel: Kernel) -> Report:
+        prebuilt = kernel.prebuilt()
+        if prebuilt is not None and not force:
+            return Report(kernel.kernel, _level_of(prebuilt.stem), "prebuilt", prebuilt)
+        cached = kernel.cached()
+        if check:
+            return Report(kernel.kernel, level, "cached" if cached.exists() else "missing", cached)
+        try:
+            built = _build.build(kernel.kernel, level, force=force, estimate=ESTIMATE)
+            module = _import(built.path)
+        except (_build.BuildError, ImportError, OSError) as error:
+            return Report(kernel.kernel, level, "failed", cached, error=str(error))
+        origin = "built" if built.compiled else "cached"
+        if prebuilt is None:  # what this process loads from now on
+            with kernel._loading:
+                kernel._module, kernel._failure, kernel.origin = module, None, origin
+        return Report(kernel.kernel, level, origin, built.path, built.seconds)
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return list(pool.map(one, KERNELS.values()))

@@ -17,9 +17,11 @@
 // infinite q or k) is NaN; a non-finite value reaches the rows that see its key. Built with
 // -ffast-math but -fno-finite-math-only, so that the checks for NaN and infinity stay.
 
-#include <torch/extension.h>
-
+// ATen and torch's pybind11 glue, not <torch/extension.h>: the whole C++ API's headers tripled
+// the build's time, and a first call waits for it.
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
 #include <cfloat>
@@ -229,8 +231,8 @@ void attend_split(const float* q, int64_t rows_given, int64_t dim, const T* k, c
 }
 
 template <typename T, int64_t D>
-void run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-         const torch::Tensor& key_mask, double scale, int64_t splits, torch::Tensor& out) {
+void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+         const at::Tensor& key_mask, double scale, int64_t splits, at::Tensor& out) {
   const int64_t b = q.size(0), h_kv = q.size(1), rows = q.size(2), d = q.size(3), s = k.size(2);
   const int64_t per_split = (s + splits - 1) / splits;
   const int64_t items = b * h_kv * splits;
@@ -295,8 +297,8 @@ void run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
 // in sixteen float32 lanes, half-precision weights converted as they are read. MKL's sgemv ran on one
 // thread at half the bus's speed on the CPU this was measured on.
 template <typename T, int64_t kGroup>
-void linear_rows(const torch::Tensor& x, const std::vector<torch::Tensor>& ws,
-                 const std::vector<torch::Tensor>& biases, std::vector<torch::Tensor>& ys) {
+void linear_rows(const at::Tensor& x, const std::vector<at::Tensor>& ws,
+                 const std::vector<at::Tensor>& biases, std::vector<at::Tensor>& ys) {
   constexpr int64_t kLanes = 16;
   const int64_t rows = x.size(0), in = x.size(1);
   const int64_t body = in - in % kLanes;
@@ -344,24 +346,24 @@ void linear_rows(const torch::Tensor& x, const std::vector<torch::Tensor>& ws,
 
 // [x (..., in) @ w (out_i, in)^T + bias_i (out_i,)] for each weight, all of one dtype, the weights
 // and biases contiguous. Returns one (..., out_i) tensor per weight.
-std::vector<torch::Tensor> linear(torch::Tensor x, std::vector<torch::Tensor> weights,
-                                  std::vector<std::optional<torch::Tensor>> biases) {
+std::vector<at::Tensor> linear(at::Tensor x, std::vector<at::Tensor> weights,
+                                  std::vector<std::optional<at::Tensor>> biases) {
   TORCH_CHECK(!weights.empty() && biases.size() == weights.size(),
               "linear: one bias (or None) for each of one or more weights");
   TORCH_CHECK(x.dim() >= 1, "linear: x must be (..., in)");
-  std::vector<torch::Tensor> bs, ys;
+  std::vector<at::Tensor> bs, ys;
   const auto rows = x.reshape({-1, x.size(-1)}).contiguous();
   for (size_t i = 0; i < weights.size(); ++i) {
     const auto& w = weights[i];
     TORCH_CHECK(w.dim() == 2 && x.size(-1) == w.size(1) && w.is_contiguous() &&
                     x.scalar_type() == w.scalar_type(),
                 "linear: x (..., in) and each weight a contiguous (out, in) of x's dtype");
-    const auto b = biases[i].value_or(torch::Tensor());  // undefined: no bias
+    const auto b = biases[i].value_or(at::Tensor());  // undefined: no bias
     TORCH_CHECK(!b.defined() || (b.dim() == 1 && b.size(0) == w.size(0) && b.is_contiguous() &&
                                   b.scalar_type() == w.scalar_type()),
                 "linear: each bias must be None or (out,) contiguous, of its weight's dtype");
     bs.push_back(b);
-    ys.push_back(torch::empty({rows.size(0), w.size(0)}, x.options()));
+    ys.push_back(at::empty({rows.size(0), w.size(0)}, x.options()));
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "linear", [&] {
     if (rows.size(0) == 1) {
@@ -381,8 +383,8 @@ std::vector<torch::Tensor> linear(torch::Tensor x, std::vector<torch::Tensor> we
 // Attention of q (b, h, t, d) over k, v (b, h_kv, s, d), query head i using key/value head
 // i / (h / h_kv); returns (b, h, t, d) in q's dtype. The keys are cut into splits so that every
 // thread has work, but into no more than s / min_keys_per_split, so that each split streams.
-torch::Tensor decode(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                     const torch::Tensor& key_mask, double scale, int64_t min_keys_per_split) {
+at::Tensor decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                     const at::Tensor& key_mask, double scale, int64_t min_keys_per_split) {
   TORCH_CHECK(q.dim() == 4 && q.stride(3) == 1 && q.scalar_type() == k.scalar_type(),
               "decode: q must be (b, h, t, d) with a contiguous last dim, of k's dtype");
   TORCH_CHECK(k.dim() == 4 && v.sizes() == k.sizes() && v.strides() == k.strides() &&
@@ -396,10 +398,10 @@ torch::Tensor decode(const torch::Tensor& q, const torch::Tensor& k, const torch
   TORCH_CHECK(rows <= kMaxRows && d <= kMaxDim,
               "decode: at most 16 query rows per key/value head and head_dim 256");
   TORCH_CHECK(min_keys_per_split >= 1, "decode: min_keys_per_split must be >= 1");
-  TORCH_CHECK(key_mask.numel() == 0 || (key_mask.scalar_type() == torch::kBool &&
+  TORCH_CHECK(key_mask.numel() == 0 || (key_mask.scalar_type() == at::kBool &&
                                         key_mask.dim() == 2 && key_mask.stride(1) == 1),
               "decode: key_mask must be an empty tensor or a (b, s) bool tensor");
-  auto out = torch::empty({b, h_kv, rows, d},
+  auto out = at::empty({b, h_kv, rows, d},
                          q.options().memory_format(at::MemoryFormat::Contiguous));
   if (out.numel() == 0) return out.view({b, h, t, d});  // b, t or d is 0: nothing to compute
   const auto grouped = q.reshape({b, h_kv, rows, d});

@@ -3,8 +3,8 @@
 Each decoding step reads the whole cache, so its speed is the memory bus's. torch's SDPA and the naive
 path compute ``q . K`` and ``weights . V`` as two matrix-vector products, reading the cache twice per
 query head group, and in bf16 on CPUs without bf16 matrix units they run several times slower than
-the bus. This backend runs a small C++ kernel (``decode.cpp``, built once with
-`torch.utils.cpp_extension` and cached) that streams each key/value head once for all the query
+the bus. This backend runs a small C++ kernel (``decode.cpp``, built once for this CPU and kept:
+`attnkit.backends._native`) that streams each key/value head once for all the query
 rows that share it (GQA groups included), with FlashAttention's online softmax; the splits of the keys
 that the threads share are merged here.
 
@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 from torch.overrides import has_torch_function
 
-from attnkit.backends._native import Kernel
+from attnkit.backends import _native
 from attnkit.backends.base import AttentionOutput, Request, forward_ad_active
 
 MAX_ROWS = 16
@@ -37,7 +37,7 @@ MIN_KEYS_PER_SPLIT = 1024
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _NO_MASK = torch.empty(0, dtype=torch.bool)
 
-KERNEL = Kernel("decode.cpp", ("-O3", "-ffast-math", "-fno-finite-math-only"))
+KERNEL = _native.KERNELS["decode"]
 
 
 def available() -> tuple[bool, str | None]:

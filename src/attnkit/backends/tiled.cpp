@@ -25,9 +25,11 @@
 //   the loss's gradient with respect to it. A tile's f is the only thing of size rows x keys.
 // Query head i uses key/value head i / (h / h_kv).
 
-#include <torch/extension.h>
-
+// ATen and torch's pybind11 glue, not <torch/extension.h>: the whole C++ API's headers tripled
+// the build's time, and a first call waits for it.
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
 #include <cmath>
@@ -215,7 +217,7 @@ struct Strided {
   const T* data = nullptr;
   int64_t sb = 0, sh = 0, st = 0, ss = 0;
 
-  static Strided of(const torch::Tensor& x) {
+  static Strided of(const at::Tensor& x) {
     Strided m;
     if (!x.defined() || x.numel() == 0) return m;
     m.data = x.data_ptr<T>();
@@ -239,7 +241,7 @@ struct Scoring {
   const bool* key_mask;         // (b, s) contiguous rows, or null
   int64_t key_mask_stride;
 
-  void set_mod_bias(const torch::Tensor& tile, int64_t r0, int64_t c0) {
+  void set_mod_bias(const at::Tensor& tile, int64_t r0, int64_t c0) {
     mod_bias = Strided<float>::of(tile);
     mod_row0 = r0, mod_col0 = c0;
   }
@@ -346,26 +348,26 @@ struct Scoring {
 
 // The scoring of a call with b batches, h query heads, t queries and s keys, after checking that
 // every mask fits those sizes (the kernel reads them without bounds checks).
-Scoring make_scoring(int64_t b, int64_t h, int64_t t, int64_t s, const torch::Tensor& bias,
-                     const torch::Tensor& allowed, const torch::Tensor& key_mask,
-                     const torch::Tensor& alibi, double softcap, int64_t left, int64_t right,
+Scoring make_scoring(int64_t b, int64_t h, int64_t t, int64_t s, const at::Tensor& bias,
+                     const at::Tensor& allowed, const at::Tensor& key_mask,
+                     const at::Tensor& alibi, double softcap, int64_t left, int64_t right,
                      int64_t shift, int64_t block_q, int64_t block_k) {
-  TORCH_CHECK(bias.numel() == 0 || (bias.dim() == 4 && bias.scalar_type() == torch::kFloat),
+  TORCH_CHECK(bias.numel() == 0 || (bias.dim() == 4 && bias.scalar_type() == at::kFloat),
               "tiled: bias must be empty or float32 (b, h, t, s)");
-  TORCH_CHECK(allowed.numel() == 0 || (allowed.dim() == 4 && allowed.scalar_type() == torch::kBool),
+  TORCH_CHECK(allowed.numel() == 0 || (allowed.dim() == 4 && allowed.scalar_type() == at::kBool),
               "tiled: allowed must be empty or bool (b, h, t, s)");
   const std::vector<int64_t> full{b, h, t, s};
   TORCH_CHECK(block_q > 0 && block_k > 0, "tiled: block sizes must be positive");
-  TORCH_CHECK(bias.numel() == 0 || bias.sizes() == torch::IntArrayRef(full),
+  TORCH_CHECK(bias.numel() == 0 || bias.sizes() == at::IntArrayRef(full),
               "tiled: bias must be (b, h, t, s)");
-  TORCH_CHECK(allowed.numel() == 0 || allowed.sizes() == torch::IntArrayRef(full),
+  TORCH_CHECK(allowed.numel() == 0 || allowed.sizes() == at::IntArrayRef(full),
               "tiled: allowed must be (b, h, t, s)");
   TORCH_CHECK(key_mask.numel() == 0 ||
-                  (key_mask.sizes() == torch::IntArrayRef({b, s}) &&
-                   (s == 1 || key_mask.stride(1) == 1) && key_mask.scalar_type() == torch::kBool),
+                  (key_mask.sizes() == at::IntArrayRef({b, s}) &&
+                   (s == 1 || key_mask.stride(1) == 1) && key_mask.scalar_type() == at::kBool),
               "tiled: key_mask must be empty or bool (b, s) with contiguous rows");
   TORCH_CHECK(alibi.numel() == 0 || (alibi.numel() == h && alibi.is_contiguous() &&
-                                     alibi.scalar_type() == torch::kFloat),
+                                     alibi.scalar_type() == at::kFloat),
               "tiled: alibi must be empty or contiguous float32 (h,)");
   Scoring sc;
   sc.s = s, sc.diagonal = s - t + shift, sc.left = left, sc.right = right;
@@ -396,13 +398,13 @@ std::vector<char> nonfinite_rows(const T* x, int64_t rows, int64_t width) {
 
 // The operands' dtype: float32 (products by torch's matmul) or bfloat16 (pair products), the same
 // for all; bf16 operands have even head dims (the caller pads them with zeros).
-c10::ScalarType check_operands(std::initializer_list<const torch::Tensor*> tensors) {
+c10::ScalarType check_operands(std::initializer_list<const at::Tensor*> tensors) {
   const auto dtype = (*tensors.begin())->scalar_type();
   for (const auto* x : tensors) {
     TORCH_CHECK(x->dim() == 4 && x->is_contiguous() && x->scalar_type() == dtype &&
-                    (dtype == torch::kFloat || dtype == torch::kBFloat16),
+                    (dtype == at::kFloat || dtype == at::kBFloat16),
                 "tiled: the operands must be contiguous 4-d tensors, all float32 or all bfloat16");
-    TORCH_CHECK(dtype == torch::kFloat || x->size(3) % 2 == 0,
+    TORCH_CHECK(dtype == at::kFloat || x->size(3) % 2 == 0,
                 "tiled: bfloat16 operands must have an even last dim");
   }
   return dtype;
@@ -420,11 +422,11 @@ inline void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t kk, const float
                  const float* b, int64_t ldb, float* c, int64_t ldc, bool add) {
   const auto view = [](const float* x, int64_t rows, int64_t cols, int64_t ld, bool transposed) {
     const int64_t stored_rows = transposed ? cols : rows, stored_cols = transposed ? rows : cols;
-    auto t = torch::from_blob(const_cast<float*>(x), {stored_rows, stored_cols}, {ld, 1},
-                              torch::kFloat);
+    auto t = at::from_blob(const_cast<float*>(x), {stored_rows, stored_cols}, {ld, 1},
+                              at::kFloat);
     return transposed ? t.t() : t;
   };
-  auto out = torch::from_blob(c, {m, n}, {ldc, 1}, torch::kFloat);
+  auto out = at::from_blob(c, {m, n}, {ldc, 1}, at::kFloat);
   const auto lhs = view(a, m, kk, lda, ta), rhs = view(b, kk, n, ldb, tb);
   if (add) {
     at::addmm_out(out, out, lhs, rhs);
@@ -452,8 +454,8 @@ struct Float32Blocks {
     explicit Scratch(const Float32Blocks&, int64_t, int64_t) {}
   };
 
-  Float32Blocks(const Sizes& sizes, const torch::Tensor& q_, const torch::Tensor& k_,
-                const torch::Tensor& v_, const torch::Tensor* dout_)
+  Float32Blocks(const Sizes& sizes, const at::Tensor& q_, const at::Tensor& k_,
+                const at::Tensor& v_, const at::Tensor* dout_)
       : z(sizes), q(q_.data_ptr<float>()), k(k_.data_ptr<float>()), v(v_.data_ptr<float>()),
         dout(dout_ ? dout_->data_ptr<float>() : nullptr) {}
 
@@ -540,8 +542,8 @@ struct Bf16Blocks {
           dout_rows(blocks.dout ? (block_q + 1) / 2 * blocks.dv_cols : 0) {}
   };
 
-  Bf16Blocks(const Sizes& sizes, const torch::Tensor& q_, const torch::Tensor& k_,
-             const torch::Tensor& v_, const torch::Tensor* dout_, bool fast_)
+  Bf16Blocks(const Sizes& sizes, const at::Tensor& q_, const at::Tensor& k_,
+             const at::Tensor& v_, const at::Tensor* dout_, bool fast_)
       : z(sizes), fast(fast_), q(bits(q_)), k(bits(k_)), v(bits(v_)),
         dout(dout_ ? bits(*dout_) : nullptr), key_cols(z.s + pairs::kCols),
         d_cols(pairs::padded(z.d)), dv_cols(pairs::padded(z.dv)) {
@@ -568,7 +570,7 @@ struct Bf16Blocks {
     });
   }
 
-  static const Bf16* bits(const torch::Tensor& x) {
+  static const Bf16* bits(const at::Tensor& x) {
     return reinterpret_cast<const Bf16*>(x.data_ptr<at::BFloat16>());
   }
   const Pair* words(const Bf16* rows) const { return reinterpret_cast<const Pair*>(rows); }
@@ -672,17 +674,17 @@ struct Tiles {
     panels(z.t, [&](int64_t r0, int64_t r1) {
       const auto [lo, hi] = sc.block_range(r0, r1);
       key_tiles(lo, hi, [&](int64_t c0, int64_t c1) {
-        const torch::Tensor tile_bias = bias(z, r0, r1, c0, c1);  // alive while f runs
+        const at::Tensor tile_bias = bias(z, r0, r1, c0, c1);  // alive while f runs
         sc.set_mod_bias(tile_bias, r0, c0);
         f(r0, r1, c0, c1);
       });
     });
   }
   // The score_mod's bias of the tile, expanded to (b, h, r1 - r0, c1 - c0); undefined without one.
-  torch::Tensor bias(const Sizes& z, int64_t r0, int64_t r1, int64_t c0, int64_t c1) const {
+  at::Tensor bias(const Sizes& z, int64_t r0, int64_t r1, int64_t c0, int64_t c1) const {
     if (mod_bias.is_none()) return {};
-    auto f = mod_bias(r0, r1, c0, c1).cast<torch::Tensor>();
-    TORCH_CHECK(f.dim() == 4 && f.scalar_type() == torch::kFloat && f.device().is_cpu(),
+    auto f = mod_bias(r0, r1, c0, c1).cast<at::Tensor>();
+    TORCH_CHECK(f.dim() == 4 && f.scalar_type() == at::kFloat && f.device().is_cpu(),
                 "tiled: mod_bias must return a float32 CPU tensor of 4 dims");
     return f.expand({z.b, z.h, r1 - r0, c1 - c0});
   }
@@ -699,13 +701,13 @@ Tiles tiles_of(int64_t tile_rows, int64_t tile_keys, int64_t block_q, int64_t bl
 // The running max m, sum l and unnormalised output (kept in `out` until the end) of every row live
 // across the tiles; a tile's work is one parallel pass over its panel's query blocks.
 template <typename Blocks>
-std::tuple<torch::Tensor, torch::Tensor> forward_blocks(const Blocks& blocks, const Sizes& z,
+std::tuple<at::Tensor, at::Tensor> forward_blocks(const Blocks& blocks, const Sizes& z,
                                                         Scoring sc, int64_t block_q,
                                                         int64_t block_k, const Tiles& tiles) {
   const int64_t b = z.b, h = z.h, t = z.t, s = z.s, dv = z.dv, groups = z.h / z.h_kv;
   const int64_t width = blocks.width(dv);
-  auto out = torch::zeros({b, h, t, width}, torch::kFloat);
-  auto lse = torch::empty({b, h, t}, torch::kFloat);
+  auto out = at::zeros({b, h, t, width}, at::kFloat);
+  auto lse = at::empty({b, h, t}, at::kFloat);
   float *op = out.data_ptr<float>(), *lp = lse.data_ptr<float>();
   std::vector<float> m(b * h * t, kNegInf), l(b * h * t, 0.f);
   std::vector<char> poisoned(b * h * t, 0);  // a NaN score met: the row's output and lse are NaN
@@ -796,9 +798,9 @@ std::tuple<torch::Tensor, torch::Tensor> forward_blocks(const Blocks& blocks, co
 }
 
 template <typename Blocks>
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> backward_blocks(
-    const Blocks& blocks, const Sizes& z, Scoring sc, const torch::Tensor& lse,
-    const torch::Tensor& delta, int64_t block_q, int64_t block_k, bool alibi_grad,
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_blocks(
+    const Blocks& blocks, const Sizes& z, Scoring sc, const at::Tensor& lse,
+    const at::Tensor& delta, int64_t block_q, int64_t block_k, bool alibi_grad,
     const Tiles& tiles) {
   const int64_t b = z.b, h = z.h, h_kv = z.h_kv, t = z.t, s = z.s, groups = h / h_kv;
   const int64_t dq_width = blocks.width(z.d), dk_width = dq_width, dv_width = blocks.width(z.dv);
@@ -806,12 +808,12 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> backward_
   const int64_t split =
       std::max<int64_t>(1, std::min(k_blocks, at::get_num_threads() / (b * h_kv)));
   TORCH_CHECK(!alibi_grad || sc.alibi != nullptr, "tiled: alibi_grad without ALiBi slopes");
-  const auto f32 = torch::TensorOptions().dtype(torch::kFloat);
-  auto dq_parts = torch::zeros({split, b, h, t, dq_width}, f32);
-  auto dalibi_parts = torch::zeros({alibi_grad ? split : 0, b, h}, f32);
+  const auto f32 = at::TensorOptions().dtype(at::kFloat);
+  auto dq_parts = at::zeros({split, b, h, t, dq_width}, f32);
+  auto dalibi_parts = at::zeros({alibi_grad ? split : 0, b, h}, f32);
   float* dap = dalibi_parts.data_ptr<float>();
-  auto dk = torch::zeros({b, h_kv, s, dk_width}, f32);
-  auto dvv = torch::zeros({b, h_kv, s, dv_width}, f32);
+  auto dk = at::zeros({b, h_kv, s, dk_width}, f32);
+  auto dvv = at::zeros({b, h_kv, s, dv_width}, f32);
   const float *lp = lse.data_ptr<float>(), *dlp = delta.data_ptr<float>();
   float* dqp = dq_parts.data_ptr<float>();
   float *dkp = dk.data_ptr<float>(), *dvp = dvv.data_ptr<float>();
@@ -820,8 +822,8 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> backward_
   tiles.walk(z, sc, [&](int64_t r0, int64_t r1, int64_t c0, int64_t c1) {
     const int64_t q_blocks = (r1 - r0 + block_q - 1) / block_q;
     // dL/df over the tile: dS where a block was visited, 0 elsewhere
-    const torch::Tensor dbias = bias_grad ? torch::zeros({b, h, r1 - r0, c1 - c0}, f32)
-                                          : torch::Tensor();
+    const at::Tensor dbias = bias_grad ? at::zeros({b, h, r1 - r0, c1 - c0}, f32)
+                                          : at::Tensor();
     float* dbp = bias_grad ? dbias.data_ptr<float>() : nullptr;
     at::parallel_for(0, b * h_kv * split, 1, [&](int64_t first, int64_t last) {
       c10::InferenceMode no_autograd;
@@ -903,10 +905,10 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> backward_
   return {dq.narrow(3, 0, z.d), dk.narrow(3, 0, z.d), dvv.narrow(3, 0, z.dv), dalibi};
 }
 
-Sizes sizes_of(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
+Sizes sizes_of(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   const Sizes z{q.size(0), q.size(1), k.size(1), q.size(2), k.size(2), q.size(3), v.size(3)};
-  TORCH_CHECK(z.h % z.h_kv == 0 && k.sizes() == torch::IntArrayRef({z.b, z.h_kv, z.s, z.d}) &&
-                  v.sizes() == torch::IntArrayRef({z.b, z.h_kv, z.s, z.dv}),
+  TORCH_CHECK(z.h % z.h_kv == 0 && k.sizes() == at::IntArrayRef({z.b, z.h_kv, z.s, z.d}) &&
+                  v.sizes() == at::IntArrayRef({z.b, z.h_kv, z.s, z.dv}),
               "tiled: q (b, h, t, d), k (b, h_kv, s, d) and v (b, h_kv, s, dv) disagree");
   return z;
 }
@@ -923,9 +925,9 @@ bool fast_pairs(int64_t route) {
 // Returns out (b, h, t, dv) and lse (b, h, t), float32; with bf16 operands out is a view of rows
 // padded to a multiple of 32 columns. Operands all float32 or all bf16 (`route` says how bf16
 // blocks are multiplied; see fast_pairs).
-std::tuple<torch::Tensor, torch::Tensor> forward(
-    torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor bias, torch::Tensor allowed,
-    torch::Tensor key_mask, torch::Tensor alibi, double softcap, int64_t left, int64_t right,
+std::tuple<at::Tensor, at::Tensor> forward(
+    at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor bias, at::Tensor allowed,
+    at::Tensor key_mask, at::Tensor alibi, double softcap, int64_t left, int64_t right,
     int64_t shift, int64_t block_q, int64_t block_k, int64_t route, int64_t tile_rows,
     int64_t tile_keys, py::object mod_bias) {
   const auto dtype = check_operands({&q, &k, &v});
@@ -933,7 +935,7 @@ std::tuple<torch::Tensor, torch::Tensor> forward(
   const Scoring sc = make_scoring(z.b, z.h, z.t, z.s, bias, allowed, key_mask, alibi, softcap,
                                   left, right, shift, block_q, block_k);
   const Tiles tiles = tiles_of(tile_rows, tile_keys, block_q, block_k, mod_bias, py::none());
-  if (dtype == torch::kFloat) {
+  if (dtype == at::kFloat) {
     return forward_blocks(Float32Blocks(z, q, k, v, nullptr), z, sc, block_q, block_k, tiles);
   }
   return forward_blocks(Bf16Blocks(z, q, k, v, nullptr, fast_pairs(route)), z, sc, block_q,
@@ -948,24 +950,24 @@ std::tuple<torch::Tensor, torch::Tensor> forward(
 // key blocks, so no two threads write the same rows. dQ, which every key block adds to, goes to one
 // buffer per part, summed at the end (extra memory: split x dq, with split <= threads / (b h_kv));
 // the slopes' gradient likewise goes to one (b, h) buffer per part.
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> backward(
-    torch::Tensor dout, torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor lse,
-    torch::Tensor delta, torch::Tensor bias, torch::Tensor allowed, torch::Tensor key_mask,
-    torch::Tensor alibi, double softcap, int64_t left, int64_t right, int64_t shift,
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
+    at::Tensor dout, at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor lse,
+    at::Tensor delta, at::Tensor bias, at::Tensor allowed, at::Tensor key_mask,
+    at::Tensor alibi, double softcap, int64_t left, int64_t right, int64_t shift,
     int64_t block_q, int64_t block_k, bool alibi_grad, int64_t route, int64_t tile_rows,
     int64_t tile_keys, py::object mod_bias, py::object mod_bias_grad) {
   const auto dtype = check_operands({&dout, &q, &k, &v});
   const Sizes z = sizes_of(q, k, v);
-  TORCH_CHECK(dout.sizes() == torch::IntArrayRef({z.b, z.h, z.t, z.dv}),
+  TORCH_CHECK(dout.sizes() == at::IntArrayRef({z.b, z.h, z.t, z.dv}),
               "tiled: dout must be (b, h, t, dv)");
   TORCH_CHECK(lse.is_contiguous() && delta.is_contiguous() && lse.numel() == z.b * z.h * z.t &&
-                  delta.numel() == z.b * z.h * z.t && lse.scalar_type() == torch::kFloat &&
-                  delta.scalar_type() == torch::kFloat,
+                  delta.numel() == z.b * z.h * z.t && lse.scalar_type() == at::kFloat &&
+                  delta.scalar_type() == at::kFloat,
               "tiled: lse and delta must be contiguous float32 (b, h, t)");
   const Scoring sc = make_scoring(z.b, z.h, z.t, z.s, bias, allowed, key_mask, alibi, softcap,
                                   left, right, shift, block_q, block_k);
   const Tiles tiles = tiles_of(tile_rows, tile_keys, block_q, block_k, mod_bias, mod_bias_grad);
-  if (dtype == torch::kFloat) {
+  if (dtype == at::kFloat) {
     return backward_blocks(Float32Blocks(z, q, k, v, &dout), z, sc, lse, delta, block_q, block_k,
                            alibi_grad, tiles);
   }

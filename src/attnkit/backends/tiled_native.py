@@ -25,13 +25,13 @@ import torch
 from torch import Tensor
 
 from attnkit import mods
-from attnkit.backends._native import Kernel
+from attnkit.backends import _native
 from attnkit.mods import Block
 
 if TYPE_CHECKING:
     from attnkit.backends.tiled_loop import Plan
 
-KERNEL = Kernel("tiled.cpp", ("-O3", "-fno-math-errno", "-fno-trapping-math"))
+KERNEL = _native.KERNELS["tiled"]
 _EMPTY = {dtype: torch.empty(0, dtype=dtype) for dtype in (torch.float32, torch.bool)}
 
 

@@ -95,13 +95,16 @@ class BenchConfig:
 
 
 def native_kernels() -> dict[str, dict]:
-    """attnkit's C++ kernels, each built or loaded from torch's cache: how long that took, and
-    why a kernel is unavailable (the tiled backend then runs its PyTorch loop)."""
+    """attnkit's C++ kernels, each loaded (built first if need be): its CPU level, where the
+    build came from (``prebuilt``, ``cached``, ``built``), how long a build took, and why a kernel
+    is unavailable (the tiled backend then runs its PyTorch loop)."""
     report = {}
     for kernel in (tiled_native.KERNEL, decode_backend.KERNEL):
         usable, reason = kernel.available()
         report[kernel.source] = {
             "available": usable,
+            "level": kernel.level() if usable else None,
+            "origin": kernel.origin,
             "seconds": kernel.build_seconds,
             "why": reason,
         }

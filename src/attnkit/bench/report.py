@@ -17,6 +17,18 @@ from attnkit.bench.measure import Result
 BASELINES = {"kernel": "torch-sdpa", "module": "torch-mha"}
 
 
+def _kernel_line(item: tuple[str, dict]) -> str:
+    name, kernel = item
+    if not kernel["available"]:
+        return f"{name} unavailable ({kernel['why']})"
+    origin = {
+        "prebuilt": "prebuilt in the wheel",
+        "cached": "built earlier",
+        "built": f"built in {kernel['seconds'] or 0:.0f} s",
+    }.get(kernel.get("origin"), "loaded")
+    return f"{name} for {kernel.get('level')}, {origin}"
+
+
 def machine() -> dict:
     """The facts a reader needs to compare a table with their own machine."""
     model = platform.processor() or platform.machine()
@@ -96,13 +108,7 @@ def markdown(records: list[dict], info: dict) -> str:
         "",
     ]
     if info.get("native"):
-        kernels = [
-            f"{name} built or loaded in {k['seconds']:.1f} s"
-            if k["available"]
-            else f"{name} unavailable ({k['why']})"
-            for name, k in info["native"].items()
-        ]
-        lines += [f"C++ kernels: {'; '.join(kernels)} (a first build takes ~45 s each).", ""]
+        lines += [f"C++ kernels: {'; '.join(map(_kernel_line, info['native'].items()))}.", ""]
     for group, baseline in BASELINES.items():
         mine = [r for r in records if r["group"] == group]
         if not mine:
