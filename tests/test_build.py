@@ -210,7 +210,11 @@ def test_ctrl_c_during_a_build_raises_keyboardinterrupt(whom, fresh, tmp_path):
     )
     lines = [process.stderr.readline(), process.stderr.readline()]
     assert "attnkit: building the C++ kernel tiled.cpp" in lines[1], lines
-    time.sleep(0.3)  # the compiler has started
+    pids = tmp_path / "compiler.pids"
+    deadline = time.monotonic() + 30
+    while len(pids.read_text().split() if pids.exists() else []) < 2:  # both have started
+        assert time.monotonic() < deadline, "the stand-in compiler did not start"
+        time.sleep(0.05)
     if whom == "the process group":
         os.killpg(process.pid, signal.SIGINT)
     else:
@@ -219,7 +223,7 @@ def test_ctrl_c_during_a_build_raises_keyboardinterrupt(whom, fresh, tmp_path):
     assert process.wait(timeout=20) != 0
     assert "KeyboardInterrupt" in rest
     assert not list(fresh.glob("*/*.so*"))
-    compiler_and_child = (tmp_path / "compiler.pids").read_text().split()
+    compiler_and_child = pids.read_text().split()
     assert len(compiler_and_child) == 2
     assert not any(running(int(pid)) for pid in compiler_and_child)  # both were stopped
 

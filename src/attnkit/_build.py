@@ -152,6 +152,7 @@ def command(kernel: str, level: str, name: str, output: Path) -> list[str]:
         f"-DTORCH_EXTENSION_NAME={name}",
         "-DTORCH_API_INCLUDE_EXTENSION_H",
         f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+        *_pybind11_abi(torch),
         *(f"-isystem{path}" for path in includes),
         *KERNELS[kernel],
         *LEVELS[level],
@@ -162,6 +163,15 @@ def command(kernel: str, level: str, name: str, output: Path) -> list[str]:
         "-ltorch_cpu",
         "-ltorch_python",
     ]
+
+
+def _pybind11_abi(torch) -> list[str]:
+    """The pybind11 ABI of torch's own bindings, where the running torch records it (releases up
+    to about 2.11 do, in ``torch._C._PYBIND11_*``; their cpp_extension passes it on): built with
+    another, an extension gets pybind11 state apart from torch's."""
+    names = ("COMPILER_TYPE", "STDLIB", "BUILD_ABI")
+    values = {name: getattr(torch._C, f"_PYBIND11_{name}", None) for name in names}
+    return [f'-DPYBIND11_{name}="{value}"' for name, value in values.items() if value is not None]
 
 
 def build_name(kernel: str, level: str) -> str:

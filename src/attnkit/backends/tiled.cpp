@@ -900,7 +900,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_blocks(
     });
     if (bias_grad) tiles.mod_bias_grad(r0, r1, c0, c1, dbias);
   });
-  auto dalibi = alibi_grad ? dalibi_parts.sum({0, 1}) : dalibi_parts;
+  auto dalibi = alibi_grad ? dalibi_parts.sum(at::IntArrayRef{0, 1}) : dalibi_parts;
   auto dq = split == 1 ? dq_parts[0] : dq_parts.sum(0);
   return {dq.narrow(3, 0, z.d), dk.narrow(3, 0, z.d), dvv.narrow(3, 0, z.dv), dalibi};
 }
