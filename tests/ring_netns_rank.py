@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 import ring_ranks
 from attnkit import distributed as ring
+from attnkit.distributed import passes
 
 
 def main() -> None:
@@ -49,14 +50,14 @@ def main() -> None:
 def _link_down(args) -> dict:
     """Forward, then a backward that says it has begun (a marker file) and pauses, so that the
     test can take a link down while the backward's transfers are under way."""
-    original = ring._backward
+    original = passes.backward_pass
 
     def announced(*a, **kw):
         (args.markers / f"backward-{args.rank}").touch()
         time.sleep(2.0)
         return original(*a, **kw)
 
-    ring._backward = announced
+    passes.backward_pass = announced
     q, k, v = (torch.randn(1, 2, 16, 8, requires_grad=True) for _ in range(3))
     start = None
     try:

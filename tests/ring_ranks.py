@@ -15,7 +15,10 @@ from torch import Tensor
 
 from attnkit import distributed as ring
 from attnkit import functional as F
-from attnkit.backends import tiled
+from attnkit.backends import tiled_function
+from attnkit.bench.launch import run_local
+from attnkit.distributed import ring as plan
+from attnkit.distributed.transport import Ring
 
 
 def free_port() -> int:
@@ -26,7 +29,7 @@ def free_port() -> int:
 
 def run(world: int, target: Callable, *args, lost: tuple[int, ...] = ()) -> list:
     """``target(rank, world, *args)`` on ``world`` processes (see ``run_local``)."""
-    return ring.run_local(world, target, *args, lost=lost, wait=180.0)
+    return run_local(world, target, *args, lost=lost, wait=180.0)
 
 
 # The cases: each builds the whole sequence the same way on every rank (same seed), runs ring
@@ -53,9 +56,9 @@ def compare_case(rank: int, world: int, case: dict) -> dict[str, float]:
     """Ring attention of ``case`` on this rank against float64 attention of the whole sequence:
     the largest differences of the output, lse and gradients of this rank's shard (and of the
     slopes' or table's gradient, summed over the ranks)."""
-    tiled.BLOCK_Q, tiled.BLOCK_K = 5, 7  # many blocks, lengths that do not divide them
+    tiled_function.BLOCK_Q, tiled_function.BLOCK_K = 5, 7  # many blocks, lengths that do not divide them
     # Pieces of about 2 keys and 3 queries a chunk: several rounds, pieces of unequal sizes.
-    ring.KEY_PIECE, ring.QUERY_PIECE = case.get("pieces", (2, 3))
+    plan.KEY_PIECE, plan.QUERY_PIECE = case.get("pieces", (2, 3))
     dtype = case.get("dtype", torch.float64)
     b, h, h_kv, d = 2, case.get("h", 2), case.get("h_kv", 2), 8
     t, s = case["t"], case.get("s", case["t"])
@@ -249,7 +252,7 @@ def dies_or_hangs(rank: int, world: int, victim: int, how: str, timeout: float, 
     q, k, v = (torch.randn(1, 2, 16, 8, requires_grad=True) for _ in range(3))
     if rank == victim:
         calls = {"n": 0}
-        original = tiled.partial if where == "forward" else tiled.backward
+        original = tiled_function.partial if where == "forward" else tiled_function.backward
 
         def faulty(*args, **kwargs):
             calls["n"] += 1
@@ -259,7 +262,7 @@ def dies_or_hangs(rank: int, world: int, victim: int, how: str, timeout: float, 
                 time.sleep(10 * timeout)  # a hung process: the others must not wait for it
             return original(*args, **kwargs)
 
-        setattr(tiled, "partial" if where == "forward" else "backward", faulty)
+        setattr(tiled_function, "partial" if where == "forward" else "backward", faulty)
     start = time.monotonic()
     try:
         out = ring.ring_attention(q, k, v, causal=True, timeout=timeout)
@@ -280,8 +283,8 @@ def module_case(rank: int, world: int, layout: str) -> dict[str, float]:
     the output, the input's gradient and the parameters' gradients (summed over the ranks)."""
     from attnkit import MultiHeadAttention
 
-    tiled.BLOCK_Q, tiled.BLOCK_K = 5, 7
-    ring.KEY_PIECE, ring.QUERY_PIECE = 2, 3
+    tiled_function.BLOCK_Q, tiled_function.BLOCK_K = 5, 7
+    plan.KEY_PIECE, plan.QUERY_PIECE = 2, 3
     torch.manual_seed(0)
     mha = MultiHeadAttention(
         16, 16, context_length=None, dropout=0.0, num_heads=4, num_kv_heads=2, rope=True,
@@ -310,15 +313,15 @@ def largest_transfer(rank: int, world: int, layout: str) -> int:
     """Forward and backward with key pieces of about 4 keys a chunk, over shards of 16 tokens: the
     most tokens of any tensor this rank sent or received (keys, values, their key mask and the
     gradients' sums)."""
-    ring.KEY_PIECE = 4
+    plan.KEY_PIECE = 4
     tokens = []
-    exchange = ring._Ring.exchange
+    exchange = Ring.exchange
 
     def recorded(self, outgoing, incoming, what):
         tokens.extend(x.shape[-2] if x.dim() == 4 else x.shape[-1] for x in (*outgoing, *incoming))
         return exchange(self, outgoing, incoming, what)
 
-    ring._Ring.exchange = recorded
+    Ring.exchange = recorded
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 2, 16, 8, requires_grad=True) for _ in range(3))
     key_mask = torch.rand(1, 16) > 0.2
@@ -330,7 +333,7 @@ def largest_transfer(rank: int, world: int, layout: str) -> int:
 def under_autocast(rank: int, world: int) -> list[float]:
     """The largest differences of the output and gradients of ring attention (causal, zigzag, a
     mask_mod: the PyTorch loop's products) under bf16 autocast from those without it."""
-    ring.KEY_PIECE, ring.QUERY_PIECE = 2, 3
+    plan.KEY_PIECE, plan.QUERY_PIECE = 2, 3
     torch.manual_seed(0)
     whole = [torch.randn(1, 2, 16, 8) for _ in range(3)]
     mine = [ring.shard(x, 2, layout="zigzag") for x in whole]
@@ -349,6 +352,6 @@ def under_autocast(rank: int, world: int) -> list[float]:
 
 def mismatched_pieces(rank: int, world: int) -> tuple[str, str]:
     """Rank 0 cuts the keys into other pieces than the rest: the transfers could not match."""
-    ring.KEY_PIECE = 2 if rank == 0 else 4
+    plan.KEY_PIECE = 2 if rank == 0 else 4
     q = k = v = torch.randn(1, 2, 8, 8)
     return _error_of(lambda: ring.ring_attention(q, k, v, causal=True, timeout=20))

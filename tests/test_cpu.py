@@ -25,7 +25,7 @@ def test_the_probe_reports_known_extensions_only():
 @pytest.mark.parametrize("spec", ["avx2", "avx512", "avx512_bf16", "none", "avx2,amx"])
 def test_narrowing_never_adds_an_extension(spec, monkeypatch):
     monkeypatch.setenv(_cpu.ENV, spec)
-    assert _cpu.features() == _cpu._detected() & _cpu.parse(spec)
+    assert _cpu.features() == _cpu.detected() & _cpu.parse(spec)
 
 
 def test_levels_expand_and_accumulate():
@@ -110,13 +110,14 @@ def test_the_probe_narrows_what_this_cpu_has(monkeypatch):
     """On the real CPU: the build's extensions are among those the CPU has."""
     assert _cpu.LEVELS[_cpu.build_level()] <= _cpu.features()
     monkeypatch.setenv(_cpu.ENV, "")
-    assert _cpu.features() == _cpu._detected()  # blank: not narrowed
+    assert _cpu.features() == _cpu.detected()  # blank: not narrowed
 
 
 AS_AVX2 = """
 import json, torch
 from attnkit import attention, _cpu
-from attnkit.backends import decode, tiled, tiled_native
+from attnkit.backends import decode, tiled_native
+from attnkit.backends.force import forced
 from attnkit.functional import which_backend
 from oracle import naive_attention
 
@@ -136,14 +137,12 @@ for dtype in (torch.float32, torch.bfloat16):
     errors[str(dtype)] = max(
         (a.double() - b).abs().max().item() for a, b in zip((out, *grads), (out64, *grads64))
     )
-tiled._fast_half_matmul = lambda dtype, device: True  # bf16 products, in the loop here
+report["half"] = tiled_native.pair_products(tiled_native.KERNEL)  # bf16 blocks: none here
 x = [t.bfloat16() for t in (q, k, v)]
-report["half"] = which_backend(*x, backend="tiled").products
-tiled_native.pair_products = lambda kernel: "portable"  # and in the kernel's portable route
-x = [t.bfloat16() for t in (q, k, v)]
-report["forced"] = which_backend(*x, backend="tiled").products
-out64, _, _ = naive_attention(*(t.double() for t in x))
-errors["forced"] = (attention(*x, backend="tiled").double() - out64).abs().max().item()
+with forced("tiled:portable"):  # the kernel's portable route for them
+    report["forced"] = which_backend(*x, backend="tiled").products
+    out64, _, _ = naive_attention(*(t.double() for t in x))
+    errors["forced"] = (attention(*x, backend="tiled").double() - out64).abs().max().item()
 step = attention(q[:, :, :1], k, v, backend="decode")
 step64, _, _ = naive_attention(q[:, :, :1].double(), k.double(), v.double())
 errors["decode"] = (step.double() - step64).abs().max().item()
@@ -167,7 +166,7 @@ def test_the_suite_can_run_this_cpu_as_an_avx2_one():
     assert set(report["features"]) <= {"avx2", "fma", "f16c"}
     assert report["torch.float32"] == ["native", "float32"]
     assert report["torch.bfloat16"] == ["native", "float32"]  # no bf16 units on an AVX2 CPU
-    assert report["half"] == "bfloat16"  # the AVX2 build has no vdpbf16ps: the loop
+    assert report["half"] is None  # the AVX2 build has no vdpbf16ps: bf16 blocks go to the loop
     assert report["forced"] == "bf16-portable"
     assert all("avx512" not in name for name in report["builds"])
     errors = report["errors"]

@@ -18,7 +18,7 @@ from torch.nn.attention import flex_attention as torch_flex
 
 import attnkit
 from attnkit import functional as F
-from attnkit.backends import tiled, tiled_loop
+from attnkit.backends import tiled_function, tiled_loop
 from attnkit.block_mask import create_block_mask
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -566,11 +566,9 @@ def test_mods_that_add_run_in_the_kernel_tile_by_tile_and_equal_the_oracle(
 
 
 @pytest.mark.parametrize("path", ["tiled", "tiled:half"])
-def test_bf16_mods_that_add_in_the_kernel_keep_the_2x_3x_rule(path, monkeypatch):
+def test_bf16_mods_that_add_in_the_kernel_keep_the_2x_3x_rule(path, forcing):
     """The kernel's bf16 inputs, multiplied in float32 or (``tiled:half``) in bf16 pairs."""
-    from conftest import force_path
-
-    backend = force_path(monkeypatch, path)
+    backend = forcing(path)
     b, h_kv, t, s = SHAPES["GQA, t < s"]
     table = TABLE.bfloat16().requires_grad_()
     tensors = [x.bfloat16().requires_grad_() for x in inputs(b, h_kv, t, s)]
@@ -729,8 +727,8 @@ def test_a_packed_batch_trains_through_the_module_as_its_documents_alone():
 def test_the_kernel_walks_groups_of_mask_blocks_as_one(mod, shape, monkeypatch):
     """The tiled loop's blocks span 4 x 4 of the mask's (as 256 x 512 span 2 x 4 of 128 x 128),
     with some of them full, some partial, some empty; a head- and batch-dependent mask too."""
-    monkeypatch.setattr(tiled, "BLOCK_Q", 16)
-    monkeypatch.setattr(tiled, "BLOCK_K", 32)
+    monkeypatch.setattr(tiled_function, "BLOCK_Q", 16)
+    monkeypatch.setattr(tiled_function, "BLOCK_K", 32)
     score_mod, mask_mod = ZOO[mod]
     b, h_kv, t, s = SHAPES[shape]
     q, k, v = (x.requires_grad_() for x in inputs(b, h_kv, t, s))
@@ -748,8 +746,8 @@ def test_the_kernel_walks_groups_of_mask_blocks_as_one(mod, shape, monkeypatch):
 
 
 def test_a_mask_that_depends_on_batch_and_head_in_grouped_blocks(monkeypatch):
-    monkeypatch.setattr(tiled, "BLOCK_Q", 16)
-    monkeypatch.setattr(tiled, "BLOCK_K", 32)
+    monkeypatch.setattr(tiled_function, "BLOCK_Q", 16)
+    monkeypatch.setattr(tiled_function, "BLOCK_K", 32)
 
     def per_row(b, h, q_idx, kv_idx):
         return ((q_idx >= kv_idx) & (h % 2 == 0)) | ((kv_idx < 9 + 4 * b) & (h % 2 == 1))

@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-from unittest import mock
-
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
 from attnkit import attention
-from attnkit.backends import BACKENDS, tiled
+from attnkit.backends import BACKENDS, tiled_function
 from attnkit.functional import which_backend
-from conftest import expected_products, force_path
+from conftest import expected_products, forced_path
 from oracle import naive_attention
 
 # (b, h, h_kv, t, s, d)
@@ -202,9 +200,9 @@ def check_half_products(path, q, k, v, masks, **options):
 @pytest.mark.parametrize("path", ["tiled:half", "tiled:portable"])
 @pytest.mark.parametrize("case", HALF_CASES.values(), ids=HALF_CASES.keys())
 @pytest.mark.parametrize("causal", [False, True])
-def test_bf16_block_products_within_the_low_precision_rule(path, case, causal, monkeypatch):
+def test_bf16_block_products_within_the_low_precision_rule(path, case, causal, forcing):
     shape, mask_kind, options = case
-    force_path(monkeypatch, path)
+    forcing(path)
     q, k, v, masks = make_inputs(shape, dtype=torch.bfloat16, mask_kind=mask_kind)
     check_half_products(path, q, k, v, masks, causal=causal, **options)
 
@@ -221,12 +219,14 @@ def test_bf16_block_products_within_the_low_precision_rule(path, case, causal, m
     ],
     ids=["full", "causal", "window", "alibi+softcap"],
 )
-def test_bf16_block_products_at_the_kernels_own_block_sizes(path, blocks, options, monkeypatch):
+def test_bf16_block_products_at_the_kernels_own_block_sizes(
+    path, blocks, options, monkeypatch, forcing
+):
     """Blocks of 8+ rows and of several 32-column tiles, rows of 16+ keys: the microkernel's main
     tile and the 16-lane loops, which the tests' tiny tiles never reach."""
-    force_path(monkeypatch, path)
-    monkeypatch.setattr(tiled, "BLOCK_Q", blocks[0])
-    monkeypatch.setattr(tiled, "BLOCK_K", blocks[1])
+    forcing(path)
+    monkeypatch.setattr(tiled_function, "BLOCK_Q", blocks[0])
+    monkeypatch.setattr(tiled_function, "BLOCK_K", blocks[1])
     q, k, v, masks = make_inputs(
         (1, 4, 2, 150, 333, 64), dtype=torch.bfloat16, mask_kind="key_mask"
     )
@@ -371,15 +371,14 @@ def test_property_both_tiled_paths_match_oracle_in_float32(
     inputs64, out64, lse64, weights64 = oracle64(q, k, v, masks, **options)
     dout = torch.randn_like(out64)
     expected = grads(out64, inputs64, dout)
-    for native in (True, False):
-        with mock.patch.object(tiled, "_native_kernel", wraps=tiled._native_kernel) as kernel:
-            if not native:
-                kernel.side_effect = lambda device, dtype: None
+    for path in ("tiled", "tiled:loop"):
+        with forced_path(path):
+            ran = which_backend(q, k, v, **masks, **options, backend="tiled").path
             out, lse, weights = attention(
                 q, k, v, **masks, **options, backend="tiled", return_lse=True, return_weights=True
             )
             computed = grads(out, (q, k, v), dout.float())
-        assert kernel.called
+        assert ran == ("loop" if path == "tiled:loop" else "native")
         torch.testing.assert_close(out, out64.float())
         torch.testing.assert_close(lse, lse64.float())
         torch.testing.assert_close(weights, weights64.float())

@@ -14,9 +14,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from attnkit import attention, mods
-from attnkit.backends import BACKENDS, tiled
+from attnkit.backends import BACKENDS, tiled_function
 from attnkit.functional import which_backend
-from conftest import expected_products, force_path
+from conftest import expected_products, forced_path
 from oracle import selected_attention
 
 NAN, INF = float("nan"), float("inf")
@@ -24,20 +24,15 @@ NAN, INF = float("nan"), float("inf")
 PATHS = ["reference", "sdpa", "tiled", "tiled:loop", "decode"]
 GENERAL = ["reference", "tiled", "tiled:loop", "sdpa"]  # every path with masks and modifiers
 OWN_GENERAL = ["reference", "tiled", "tiled:loop"]  # attnkit's own kernels among them
-HALF_PATHS = ["tiled:half", "tiled:portable"]  # bf16 block products (see conftest.force_path)
+HALF_PATHS = ["tiled:half", "tiled:portable"]  # bf16 block products (see conftest.forced_path)
 
 
 def run(path, q, k, v, monkeypatch, **options):
     """``attention`` on one path, with lse and weights where the backend returns them."""
-    name = "tiled" if path == "tiled:loop" else path
+    name = path.partition(":")[0]
     full = {"return_lse", "return_weights"} <= BACKENDS[name].supports
-    with monkeypatch.context() as patch:
-        if path == "tiled:loop":
-            patch.setattr(tiled, "_native_kernel", lambda device, dtype: None)
-        with torch.no_grad():
-            result = attention(
-                q, k, v, backend=name, return_lse=full, return_weights=full, **options
-            )
+    with forced_path(path), torch.no_grad():
+        result = attention(q, k, v, backend=name, return_lse=full, return_weights=full, **options)
     return result if full else (result, None, None)
 
 
@@ -253,13 +248,13 @@ def test_property_every_backend_follows_the_one_rule(
 
 
 @pytest.mark.parametrize("path", ["tiled", "tiled:loop", "tiled:half", "tiled:portable"])
-def test_a_nan_row_leaves_the_gradients_of_other_rows_finite(path, monkeypatch):
+def test_a_nan_row_leaves_the_gradients_of_other_rows_finite(path, monkeypatch, forcing):
     """The backward takes P and dS as exactly 0 at a masked key, even in a row that a NaN made
     NaN: neither a stale soft-cap value (C++) nor exp(-inf - NaN) reaches the other rows, nor
     a thread's buffers from one batch row to the next."""
-    force_path(monkeypatch, path)
-    monkeypatch.setattr(tiled, "BLOCK_Q", 4)
-    monkeypatch.setattr(tiled, "BLOCK_K", 4)
+    forcing(path)
+    monkeypatch.setattr(tiled_function, "BLOCK_Q", 4)
+    monkeypatch.setattr(tiled_function, "BLOCK_K", 4)
     dtype = torch.bfloat16 if path in HALF_PATHS else torch.float32
     q, k, v = (torch.randn(2, 1, 10, 8, dtype=dtype) for _ in range(3))
     q[0, 0, 6] = NAN  # batch row 0, one query late in the sequence
@@ -309,10 +304,8 @@ def test_nonfinite_rows_finds_each_kind_in_each_dtype(dtype, bad):
 
 
 @pytest.mark.parametrize("path", ["reference", "tiled", "tiled:loop"])
-def test_a_nan_in_the_lse_gradient_stays_in_its_row(path, monkeypatch):
-    if path == "tiled:loop":
-        monkeypatch.setattr(tiled, "_native_kernel", lambda device, dtype: None)
-    name = "tiled" if path == "tiled:loop" else path
+def test_a_nan_in_the_lse_gradient_stays_in_its_row(path, forcing):
+    name = forcing(path)
     leaves = [x.requires_grad_() for x in qkv(h=1, t=6, s=6)]
     _, lse = attention(*leaves, causal=True, return_lse=True, backend=name)
     dlse = torch.zeros_like(lse)
@@ -351,8 +344,7 @@ def bf16_scenarios():
 @pytest.mark.parametrize("path", HALF_PATHS)
 def test_the_half_precision_products_keep_the_rule(path, monkeypatch):
     for name, q, k, v, options, finite_rows in bf16_scenarios():
-        with monkeypatch.context() as patch:
-            backend = force_path(patch, path)
+        with forced_path(path) as backend:
             choice = which_backend(q, k, v, backend=backend, **options)
             assert (choice.path, choice.products) == expected_products(path)
             inputs = [x.clone().requires_grad_() for x in (q, k, v)]

@@ -216,10 +216,18 @@ def compile_to(
     return time.perf_counter() - started
 
 
-def _check_compiler() -> None:
+def missing_compiler() -> str | None:
+    """What is wrong with the C++ compiler (None when it is found)."""
     program = shlex.split(compiler())[0]
     if shutil.which(program) is None:
-        raise BuildError(f"no C++ compiler: {program!r} is not on PATH (set CXX to one)")
+        return f"no C++ compiler: {program!r} is not on PATH (set CXX to one)"
+    return None
+
+
+def _check_compiler() -> None:
+    missing = missing_compiler()
+    if missing is not None:
+        raise BuildError(missing)
 
 
 def _run(argv: list[str]) -> tuple[str, int]:

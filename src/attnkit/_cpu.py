@@ -69,7 +69,7 @@ SHOWN = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_fp16")
 ENV = "ATTNKIT_CPU_FEATURES"
 
 
-def _detected() -> frozenset[str]:
+def detected() -> frozenset[str]:
     """The extensions the CPU and the OS support: the flags of /proc/cpuinfo on Linux, else torch's
     own probes (which cover fewer of them)."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
@@ -114,16 +114,18 @@ def parse(spec: str) -> frozenset[str]:
 
 
 @functools.cache
-def _features(spec: str | None) -> frozenset[str]:
-    detected = _detected()
-    return detected if spec is None else detected & parse(spec)
+def features_of(spec: str | None) -> frozenset[str]:
+    """The extensions attnkit may use when ``ATTNKIT_CPU_FEATURES`` is ``spec`` (read once per
+    spec)."""
+    found = detected()
+    return found if spec is None else found & parse(spec)
 
 
 def features() -> frozenset[str]:
     """The extensions attnkit may use on this CPU: those it has, narrowed by ``ATTNKIT_CPU_FEATURES``
     (unset or blank: not narrowed)."""
     spec = os.environ.get(ENV, "").strip()
-    return _features(spec or None)
+    return features_of(spec or None)
 
 
 def has(*names: str) -> bool:

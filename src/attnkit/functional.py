@@ -1,7 +1,8 @@
 """``attention(q, k, v, ...)``: the one entry point that every attnkit module calls.
 
-It checks the inputs, gathers the masks into one [`Masks`][attnkit.masks.Masks], then runs the backend
-that [`choose_backend`][attnkit.backends.choose_backend] picks. Semantics, with queries aligned bottom-right
+It checks the inputs once into one [`Call`][attnkit.backends.base.Call] (the tensors, the masks
+gathered into one [`Masks`][attnkit.masks.Masks], the options), then runs the backend that
+[`choose_backend`][attnkit.backends.choose_backend] picks. Semantics, with queries aligned bottom-right
 (query ``i`` sits at ``p(i) = i + s - t``):
 
 - score = ``(q . k) * scale``, ``scale = 1 / sqrt(d)`` by default;
@@ -26,14 +27,17 @@ length, ``d`` head dim.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
-from attnkit import _checks
-from attnkit.backends import BACKENDS, BackendChoice, Request, choose_backend
+from attnkit import _checks, mods
+from attnkit.backends import BackendChoice, Call, choose_backend, decode, run
+from attnkit.backends.base import call_of
 from attnkit.masks import Masks, merge_window
-from attnkit.mods import MaskMod, ScoreMod, captured_tensors
+from attnkit.mods import MaskMod, ScoreMod
 
 
 def attention(
@@ -102,27 +106,25 @@ def attention(
         >>> attention(q, k, v, causal=True).shape
         torch.Size([2, 8, 5, 64])
     """
-    request = _request(
+    call = checked_call(
         q,
         k,
         v,
-        attn_mask,
-        key_mask,
-        causal,
-        window,
-        alibi_slopes,
-        softcap,
-        scale,
-        dropout_p,
-        return_lse,
-        return_weights,
-        score_mod,
-        block_mask,
-        mask_mod,
+        attn_mask=attn_mask,
+        key_mask=key_mask,
+        causal=causal,
+        window=window,
+        alibi_slopes=alibi_slopes,
+        softcap=softcap,
+        scale=scale,
+        dropout_p=dropout_p,
+        return_lse=return_lse,
+        return_weights=return_weights,
+        score_mod=score_mod,
+        block_mask=block_mask,
+        mask_mod=mask_mod,
     )
-    out, lse, weights = BACKENDS[choose_backend(backend, request, q, k, v).backend].fn(
-        q, k, v, request
-    )
+    out, lse, weights = run(backend, call)
     if not (return_lse or return_weights):
         return out
     extras = [x for x, asked in ((lse, return_lse), (weights, return_weights)) if asked]
@@ -166,49 +168,51 @@ def which_backend(
         >>> which_backend(q, k, v, softcap=30.0).backend  # SDPA has no soft-capping
         'tiled'
     """
-    request = _request(
+    call = checked_call(
         q,
         k,
         v,
-        attn_mask,
-        key_mask,
-        causal,
-        window,
-        alibi_slopes,
-        softcap,
-        scale,
-        dropout_p,
-        return_lse,
-        return_weights,
-        score_mod,
-        block_mask,
-        mask_mod,
+        attn_mask=attn_mask,
+        key_mask=key_mask,
+        causal=causal,
+        window=window,
+        alibi_slopes=alibi_slopes,
+        softcap=softcap,
+        scale=scale,
+        dropout_p=dropout_p,
+        return_lse=return_lse,
+        return_weights=return_weights,
+        score_mod=score_mod,
+        block_mask=block_mask,
+        mask_mod=mask_mod,
     )
-    return choose_backend(backend, request, q, k, v)
+    return choose_backend(backend, call)
 
 
-def _request(
-    q,
-    k,
-    v,
-    attn_mask,
-    key_mask,
-    causal,
-    window,
-    alibi_slopes,
-    softcap,
-    scale,
-    dropout_p,
-    return_lse,
-    return_weights,
-    score_mod=None,
-    block_mask=None,
-    mask_mod=None,
+def checked_call(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    attn_mask: Tensor | None = None,
+    key_mask: Tensor | None = None,
+    causal: bool = False,
+    window: tuple[int, int] | None = None,
+    alibi_slopes: Tensor | None = None,
+    softcap: float | None = None,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    return_lse: bool = False,
+    return_weights: bool = False,
+    score_mod: ScoreMod | None = None,
+    block_mask: BlockMask | None = None,
+    mask_mod: MaskMod | None = None,
     shift: int = 0,
-) -> Request:
-    """Check the arguments of [`attention`][attnkit.functional.attention] and gather them into a [`Request`][attnkit.backends.base.Request].
-    ``shift``: the queries sit that many positions right of bottom-right alignment
-    ([`Masks`][attnkit.masks.Masks]); ring attention's chunks, never a user's call."""
+) -> Call:
+    """Check the arguments of [`attention`][attnkit.functional.attention] and gather them into one
+    [`Call`][attnkit.backends.base.Call]: the only place they are checked. ``shift``: the queries sit
+    that many positions right of bottom-right alignment ([`Masks`][attnkit.masks.Masks]); ring
+    attention's chunks, never a user's call."""
     _checks.check_qkv(q, k, v)
     b, h, t, _ = q.shape
     s = k.shape[-2]
@@ -226,16 +230,15 @@ def _request(
         (return_weights, "return_weights"),
     ):
         _checks.check_flag(flag, name)
-    return Request(
-        masks=Masks(
-            merge_window(causal, _checks.check_window(window), t, s, shift),
-            key_mask,
-            attn_mask,
-            shift,
-        ),
-        scale=q.shape[-1] ** -0.5
-        if scale is None
-        else _checks.check_positive_number(scale, "scale"),
+    masks = Masks(
+        merge_window(causal, _checks.check_window(window), t, s, shift), key_mask, attn_mask, shift
+    )
+    return call_of(
+        q,
+        k,
+        v,
+        masks,
+        q.shape[-1] ** -0.5 if scale is None else _checks.check_positive_number(scale, "scale"),
         softcap=None if softcap is None else _checks.check_positive_number(softcap, "softcap"),
         alibi_slopes=alibi_slopes,
         dropout_p=_checks.check_probability(dropout_p, "dropout_p"),
@@ -243,12 +246,27 @@ def _request(
         return_weights=return_weights,
         score_mod=score_mod,
         block_mask=_checks.check_block_mask(block_mask, mask_mod, b, h, t, s, q.device),
-        mod_tensors=_mod_tensors(score_mod, q),
+        mod_tensors=mods.tensors_to_train(score_mod, q),
+        mod_adds=_adds_to_score(score_mod, q),
     )
 
 
-def _mod_tensors(score_mod, q: Tensor) -> tuple[Tensor, ...]:
-    """The tensors ``score_mod`` reads that need gradients (none without grad mode)."""
-    if score_mod is None or not torch.is_grad_enabled():
-        return ()
-    return captured_tensors(score_mod, torch.promote_types(q.dtype, torch.float32), q.device)
+def _adds_to_score(score_mod: ScoreMod | None, q: Tensor) -> bool:
+    """Whether a mod that a CPU kernel may run adds to the score (inspected once per call)."""
+    if score_mod is None or q.device.type != "cpu" or torch.compiler.is_compiling():
+        return False
+    return mods.adds_to_score(score_mod)
+
+
+def linear_all(
+    x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None]
+) -> list[Tensor]:
+    """``[torch.nn.functional.linear(x, w, b) for w, b in zip(weights, biases)]``: the projections
+    of a module. A decoding step's few rows, without gradients, go to the decode kernel's
+    matrix-vector product ([`attnkit.backends.decode.linear`][attnkit.backends.decode.linear]),
+    which streams every weight in one pass on every thread; the result is the same."""
+    if decode.runs_linear(x, weights, biases):
+        rows = decode.linear(x, weights, biases)
+        if rows is not None:
+            return rows
+    return [torch.nn.functional.linear(x, w, b) for w, b in zip(weights, biases)]

@@ -233,8 +233,8 @@ def compile_block(fn: Callable) -> Callable:
 
     Why: a mod that indexes a table with the block's indices (``bias[h, q_idx - kv_idx]``) runs
     through torch's general advanced indexing in eager mode, several nanoseconds per score and
-    more for its gradient; compiled, the gather, the add and their backward become one loop, about
-    three times faster (measured on Zen 5). Other mods (ALiBi's arithmetic, a document mask's
+    more for its gradient; compiled, the gather, the add and their backward become one loop, several
+    times faster (docs/bench/choices.md). Other mods (ALiBi's arithmetic, a document mask's
     lookups of a row and a column) ran slower compiled than eager, so the first call of a function
     watches which operations it runs, and only one that gathers a block-sized tensor is compiled.
     Not inside ``torch.compile`` already, nor with ``ATTNKIT_COMPILE=0``; a function whose
@@ -357,6 +357,14 @@ def _by_vmap(kind: str, mod: Callable, at: Block, scores: Tensor | None, first: 
         )
         raise kind_of(f"{kind} {name_of(mod)} failed on {at.where()}: {error}") from first
     return out
+
+
+def tensors_to_train(score_mod: ScoreMod | None, q: Tensor) -> tuple[Tensor, ...]:
+    """The tensors ``score_mod`` reads that need gradients in a call on ``q`` (none without a mod
+    or without grad mode)."""
+    if score_mod is None or not torch.is_grad_enabled():
+        return ()
+    return captured_tensors(score_mod, torch.promote_types(q.dtype, torch.float32), q.device)
 
 
 def captured_tensors(score_mod: ScoreMod, dtype: torch.dtype, device) -> tuple[Tensor, ...]:

@@ -9,14 +9,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnkit import CrossAttention, KVCache, MultiHeadAttention, attention
-from attnkit.backends import BACKENDS, Request, decode, resolve_backend
+from attnkit.backends import BACKENDS, choose_backend, decode
 from attnkit.backends._native import Kernel
+from attnkit.backends.base import call_of
 from attnkit.masks import Masks
 from attnkit.modules._common import project
 from oracle import naive_attention
 
 pytestmark = pytest.mark.skipif(
-    not decode.available()[0], reason=f"decode kernel unavailable: {decode.available()[1]}"
+    not decode.KERNEL.usable()[0], reason=f"decode kernel unavailable: {decode.KERNEL.usable()[1]}"
 )
 
 # (b, h, h_kv, t, s, d): head dims the kernel specialises (64, 128) and others (40, 59), lengths
@@ -91,7 +92,7 @@ def test_auto_takes_the_decode_kernel_for_a_few_queries_over_a_long_cache():
         q = torch.empty(1, 12, t, 64, dtype=dtype, requires_grad=grad)
         k = v = torch.empty(1, h_kv, s, 64, dtype=dtype)
         masks = Masks(key_mask=options.pop("key_mask", None), window=options.pop("window", None))
-        return resolve_backend("auto", Request(masks=masks, scale=1.0, **options), q, k, v).name
+        return choose_backend("auto", call_of(q, k, v, masks, 1.0, **options)).backend
 
     assert picked() == "decode"
     mask = torch.ones(1, 1024, dtype=torch.bool)
@@ -111,14 +112,8 @@ def test_a_module_decoding_with_a_cache_runs_the_kernel_and_equals_the_full_forw
     monkeypatch,
 ):
     calls = []
-    real = BACKENDS["decode"]
-    monkeypatch.setitem(
-        BACKENDS,
-        "decode",
-        real.__class__(
-            "decode", lambda *a: calls.append(1) or real.fn(*a), real.supports, real.refuses
-        ),
-    )
+    real = BACKENDS["decode"].run
+    monkeypatch.setattr(BACKENDS["decode"], "run", lambda call: calls.append(1) or real(call))
     prompt = 40
     module = MultiHeadAttention(32, 32, prompt + 4, 0.0, 4, num_kv_heads=2, rope=True).eval()
     x = torch.randn(1, prompt + 4, 32)
@@ -149,12 +144,12 @@ def test_without_the_kernel_auto_uses_sdpa_and_a_named_call_says_why(monkeypatch
     monkeypatch.setenv("ATTNKIT_NATIVE", "0")
     q = torch.randn(1, 2, 1, 8)
     k = v = torch.randn(1, 2, 64, 8)
-    request = Request(masks=Masks(), scale=1.0)
-    assert resolve_backend("auto", request, q, k, v).name == "sdpa"
+    assert choose_backend("auto", call_of(q, k, v, Masks(), 1.0)).backend == "sdpa"
     with torch.no_grad():  # the projections stay with nn.Linear
         assert not decode.runs_linear(torch.randn(1, 8), [torch.randn(4, 8)], [None])
     with pytest.raises(
-        ValueError, match=r"backend 'decode' is unavailable: disabled by ATTNKIT_NATIVE=0"
+        ValueError,
+        match=r"backend 'decode' cannot run without its kernel: disabled by ATTNKIT_NATIVE=0",
     ):
         attention(q, k, v, backend="decode")
 

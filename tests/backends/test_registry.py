@@ -8,15 +8,10 @@ import pytest
 import torch
 
 from attnkit import _cpu, attention
-from attnkit.backends import (
-    AUTO_ORDER,
-    BACKENDS,
-    HALF_NATIVE_FROM,
-    Request,
-    resolve_backend,
-    tiled,
-    tiled_native,
-)
+from attnkit.backends import AUTO_ORDER, BACKENDS, _native, choose_backend, tiled, tiled_native
+from attnkit.backends.base import Call, call_of
+from attnkit.backends.force import forced
+from attnkit.backends.tiled import HALF_NATIVE_FROM
 from attnkit.functional import which_backend
 from attnkit.masks import Masks
 
@@ -28,31 +23,32 @@ def qkv(n=1024, h=12, dtype=torch.float32, requires_grad=False):
 SHAPES = qkv()
 
 
-def request(**options) -> Request:
-    return Request(masks=Masks(), scale=1.0, **options)
+def call(tensors=None, masks=None, **options) -> Call:
+    return call_of(*(SHAPES if tensors is None else tensors), masks or Masks(), 1.0, **options)
+
+
+def picked(name, the_call) -> str:
+    return choose_backend(name, the_call).backend
 
 
 def test_auto_picks_sdpa_for_plain_attention():
-    assert resolve_backend("auto", request(), *SHAPES).name == "sdpa"
+    assert picked("auto", call()) == "sdpa"
 
 
 @pytest.mark.parametrize("option", ["return_weights", "return_lse", "softcap"])
 def test_auto_picks_tiled_for_what_sdpa_cannot_do(option):
     value = 5.0 if option == "softcap" else True
-    assert resolve_backend("auto", request(**{option: value}), *SHAPES).name == "tiled"
+    assert picked("auto", call(**{option: value})) == "tiled"
 
 
 def test_auto_picks_reference_for_dropout_with_weights():
-    assert (
-        resolve_backend("auto", request(dropout_p=0.1, return_weights=True), *SHAPES).name
-        == "reference"
-    )
+    assert picked("auto", call(dropout_p=0.1, return_weights=True)) == "reference"
 
 
 def test_every_general_backend_supports_at_least_plain_attention():
     assert set(AUTO_ORDER) == set(BACKENDS)
     for name in ("reference", "sdpa", "tiled"):  # decode takes a few queries only
-        assert resolve_backend(name, request(), *SHAPES) is BACKENDS[name]
+        assert picked(name, call()) == name and BACKENDS[name].name == name
 
 
 @pytest.mark.parametrize(
@@ -75,11 +71,11 @@ def test_unknown_backend_name_lists_the_choices():
         attention(q, k, v, backend="flash")
 
 
-def test_request_options_name_the_arguments():
+def test_call_options_name_the_arguments():
     masks = Masks(window=(-1, 0), key_mask=torch.ones(1, 3, dtype=torch.bool))
-    options = Request(masks=masks, scale=1.0, dropout_p=0.1, return_lse=True).options
+    options = call(masks=masks, dropout_p=0.1, return_lse=True).options
     assert options == {"causal", "key_mask", "dropout_p", "return_lse"}
-    assert "window" in Request(masks=Masks(window=(2, 0)), scale=1.0).options
+    assert "window" in call(masks=Masks(window=(2, 0))).options
 
 
 def test_tiled_refuses_dropout_and_mask_gradients():
@@ -93,68 +89,64 @@ def test_tiled_refuses_dropout_and_mask_gradients():
 
 @pytest.mark.usefixtures("pytorch_loop")
 def test_auto_takes_tiled_for_a_narrow_window():
-    narrow = Request(masks=Masks(window=(255, 0)), scale=1.0)
-    assert resolve_backend("auto", narrow, *SHAPES).name == "tiled"  # sees 256 of 1024 keys
-    wide = Request(masks=Masks(window=(600, 0)), scale=1.0)
-    assert resolve_backend("auto", wide, *SHAPES).name == "sdpa"  # without the C++ kernel
-    assert (
-        resolve_backend("auto", Request(masks=Masks(window=(-1, 0)), scale=1.0), *SHAPES).name
-        == "sdpa"
-    )
+    narrow = call(masks=Masks(window=(255, 0)))
+    assert picked("auto", narrow) == "tiled"  # sees 256 of 1024 keys
+    wide = call(masks=Masks(window=(600, 0)))
+    assert picked("auto", wide) == "sdpa"  # without the C++ kernel
+    assert picked("auto", call(masks=Masks(window=(-1, 0)))) == "sdpa"
 
 
 @pytest.mark.usefixtures("pytorch_loop")
 def test_auto_takes_tiled_rather_than_a_huge_dense_alibi_mask():
-    slopes = Request(masks=Masks(window=(-1, 0)), scale=1.0, alibi_slopes=torch.ones(12))
-    long = qkv(n=2048)
-    assert resolve_backend("auto", slopes, *long).name == "tiled"  # 12 x 2048^2 > 2^24
-    small = qkv(n=64, h=2)
-    assert resolve_backend("auto", slopes, *small).name == "sdpa"
+    causal = Masks(window=(-1, 0))
+    long = call(qkv(n=2048), causal, alibi_slopes=torch.ones(12))
+    assert picked("auto", long) == "tiled"  # 12 x 2048^2 > 2^24
+    small = call(qkv(n=64, h=2), causal, alibi_slopes=torch.ones(2))
+    assert picked("auto", small) == "sdpa"
 
 
 def test_auto_takes_tiled_for_half_precision_training_without_fast_half_products(monkeypatch):
-    plain = Request(masks=Masks(), scale=1.0)
-    monkeypatch.setattr(tiled, "_fast_half_matmul", lambda dtype, device: False)
-    assert (
-        resolve_backend("auto", plain, *qkv(dtype=torch.bfloat16, requires_grad=True)).name
-        == "tiled"
-    )
-    assert resolve_backend("auto", plain, *qkv(dtype=torch.bfloat16)).name == "sdpa"  # inference
-    assert resolve_backend("auto", plain, *qkv(requires_grad=True)).name == "sdpa"  # fp32
-    monkeypatch.setattr(tiled, "_fast_half_matmul", lambda dtype, device: True)
-    monkeypatch.setattr(tiled_native, "pair_products", lambda kernel: None)  # bf16 in the loop
-    assert (
-        resolve_backend("auto", plain, *qkv(dtype=torch.bfloat16, requires_grad=True)).name
-        == "sdpa"
-    )
+    monkeypatch.setenv(_cpu.ENV, "avx2")  # a CPU without bf16 units
+    assert picked("auto", call(qkv(dtype=torch.bfloat16, requires_grad=True))) == "tiled"
+    assert picked("auto", call(qkv(dtype=torch.bfloat16))) == "sdpa"  # inference
+    assert picked("auto", call(qkv(requires_grad=True))) == "sdpa"  # fp32
+    monkeypatch.delenv(_cpu.ENV)
+    with forced("tiled:half-loop"):  # fast bf16 products, in the loop
+        assert picked("auto", call(qkv(dtype=torch.bfloat16, requires_grad=True))) == "sdpa"
 
 
+@pytest.fixture
+def avx512_bf16_cpu(monkeypatch, every_extension):
+    """A CPU with AVX512-BF16 and no AMX, and a tiled kernel not yet loaded (whose build for
+    that CPU would multiply bf16 with vdpbf16ps): for choices only, nothing runs."""
+    monkeypatch.setenv(_cpu.ENV, "avx512_bf16")
+    monkeypatch.setattr(tiled_native, "KERNEL", _native.Kernel("tiled"))
+
+
+@pytest.mark.usefixtures("avx512_bf16_cpu")
 @pytest.mark.parametrize("requires_grad", [False, True])
 def test_auto_takes_tiled_for_bf16_where_the_kernel_multiplies_with_avx512_bf16(
     monkeypatch, requires_grad
 ):
     """Decided from the CPU's features (the kernel's route for bf16 blocks, no AMX) and sizes."""
-    plain = Request(masks=Masks(), scale=1.0)
-    monkeypatch.setattr(tiled, "_fast_half_matmul", lambda dtype, device: True)
-    monkeypatch.setattr(tiled_native, "pair_products", lambda kernel: "avx512_bf16")
-    monkeypatch.setattr(_cpu, "has", lambda *names: False)  # no AMX
     rows, scores = HALF_NATIVE_FROM["training" if requires_grad else "inference"]
 
     def backend(t, s, dtype=torch.bfloat16):
         q = torch.empty(1, 12, t, 64, dtype=dtype, requires_grad=requires_grad)
         k, v = (torch.empty(1, 12, s, 64, dtype=dtype, requires_grad=requires_grad) for _ in "kv")
-        return resolve_backend("auto", plain, q, k, v).name
+        return picked("auto", call([q, k, v]))
 
     side = math.isqrt(scores)
     assert backend(max(side, rows), max(side, rows)) == "tiled"
     assert backend(side // 2, side // 2) == "sdpa"  # too few scores
     assert backend(rows // 2, 4 * scores // rows) == "sdpa"  # too few rows: packing K, V dominates
-    assert backend(side, side, torch.float16) == "sdpa"  # fp16: no pair products
-    monkeypatch.setattr(_cpu, "has", lambda *names: "amx_bf16" in names)
+    # fp16: no pair products; training takes tiled only for SDPA's slow fp16 backward (no AMX-FP16)
+    assert backend(side, side, torch.float16) == ("tiled" if requires_grad else "sdpa")
+    monkeypatch.setenv(_cpu.ENV, "amx")
     assert backend(side, side) == "sdpa"  # with AMX, SDPA's kernel has it: not measured
-    monkeypatch.setattr(_cpu, "has", lambda *names: False)
-    monkeypatch.setattr(tiled_native, "pair_products", lambda kernel: "portable")
-    assert backend(side, side) == "sdpa"  # the slow, portable route
+    monkeypatch.setenv(_cpu.ENV, "avx512_bf16")
+    with forced("tiled:portable"):
+        assert backend(side, side) == "sdpa"  # the slow, portable route
 
 
 @pytest.mark.parametrize(
@@ -167,26 +159,23 @@ def test_auto_takes_tiled_for_bf16_where_the_kernel_multiplies_with_avx512_bf16(
     ids=["causal alibi", "wide window", "alibi"],
 )
 def test_auto_takes_the_cpp_kernel_over_sdpa_with_a_dense_positional_mask(masks, slopes):
-    wanted = Request(masks=masks, scale=1.0, alibi_slopes=slopes)
-    assert tiled.runs_native(SHAPES[0], wanted)
-    assert resolve_backend("auto", wanted, *SHAPES).name == "tiled"  # 1024 x 1024 scores
-    assert resolve_backend("auto", wanted, *qkv(n=128)).name == "sdpa"  # below NATIVE_MIN_SCORES
-    assert resolve_backend("auto", wanted, *qkv(dtype=torch.float64)).name == "sdpa"  # the loop
-    plain = Request(masks=Masks(), scale=1.0)
-    assert resolve_backend("auto", plain, *SHAPES).name == "sdpa"  # no mask: SDPA is as fast
+    assert tiled.BACKEND.path(call(masks=masks, alibi_slopes=slopes)).path == "native"
+    assert picked("auto", call(masks=masks, alibi_slopes=slopes)) == "tiled"  # 1024 x 1024
+    small = call(qkv(n=128), masks, alibi_slopes=slopes)
+    assert picked("auto", small) == "sdpa"  # below NATIVE_MIN_SCORES
+    float64 = call(qkv(dtype=torch.float64), masks, alibi_slopes=slopes)
+    assert picked("auto", float64) == "sdpa"  # the loop
+    assert picked("auto", call()) == "sdpa"  # no mask: SDPA is as fast
 
 
 def test_which_backend_reports_what_attention_runs(monkeypatch):
     """The public answer agrees with the backend that runs, for calls that reach each backend."""
     ran = []
-    for name, backend in list(BACKENDS.items()):
-        spy = backend.__class__(
-            name,
-            lambda *a, fn=backend.fn, name=name: ran.append(name) or fn(*a),
-            backend.supports,
-            backend.refuses,
+    for name, backend in BACKENDS.items():
+        run = backend.run
+        monkeypatch.setattr(
+            backend, "run", lambda c, run=run, name=name: ran.append(name) or run(c)
         )
-        monkeypatch.setitem(BACKENDS, name, spy)
     q, k, v = torch.randn(1, 4, 1, 8), torch.randn(1, 2, 1024, 8), torch.randn(1, 2, 1024, 8)
     calls = [
         ({}, (q, k, v)),  # one query over a long cache: decode

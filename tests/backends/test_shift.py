@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from attnkit import functional as F
-from attnkit.backends import BACKENDS
-from conftest import force_path
+from attnkit.backends import BACKENDS, choose_backend
 
 PATHS = ["reference", "tiled", "tiled:loop"]
 OPTIONS = {  # name: (causal, window, ALiBi)
@@ -35,10 +34,10 @@ def chunk(q, k, v, chunk_of, causal, window, slopes, backend):
     T, S, q0, _, k0, _ = chunk_of
     t, s = q.shape[2], k.shape[2]
     shift = (q0 + S - T) - k0 - (s - t)  # p(i) = q0 + i + S - T against key k0 + j
-    request = F._request(
-        q, k, v, None, None, causal, window, slopes, None, None, 0.0, True, False, shift=shift
+    call = F.checked_call(
+        q, k, v, causal=causal, window=window, alibi_slopes=slopes, return_lse=True, shift=shift
     )
-    out, lse, _ = BACKENDS[backend].fn(q, k, v, request)
+    out, lse, _ = BACKENDS[backend].run(call)
     return out, lse
 
 
@@ -65,8 +64,8 @@ def oracle(q, k, v, chunk_of, causal, window, slopes):
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("options", OPTIONS)
 @pytest.mark.parametrize("chunk_of", CHUNKS)
-def test_a_chunk_sees_the_keys_its_global_positions_allow(monkeypatch, path, options, chunk_of):
-    backend = force_path(monkeypatch, path)
+def test_a_chunk_sees_the_keys_its_global_positions_allow(forcing, path, options, chunk_of):
+    backend = forcing(path)
     causal, window, alibi = OPTIONS[options]
     chunk_of = CHUNKS[chunk_of]
     _, _, q0, q1, k0, k1 = chunk_of
@@ -82,8 +81,8 @@ def test_a_chunk_sees_the_keys_its_global_positions_allow(monkeypatch, path, opt
 
 
 @pytest.mark.parametrize("path", PATHS)
-def test_gradients_follow_the_global_positions(monkeypatch, path):
-    backend = force_path(monkeypatch, path)
+def test_gradients_follow_the_global_positions(forcing, path):
+    backend = forcing(path)
     chunk_of = CHUNKS["across it"]
     q = torch.randn(1, 4, 11, 8, dtype=torch.float64, requires_grad=True)
     k, v = (torch.randn(1, 4, 11, 8, dtype=torch.float64, requires_grad=True) for _ in range(2))
@@ -102,11 +101,7 @@ def test_gradients_follow_the_global_positions(monkeypatch, path):
 
 def test_backends_without_shift_refuse_it():
     q = k = v = torch.randn(1, 2, 5, 8)
-    request = F._request(
-        q, k, v, None, None, True, None, None, None, None, 0.0, True, False, shift=3
-    )
-    from attnkit.backends import choose_backend
-
-    assert choose_backend("auto", request, q, k, v).backend == "tiled"
+    call = F.checked_call(q, k, v, causal=True, return_lse=True, shift=3)
+    assert choose_backend("auto", call).backend == "tiled"
     with pytest.raises(ValueError, match="shift"):
-        choose_backend("sdpa", request, q, k, v)
+        choose_backend("sdpa", call)

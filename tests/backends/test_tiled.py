@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from attnkit import _cpu, attention
-from attnkit.backends import _native, tiled, tiled_loop, tiled_native
+from attnkit.backends import _native, tiled_function, tiled_loop, tiled_native
 from attnkit.functional import which_backend
 from oracle import naive_attention
 
@@ -122,8 +122,8 @@ def test_lse_is_float32_and_carries_gradients():
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_production_block_sizes(monkeypatch, causal):
-    monkeypatch.setattr(tiled, "BLOCK_Q", 256)
-    monkeypatch.setattr(tiled, "BLOCK_K", 512)
+    monkeypatch.setattr(tiled_function, "BLOCK_Q", 256)
+    monkeypatch.setattr(tiled_function, "BLOCK_K", 512)
     q, k, v = qkv(h=2, h_kv=2, t=300, s=700, d=16)
     out = attention(q, k, v, causal=causal, backend="tiled")
     expected, _, _ = naive_attention(*(x.detach().double() for x in (q, k, v)), causal=causal)
@@ -231,16 +231,14 @@ def test_a_narrowed_cpu_multiplies_bf16_in_float32(features, monkeypatch):
     assert ran == ["attnkit::tiled_native_forward"]
 
 
-def test_bf16_runs_the_kernel_only_where_its_build_has_avx512_bf16(monkeypatch):
+def test_bf16_runs_the_kernel_only_where_its_build_has_avx512_bf16():
     """Elsewhere the portable pair products would be the slow way: the loop multiplies in bf16."""
     kernel = tiled_native.KERNEL.load()
-    monkeypatch.setattr(tiled, "_fast_half_matmul", lambda dtype, device: True)
-    q, k, v = qkv(dtype=torch.bfloat16)
-    choice = which_backend(q, k, v, backend="tiled")
-    if kernel.has_avx512_bf16():
-        assert (choice.path, choice.products) == ("native", "bf16-avx512_bf16")
-    else:
-        assert (choice.path, choice.products) == ("loop", "bfloat16")
+    has = bool(kernel.has_avx512_bf16())
+    assert tiled_native.pair_products(tiled_native.KERNEL) == ("avx512_bf16" if has else None)
+    cpu = torch.device("cpu")
+    assert (tiled_native.kernel_for(cpu, torch.bfloat16) is not None) == has
+    assert tiled_native.kernel_for(cpu, torch.float32) is tiled_native.KERNEL
     # a build has vdpbf16ps exactly when it was built for a CPU with AVX512-BF16
     assert kernel.has_avx512_bf16() == ("avx512bf16" in tiled_native.KERNEL.name())
     assert tiled_native.KERNEL.name() == kernel.__name__  # once loaded, the loaded build's name

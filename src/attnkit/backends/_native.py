@@ -35,6 +35,11 @@ ESTIMATE = "about half a minute on 2 cores"
 """What a build's first line says it will take (each kernel compiles in 20-30 s on the project's
 2-core machines; see docs/guides/backends.md)."""
 
+
+class KernelUnavailableError(RuntimeError):
+    """A kernel that was expected to run could not be built or loaded when the call ran."""
+
+
 _warned_versions: list[str] = []  # the prebuilt kernels' version warning, given once a process
 
 
@@ -55,6 +60,7 @@ class Kernel:
     _module: ModuleType | None = field(default=None, repr=False)
     _failure: str | None = field(default=None, repr=False)
     _loading: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _found: dict = field(default_factory=dict, repr=False)  # usable(), by setting
 
     @property
     def source(self) -> str:
@@ -77,6 +83,44 @@ class Kernel:
         if prebuilt is not None:
             return _level_of(prebuilt.stem)
         return _cpu.build_level()
+
+    def usable(self) -> tuple[bool, str | None]:
+        """Whether the kernel can run here, and why not, without building, loading or writing
+        anything: it is loaded, or a build is at hand (in the wheel or the extensions folder), or
+        one can be made (a C++ compiler is found), and none has failed in this process. Read once
+        per setting (CPU level, extensions folder, compiler, ``ATTNKIT_NATIVE``) and kept."""
+        if self._module is not None:
+            return True, None
+        if self._failure is not None:
+            return False, self._failure
+        setting = (
+            _cpu.build_level(),
+            os.environ.get("TORCH_EXTENSIONS_DIR"),
+            _build.compiler(),
+            os.environ.get("ATTNKIT_NATIVE", "1"),
+        )
+        if setting not in self._found:
+            self._found[setting] = self._find()
+        return self._found[setting]
+
+    def _find(self) -> tuple[bool, str | None]:
+        if os.environ.get("ATTNKIT_NATIVE", "1") == "0":
+            return False, "disabled by ATTNKIT_NATIVE=0"
+        if self.prebuilt() is not None or self.cached().exists():
+            return True, None
+        missing = _build.missing_compiler()
+        if missing is not None:  # known to fail: said once, as a failed build is
+            self._failure = f"the C++ kernel {self.source} is unavailable: {missing}"
+            _warn.warn(f"{self._failure}; attnkit uses PyTorch operations instead")
+            return False, self._failure
+        return True, None
+
+    def has_avx512_bf16(self) -> bool:
+        """Whether its build multiplies bf16 with AVX512-BF16: that of the ``avx512_bf16`` level
+        (the loaded module says so itself)."""
+        if self._module is not None:
+            return bool(self._module.has_avx512_bf16())
+        return self.level() == "avx512_bf16"
 
     def prebuilt(self) -> Path | None:
         """The wheel's build for the highest level this CPU runs, if the wheel carries one made

@@ -1,9 +1,15 @@
-"""What every backend takes and returns: one signature, so backends are interchangeable functions."""
+"""What every backend takes and returns: one checked call, one output, one protocol.
+
+[`attnkit.functional.attention`][attnkit.functional.attention] checks its arguments once and makes
+a [`Call`][attnkit.backends.base.Call]: the tensors and the options, and the set of options in use.
+The registry ([`attnkit.backends`][attnkit.backends]) asks each [`Backend`][attnkit.backends.base.Backend]
+whether it can run the call, and whether it is faster there than the one before it; the backend
+that wins runs it and returns an [`AttentionOutput`][attnkit.backends.base.AttentionOutput].
+Nothing after `attention` checks the call again.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -14,11 +20,15 @@ from attnkit.masks import Masks
 from attnkit.mods import ScoreMod
 
 
-class Request(NamedTuple):
-    """Everything asked of a backend besides ``q``, ``k`` and ``v``, already checked (a NamedTuple:
-    built on every call, in half the time of a frozen dataclass).
+class Call(NamedTuple):
+    """One call of [`attnkit.functional.attention`][attnkit.functional.attention], checked (a
+    NamedTuple: made on every call, in half the time of a frozen dataclass). Made by
+    [`call_of`][attnkit.backends.base.call_of]; parts of it are replaced, never checked again.
 
     Attributes:
+        q: ``(b, h, t, d)`` queries.
+        k: ``(b, h_kv, s, d)`` keys.
+        v: ``(b, h_kv, s, d_v)`` values.
         masks: which keys each query may see (causal and window folded into ``masks.window``).
         scale: multiplies ``q . k``.
         softcap: if set, scores become ``softcap * tanh(score / softcap)``.
@@ -31,8 +41,14 @@ class Request(NamedTuple):
         block_mask: a torch ``BlockMask`` of ``(t, s)``: the blocks it lists, its ``mask_mod``
             applied in its partial blocks.
         mod_tensors: the tensors ``score_mod`` reads that require grad (gradients reach them).
+        mod_adds: whether ``score_mod`` [adds to the score][attnkit.mods.adds_to_score] (read
+            once per call; False without one).
+        options: the options in use, named as the arguments of ``attention``.
     """
 
+    q: Tensor
+    k: Tensor
+    v: Tensor
     masks: Masks
     scale: float
     softcap: float | None = None
@@ -43,40 +59,64 @@ class Request(NamedTuple):
     score_mod: ScoreMod | None = None
     block_mask: BlockMask | None = None
     mod_tensors: tuple[Tensor, ...] = ()
+    mod_adds: bool = False
+    options: frozenset[str] = frozenset()
 
-    @property
-    def options(self) -> frozenset[str]:
-        """The options in use, named as the arguments of [`attnkit.functional.attention`][attnkit.functional.attention]."""
-        window, key_mask, attn_mask = self.masks.window, self.masks.key_mask, self.masks.attn_mask
-        used = []
-        if attn_mask is not None:
-            used.append("attn_mask")
-            if attn_mask.requires_grad:
-                used.append("attn_mask_grad")
-        if key_mask is not None:
-            used.append("key_mask")
-        if window is not None:
-            if window != (-1, 0):
-                used.append("window")
-            if window[1] == 0:
-                used.append("causal")
-        if self.masks.shift != 0:
-            used.append("shift")
-        if self.softcap is not None:
-            used.append("softcap")
-        if self.alibi_slopes is not None:
-            used.append("alibi_slopes")
-        if self.dropout_p > 0:
-            used.append("dropout_p")
-        if self.return_lse:
-            used.append("return_lse")
-        if self.return_weights:
-            used.append("return_weights")
-        if self.score_mod is not None:
-            used.append("score_mod")
-        if self.block_mask is not None:
-            used.append("block_mask")
-        return frozenset(used)
+    def with_tensors(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        alibi_slopes: Tensor | None,
+        attn_mask: Tensor | None,
+        key_mask: Tensor | None,
+        mod_tensors: tuple[Tensor, ...] = (),
+    ) -> Call:
+        """The same call on other tensors of the same shapes (those an autograd function or a
+        transform hands over, a chunk of a ring's pieces): nothing is checked again."""
+        masks = self.masks._replace(key_mask=key_mask, attn_mask=attn_mask)
+        return self._replace(
+            q=q, k=k, v=v, masks=masks, alibi_slopes=alibi_slopes, mod_tensors=mod_tensors
+        )
+
+    def tensors(self) -> tuple[Tensor | None, ...]:
+        """The call's tensors other than ``mod_tensors``, in the order ``with_tensors`` takes."""
+        masks = self.masks
+        return self.q, self.k, self.v, self.alibi_slopes, masks.attn_mask, masks.key_mask
+
+
+def call_of(q: Tensor, k: Tensor, v: Tensor, masks: Masks, scale: float, **fields) -> Call:
+    """A [`Call`][attnkit.backends.base.Call] of arguments already checked, with the set of
+    options in use computed once."""
+    call = Call(q, k, v, masks, scale, **fields)
+    return call._replace(options=_options_in_use(call))
+
+
+def _options_in_use(call: Call) -> frozenset[str]:
+    window, key_mask, attn_mask = call.masks.window, call.masks.key_mask, call.masks.attn_mask
+    used = []
+    if attn_mask is not None:
+        used.append("attn_mask")
+        if attn_mask.requires_grad:
+            used.append("attn_mask_grad")
+    if key_mask is not None:
+        used.append("key_mask")
+    if window is not None:
+        if window != (-1, 0):
+            used.append("window")
+        if window[1] == 0:
+            used.append("causal")
+    flags = {
+        "shift": call.masks.shift != 0,
+        "softcap": call.softcap is not None,
+        "alibi_slopes": call.alibi_slopes is not None,
+        "dropout_p": call.dropout_p > 0,
+        "return_lse": call.return_lse,
+        "return_weights": call.return_weights,
+        "score_mod": call.score_mod is not None,
+        "block_mask": call.block_mask is not None,
+    }
+    return frozenset(used + [name for name, used in flags.items() if used])
 
 
 class AttentionOutput(NamedTuple):
@@ -87,19 +127,48 @@ class AttentionOutput(NamedTuple):
     weights: Tensor | None = None
 
 
-BackendFn = Callable[[Tensor, Tensor, Tensor, Request], AttentionOutput]
-# Why a backend cannot run these tensors (device, dtype, sizes), or None if it can.
-RefusesFn = Callable[[Request, Tensor, Tensor, Tensor], str | None]
+class Path(NamedTuple):
+    """The code inside a backend that runs a call, as
+    [`attnkit.functional.which_backend`][attnkit.functional.which_backend] names it.
+
+    Attributes:
+        path: ``"native"`` (a C++ kernel), ``"loop"`` (tiled's PyTorch loop), ``"torch"`` (torch's
+            own kernel) or ``"float64"`` (the reference).
+        products: the dtype of the block products (with bf16 in tiled's C++ kernel, also how:
+            ``"bf16-avx512_bf16"``), or None where torch or inductor chooses.
+    """
+
+    path: str
+    products: str | None = None
 
 
-@dataclass(frozen=True)
 class Backend:
-    """A backend function and the options it computes exactly."""
+    """A way to compute attention, as the registry sees it: a name, the options it computes
+    exactly, and four questions. A backend module defines one subclass and one instance of it."""
 
-    name: str
-    fn: BackendFn
-    supports: frozenset[str]
-    refuses: RefusesFn | None = None
+    name: str = ""
+    supports: frozenset[str] = frozenset()
+
+    def refuses(self, call: Call) -> str | None:
+        """Why it cannot run ``call`` (device, dtype, sizes, gradients, a transform, tracing, a
+        kernel that cannot be had), or None. Never builds or loads anything."""
+        return None
+
+    def faster_than(self, other: Backend, call: Call) -> str | None:
+        """Why it runs ``call`` faster than ``other``, which ``auto`` would take before it (None if
+        it does not): its own speed rule, beside its kernel."""
+        return None
+
+    def path(self, call: Call) -> Path:
+        """The code inside it that would run ``call``."""
+        raise NotImplementedError
+
+    def run(self, call: Call) -> AttentionOutput:
+        """Compute ``call``."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<backend {self.name!r}>"
 
 
 def forward_ad_active() -> bool:

@@ -11,7 +11,7 @@ that the threads share are merged here.
 It computes plain scaled dot-product attention with an optional ``key_mask`` (ragged batches), for
 CPU tensors in float32, bfloat16 or float16 that need no gradient, with at most
 [`MAX_ROWS`][attnkit.backends.decode.MAX_ROWS] query rows per key/value head. Where the kernel cannot be built (no C++ compiler;
-or ``ATTNKIT_NATIVE=0``), [`available`][attnkit.backends.decode.available] says why and ``auto`` uses SDPA instead.
+or ``ATTNKIT_NATIVE=0``), [`refuses`][attnkit.backends.decode.refuses] says why and ``auto`` uses SDPA instead.
 
 The same kernel file has the other half of a decoding step's memory traffic: [`linear`][attnkit.backends.decode.linear], the
 projections of a few token rows, which stream the layer's weights once on every thread (the modules
@@ -27,7 +27,7 @@ from torch import Tensor
 from torch.overrides import has_torch_function
 
 from attnkit.backends import _native
-from attnkit.backends.base import AttentionOutput, Request, forward_ad_active
+from attnkit.backends.base import AttentionOutput, Backend, Call, Path, forward_ad_active
 
 MAX_ROWS = 16
 """The most query rows per key/value head (GQA group size x queries) the kernel takes."""
@@ -40,14 +40,10 @@ _NO_MASK = torch.empty(0, dtype=torch.bool)
 KERNEL = _native.KERNELS["decode"]
 
 
-def available() -> tuple[bool, str | None]:
-    """Whether the kernel is usable, building it if need be, and why not."""
-    return KERNEL.available()
-
-
-def refuses(request: Request, q: Tensor, k: Tensor, v: Tensor) -> str | None:
-    """Why these tensors cannot run here (None if they can); the request's options are checked by
-    the registry."""
+def refuses(call: Call) -> str | None:
+    """Why the decode kernel cannot run ``call`` (None if it can); the registry checks the options.
+    Never builds or loads the kernel: a build that is at hand or can be made counts."""
+    q, k, v = call.q, call.k, call.v
     _, h, t, d = q.shape
     rows = t * (h // k.shape[1])
     if not q.is_cpu:
@@ -70,19 +66,47 @@ def refuses(request: Request, q: Tensor, k: Tensor, v: Tensor) -> str | None:
         return "q, k or v with a non-contiguous last dim, or k and v with different strides"
     if not k.dtype == v.dtype == q.dtype:
         return f"dtypes {q.dtype}/{k.dtype}/{v.dtype} (q, k and v must share one)"
-    return None
+    usable, why = KERNEL.usable()
+    return None if usable else f"without its kernel: {why}"
 
 
-def decode(q: Tensor, k: Tensor, v: Tensor, request: Request) -> AttentionOutput:
+def decode(call: Call) -> AttentionOutput:
     """Shapes ``q (b, h, t, d)``, ``k`` and ``v`` ``(b, h_kv, s, d)``, few query rows (see
     [`refuses`][attnkit.backends.decode.refuses]). The kernel groups the query heads of each key/value head and splits the keys
-    so that every thread has work, into no more than ``s //`` [`MIN_KEYS_PER_SPLIT`][attnkit.backends.decode.MIN_KEYS_PER_SPLIT] splits."""
+    so that every thread has work, into no more than ``s //`` [`MIN_KEYS_PER_SPLIT`][attnkit.backends.decode.MIN_KEYS_PER_SPLIT] splits.
+
+    Raises:
+        attnkit.backends._native.KernelUnavailableError: the kernel could not be built or loaded now (the
+            registry then chooses again).
+    """
     kernel = KERNEL.load()
     if kernel is None:
-        raise RuntimeError(f"backend 'decode' is unavailable: {available()[1]}")
-    key_mask = request.masks.key_mask
+        raise _native.KernelUnavailableError(
+            f"backend 'decode' is unavailable: {KERNEL.usable()[1]}"
+        )
+    key_mask = call.masks.key_mask
     mask = _NO_MASK if key_mask is None else key_mask.contiguous()
-    return AttentionOutput(kernel.decode(q, k, v, mask, request.scale, MIN_KEYS_PER_SPLIT))
+    out = kernel.decode(call.q, call.k, call.v, mask, call.scale, MIN_KEYS_PER_SPLIT)
+    return AttentionOutput(out)
+
+
+class DecodeBackend(Backend):
+    """A few queries over a long key/value cache, in one pass over the cache."""
+
+    name = "decode"
+    supports = frozenset({"key_mask"})
+
+    def refuses(self, call: Call) -> str | None:
+        return refuses(call)
+
+    def path(self, call: Call) -> Path:
+        return Path("native", "float32")
+
+    def run(self, call: Call) -> AttentionOutput:
+        return decode(call)
+
+
+BACKEND = DecodeBackend()
 
 
 def runs_linear(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None]) -> bool:
@@ -90,7 +114,8 @@ def runs_linear(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | 
     weight and bias: at most [`MAX_ROWS`][attnkit.backends.decode.MAX_ROWS] rows of plain CPU tensors of one dtype (float32,
     bfloat16 or float16), contiguous weights and biases, nothing that needs a gradient; outside
     autocast, tracing, ``torch.compile``, ``torch.func`` transforms and ``__torch_function__`` or
-    dispatch modes; with the kernel built (checked last, so that a training step never builds it)."""
+    dispatch modes; with a kernel at hand or to be built (checked last, so that a training step
+    never looks for it)."""
     grad = torch.is_grad_enabled()
     if (
         torch.jit.is_tracing()  # first: under tracing, the shapes below would be tensors
@@ -118,12 +143,15 @@ def runs_linear(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | 
             or (grad and p.requires_grad)
         ):
             return False
-    return KERNEL.load() is not None
+    return KERNEL.usable()[0]
 
 
-def linear(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None]) -> list[Tensor]:
+def linear(
+    x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None]
+) -> list[Tensor] | None:
     """``[torch.nn.functional.linear(x, w, b) for w, b in zip(weights, biases)]`` for the few rows
     of a decoding step (see [`runs_linear`][attnkit.backends.decode.runs_linear]), in one pass of the threads over every weight (the
-    query, key and value projections of a token in one call). MKL's matrix-vector product ran on
-    one thread at half the memory bus's speed on the CPU this was measured on."""
-    return KERNEL.load().linear(x, list(weights), list(biases))
+    query, key and value projections of a token in one call), where torch's matrix-vector product
+    runs on one thread; None if the kernel could not be built or loaded now."""
+    kernel = KERNEL.load()
+    return None if kernel is None else kernel.linear(x, list(weights), list(biases))

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnkit import block_mask, mods
-from attnkit.backends.base import AttentionOutput, Request
+from attnkit.backends.base import AttentionOutput, Backend, Call, Path
 from attnkit.backends.nonfinite import NAN, nan_unless_finite
 from attnkit.masks import alibi_bias, zero_padding
 
@@ -59,54 +59,55 @@ def weighted_values(weights: Tensor, values: Tensor, allowed: Tensor | None) -> 
     return context.masked_fill(touched > 0, NAN)
 
 
-def reference(q: Tensor, k: Tensor, v: Tensor, request: Request) -> AttentionOutput:
+def reference(call: Call) -> AttentionOutput:
     """Materialised attention; shapes ``q (b, h, t, d)``, ``k (b, h_kv, s, d)``, ``v (b, h_kv, s, d_v)``.
 
     Computed in float64; the output and weights come back in the input dtype, the lse in float32
     (float64 for float64 inputs), as on every backend.
     """
+    q, k, v = call.q, call.k, call.v
     t, s = q.shape[-2], k.shape[-2]
     f64 = torch.float64
     stats_dtype = torch.promote_types(q.dtype, torch.float32)  # of the lse, and a mod's scores
     groups = (
         q.shape[1] // k.shape[1]
     )  # query heads per key/value head (GQA): head i uses i // groups
-    key_mask = request.masks.key_mask
+    key_mask = call.masks.key_mask
     queries = q.to(f64)
     keys, values = (zero_padding(x.to(f64), key_mask) for x in (k, v))
     keys = keys.repeat_interleave(groups, dim=1)  # (b, h_kv, s, d) -> (b, h, s, d)
     values = values.repeat_interleave(groups, dim=1)  # (b, h_kv, s, d_v) -> (b, h, s, d_v)
 
     attn_scores = queries @ keys.transpose(-2, -1)  # (b, h, t, d) x (b, h, d, s) -> (b, h, t, s)
-    attn_scores = attn_scores * request.scale
-    if request.softcap is not None:  # tanh(inf) = 1 would hide an infinite input
+    attn_scores = attn_scores * call.scale
+    if call.softcap is not None:  # tanh(inf) = 1 would hide an infinite input
         attn_scores = nan_unless_finite(attn_scores)
-        attn_scores = request.softcap * torch.tanh(attn_scores / request.softcap)
-    if request.alibi_slopes is not None:
-        slopes = request.alibi_slopes.to(f64)
-        attn_scores = attn_scores + alibi_bias(slopes, t, s, shift=request.masks.shift)
-    allowed = request.masks.allowed(t, s, q.device)
-    if request.score_mod is not None:  # a -inf it returns masks the key
+        attn_scores = call.softcap * torch.tanh(attn_scores / call.softcap)
+    if call.alibi_slopes is not None:
+        slopes = call.alibi_slopes.to(f64)
+        attn_scores = attn_scores + alibi_bias(slopes, t, s, shift=call.masks.shift)
+    allowed = call.masks.allowed(t, s, q.device)
+    if call.score_mod is not None:  # a -inf it returns masks the key
         attn_scores = nan_unless_finite(attn_scores)
         b, h = q.shape[:2]
         at = mods.Block.of(range(b), range(h), range(t), range(s), q.device)
-        attn_scores = mods.score(request.score_mod, attn_scores, at, also=stats_dtype)
+        attn_scores = mods.score(call.score_mod, attn_scores, at, also=stats_dtype)
         allowed = _both(allowed, attn_scores != float("-inf"))
-    if request.block_mask is not None:
+    if call.block_mask is not None:
         b, h = q.shape[:2]
-        allowed = _both(allowed, block_mask.allowed(request.block_mask, b, h))
-    bias = request.masks.bias()
+        allowed = _both(allowed, block_mask.allowed(call.block_mask, b, h))
+    bias = call.masks.bias()
     if bias is not None:
         attn_scores = attn_scores + bias.to(f64)
     attn_scores = nan_unless_finite(attn_scores)  # a -inf bias still masks: allowed() says so
 
     attn_weights, lse = masked_softmax(attn_scores, allowed)
-    dropped = F.dropout(attn_weights, request.dropout_p) if request.dropout_p else attn_weights
+    dropped = F.dropout(attn_weights, call.dropout_p) if call.dropout_p else attn_weights
     context = weighted_values(dropped, values, allowed)  # (b, h, t, s) x (b, h, s, d_v)
     return AttentionOutput(
         out=context.to(v.dtype),
-        lse=lse.to(stats_dtype) if request.return_lse else None,
-        weights=attn_weights.to(q.dtype) if request.return_weights else None,
+        lse=lse.to(stats_dtype) if call.return_lse else None,
+        weights=attn_weights.to(q.dtype) if call.return_weights else None,
     )
 
 
@@ -115,26 +116,40 @@ def _both(a: Tensor | None, b: Tensor) -> Tensor:
 
 
 def differentiable_grads(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    request: Request,
-    dout: Tensor | None,
-    dlse: Tensor | None,
-    wanted: tuple[bool, ...],
+    call: Call, dout: Tensor | None, dlse: Tensor | None, wanted: tuple[bool, ...]
 ) -> list[Tensor | None]:
-    """The gradients of q, k, v, the ALiBi slopes, a float mask and the tensors a ``score_mod`` reads (those ``wanted``) given the output's and the
-    lse's (None: unused), as functions of the inputs: for the backward of a fused kernel run with
-    ``create_graph=True``. This backend recomputes the call and autograd differentiates that, so
-    the second derivatives are exact, at this backend's ``O(t s)`` memory."""
-    out, lse, _ = reference(q, k, v, request._replace(return_lse=dlse is not None))
+    """The gradients of q, k, v, the ALiBi slopes, a float mask and the tensors a ``score_mod``
+    reads (those ``wanted``) given the output's and the lse's (None: unused), as functions of the
+    inputs: for the backward of a fused kernel run with ``create_graph=True``. This backend
+    recomputes the call and autograd differentiates that, so the second derivatives are exact, at
+    this backend's ``O(t s)`` memory."""
+    out, lse, _ = reference(call._replace(return_lse=dlse is not None))
     outputs, cotangents = [], []
     for output, grad in ((out, dout), (lse, dlse)):
         if grad is not None:
             outputs.append(output)
             cotangents.append(grad.to(output.dtype))
-    every = (q, k, v, request.alibi_slopes, request.masks.attn_mask, *request.mod_tensors)
+    every = (*call.tensors()[:5], *call.mod_tensors)  # q, k, v, the slopes, a float mask, ...
     inputs = [x for x, w in zip(every, wanted) if w]
     grads = torch.autograd.grad(outputs, inputs, cotangents, create_graph=True, allow_unused=True)
     found = iter(grads)
     return [next(found) if w else None for w in wanted]
+
+
+class ReferenceBackend(Backend):
+    """The equations, materialised in float64: every option, every transform."""
+
+    name = "reference"
+    supports = frozenset(
+        {"causal", "window", "attn_mask", "key_mask", "alibi_slopes", "softcap", "return_lse"}
+        | {"return_weights", "score_mod", "block_mask", "shift", "dropout_p", "attn_mask_grad"}
+    )
+
+    def path(self, call: Call) -> Path:
+        return Path("float64", "float64")
+
+    def run(self, call: Call) -> AttentionOutput:
+        return reference(call)
+
+
+BACKEND = ReferenceBackend()

@@ -25,44 +25,47 @@ from torch import Tensor
 
 from attnkit.backends.base import (
     AttentionOutput,
-    Request,
+    Backend,
+    Call,
+    Path,
     forward_ad_active,
     gradient_levels,
     wants_grad,
 )
 from attnkit.backends.nonfinite import can_branch_on_data, nonfinite_rows
 from attnkit.backends.reference import differentiable_grads
-from attnkit.masks import Masks, alibi_bias, zero_padding
+from attnkit.masks import alibi_bias, zero_padding
 
 _NAN = float("nan")
 
 
-def sdpa(q: Tensor, k: Tensor, v: Tensor, request: Request) -> AttentionOutput:
+def sdpa(call: Call) -> AttentionOutput:
     """Shapes ``q (b, h, t, d)``, ``k (b, h_kv, s, d)``, ``v (b, h_kv, s, d_v)``."""
+    q, k, v = call.q, call.k, call.v
     t, s = q.shape[-2], k.shape[-2]
-    masks = request.masks
+    masks = call.masks
     keys, values = zero_padding(k, masks.key_mask), zero_padding(v, masks.key_mask)
-    is_causal = masks.is_causal_only and t == s and request.alibi_slopes is None
+    is_causal = masks.is_causal_only and t == s and call.alibi_slopes is None
     allowed = None if is_causal else masks.allowed(t, s, q.device)
     attn_mask = allowed
     bias = masks.bias()
-    if request.alibi_slopes is not None:
-        alibi = alibi_bias(request.alibi_slopes.to(q.dtype), t, s)  # (h, t, s)
+    if call.alibi_slopes is not None:
+        alibi = alibi_bias(call.alibi_slopes.to(q.dtype), t, s)  # (h, t, s)
         bias = alibi if bias is None else bias + alibi
     if bias is not None:
         attn_mask = bias if allowed is None else bias.masked_fill(~allowed, float("-inf"))
 
     with torch.no_grad():  # which rows attnkit's rules overwrite (no gradient flows through it)
-        nan_rows = rows_made_nan(q, keys, allowed, is_causal, masks.bias(), request.alibi_slopes)
+        nan_rows = rows_made_nan(q, keys, allowed, is_causal, masks.bias(), call.alibi_slopes)
         empty_rows = None if allowed is None else ~allowed.any(dim=-1, keepdim=True)
     out = F.scaled_dot_product_attention(
         q,
         keys,
         values,
         attn_mask=attn_mask,
-        dropout_p=request.dropout_p,
+        dropout_p=call.dropout_p,
         is_causal=is_causal,
-        scale=request.scale,
+        scale=call.scale,
         enable_gqa=bool(q.shape[1] != k.shape[1]),  # bool: under jit.trace the sizes are tensors
     )
     fused = _fused(out)
@@ -70,10 +73,9 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, request: Request) -> AttentionOutput:
         out = out.masked_fill(nan_rows, _NAN)
     if empty_rows is not None:  # rows with no allowed key are 0, whatever the kernel does
         out = out.masked_fill(empty_rows, 0.0)
-    if fused and wants_grad(q, k, v, request.alibi_slopes, masks.attn_mask):
-        out = _TwiceDifferentiable.apply(
-            out, q, k, v, request.alibi_slopes, masks.attn_mask, masks.key_mask, request
-        )
+    if fused and wants_grad(q, k, v, call.alibi_slopes, masks.attn_mask):
+        template = call.with_tensors(*[None] * 6)  # its tensors are saved apart
+        out = _TwiceDifferentiable.apply(out, *call.tensors(), template)
     return AttentionOutput(out)
 
 
@@ -139,37 +141,50 @@ class _TwiceDifferentiable(torch.autograd.Function):
     the reference's ``O(t s)`` memory for that call)."""
 
     @staticmethod
-    def forward(ctx, out, q, k, v, alibi_slopes, attn_mask, key_mask, request: Request):
+    def forward(ctx, out, q, k, v, alibi_slopes, attn_mask, key_mask, template: Call):
         ctx.save_for_backward(q, k, v, alibi_slopes, attn_mask, key_mask)
-        # The request without its tensors, which are saved above
-        ctx.request = request._replace(masks=Masks(request.masks.window), alibi_slopes=None)
+        ctx.template = template
         return out.view_as(out)
 
     @staticmethod
     def backward(ctx, dout):
         if not torch.is_grad_enabled():  # a first-order backward: torch's own kernel
             return dout, None, None, None, None, None, None, None
-        if ctx.request.dropout_p > 0:
+        if ctx.template.dropout_p > 0:
             raise ValueError(
                 "backend 'sdpa' cannot differentiate twice through dropout: torch's fused kernel "
                 "drew a dropout mask that a recomputation cannot repeat; use dropout_p=0, or "
                 "backend='reference', for a backward with create_graph=True"
             )
-        q, k, v, slopes, attn_mask, key_mask = ctx.saved_tensors
-        masks = Masks(ctx.request.masks.window, key_mask, attn_mask)
-        request = ctx.request._replace(masks=masks, alibi_slopes=slopes)
+        call = ctx.template.with_tensors(*ctx.saved_tensors)
         wanted = ctx.needs_input_grad[1:6]  # q, k, v, the slopes, a float mask
-        grads = differentiable_grads(q, k, v, request, dout, None, wanted)
+        grads = differentiable_grads(call, dout, None, wanted)
         return None, *grads, None, None
 
 
-def refuses(request: Request, q: Tensor, k: Tensor, v: Tensor) -> str | None:
-    """Why SDPA cannot run this call (None if it can)."""
-    if forward_ad_active():
-        return "forward-mode AD (torch.func.jvp, jacfwd, forward_ad): torch's fused kernels have no jvp rule"
-    if gradient_levels(q, k, v, request.alibi_slopes) >= 2:
-        return (
-            "nested torch.func gradients (grad of grad, or autograd around torch.func.grad): "
-            "torch's fused kernels have no double backward"
-        )
-    return None
+class SdpaBackend(Backend):
+    """torch's ``scaled_dot_product_attention``: the fastest where it computes the call."""
+
+    name = "sdpa"
+    supports = frozenset(
+        {"causal", "window", "attn_mask", "key_mask", "alibi_slopes", "dropout_p", "attn_mask_grad"}
+    )
+
+    def refuses(self, call: Call) -> str | None:
+        if forward_ad_active():
+            return "forward-mode AD (torch.func.jvp, jacfwd, forward_ad): torch's fused kernels have no jvp rule"
+        if gradient_levels(call.q, call.k, call.v, call.alibi_slopes) >= 2:
+            return (
+                "nested torch.func gradients (grad of grad, or autograd around torch.func.grad): "
+                "torch's fused kernels have no double backward"
+            )
+        return None
+
+    def path(self, call: Call) -> Path:
+        return Path("torch")
+
+    def run(self, call: Call) -> AttentionOutput:
+        return sdpa(call)
+
+
+BACKEND = SdpaBackend()

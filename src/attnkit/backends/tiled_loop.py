@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from attnkit import mods
-from attnkit.backends.base import Request
+from attnkit.backends.base import Call
 from attnkit.backends.nonfinite import NAN, may_hold_nonfinite
 from attnkit.block_mask import BlockPlan
 from attnkit.block_mask import allowed as dense_allowed
@@ -36,7 +36,7 @@ def _by_group(m: Tensor, h_kv: int, groups: int) -> Tensor:
 class Plan:
     """What one call needs, shared by the forward, the backward and the weights."""
 
-    request: Request
+    call: Call
     b: int
     h_kv: int
     groups: int
@@ -50,24 +50,18 @@ class Plan:
     compile_mods: bool = False  # evaluate score_mod and mask_mod compiled (mods.compile_block)
 
     @staticmethod
-    def of(
-        q: Tensor,
-        k: Tensor,
-        request: Request,
-        matmul_dtype: torch.dtype,
-        block_q: int,
-        block_k: int,
-    ) -> Plan:
+    def of(call: Call, matmul_dtype: torch.dtype, block_q: int, block_k: int) -> Plan:
+        q, k = call.q, call.k
         blocks = None
         compile_mods = q.shape[2] * k.shape[2] >= mods.COMPILE_FROM
-        if request.block_mask is not None:  # whole blocks of the mask's, to skip the empty ones
-            mask_q, mask_k = request.block_mask.BLOCK_SIZE
+        if call.block_mask is not None:  # whole blocks of the mask's, to skip the empty ones
+            mask_q, mask_k = call.block_mask.BLOCK_SIZE
             most = (max(1, block_q // mask_q), max(1, block_k // mask_k))
             b, h = q.shape[:2]
-            blocks = BlockPlan(request.block_mask, b, h, most, compiled=compile_mods)
+            blocks = BlockPlan(call.block_mask, b, h, most, compiled=compile_mods)
             block_q, block_k = blocks.block_size
         return Plan(
-            request=request,
+            call=call,
             b=q.shape[0],
             h_kv=k.shape[1],
             groups=q.shape[1] // k.shape[1],
@@ -88,8 +82,8 @@ class Plan:
     def key_blocks(self, i0: int, i1: int) -> Iterator[tuple[int, int, bool]]:
         """``(j0, j1, needs_window_mask)`` for the key blocks that queries ``i0..i1-1`` can see:
         those in the window's range, and with a block mask, those it lists for these rows."""
-        left, right = self.request.masks.window or (-1, -1)
-        diagonal = self.s - self.t + self.request.masks.shift  # p(i) = i + diagonal
+        left, right = self.call.masks.window or (-1, -1)
+        diagonal = self.s - self.t + self.call.masks.shift  # p(i) = i + diagonal
         first, last = i0 + diagonal, i1 - 1 + diagonal  # p(i0), p(i1 - 1)
         lo = max(0, first - left) if left >= 0 else 0
         hi = min(self.s, last + right + 1) if right >= 0 else self.s
@@ -109,7 +103,7 @@ class Plan:
     def distance(self, i0: int, i1: int, j0: int, j1: int, device: torch.device) -> Tensor:
         """``|p(i) - j|`` over the block, ``(bq, bk)`` in ``stats_dtype`` (ALiBi's distances)."""
         factory = {"device": device, "dtype": self.stats_dtype}
-        q_pos = torch.arange(i0, i1, **factory) + (self.s - self.t + self.request.masks.shift)
+        q_pos = torch.arange(i0, i1, **factory) + (self.s - self.t + self.call.masks.shift)
         return (q_pos[:, None] - torch.arange(j0, j1, **factory)).abs_()
 
     def scores(
@@ -133,7 +127,7 @@ class Plan:
         so a score made non-finite by the inputs is NaN; only a mask (or ``score_mod``) gives -inf
         (a +inf bias makes the row's max +inf, hence NaN). ``whole``: the block is every row and
         key, and a block mask applies densely."""
-        req = self.request
+        req = self.call
         b, h_kv, g = self.b, self.h_kv, self.groups
         raw = torch.matmul(q_blk, k_blk.transpose(-2, -1))  # (b, h_kv, g*bq, d) x (b, h_kv, d, bk)
         scores = raw.to(self.stats_dtype).view(b, h_kv, g, i1 - i0, j1 - j0)
@@ -184,11 +178,11 @@ class Plan:
         four_d = (self.b, self.h_kv * self.groups, i1 - i0, j1 - j0)
         compiled = self.compile_mods
         if not tape:
-            out = mods.score(self.request.score_mod, scores.view(four_d), at, compiled=compiled)
+            out = mods.score(self.call.score_mod, scores.view(four_d), at, compiled=compiled)
             return out.view(shape), None
         before = scores.detach().view(four_d).requires_grad_()
         with torch.enable_grad():
-            after = mods.score(self.request.score_mod, before, at, compiled=compiled)
+            after = mods.score(self.call.score_mod, before, at, compiled=compiled)
         return after.detach().view(shape), (before, after)  # the loop never writes into it
 
     def grouped_rows(self, x: Tensor, i0: int, i1: int) -> Tensor:
@@ -252,8 +246,7 @@ def online_softmax_(
     ``values`` ``(b, h_kv, bk, d_v)`` in place; returns the new running max (-inf until the row
     meets a key). ``scores`` are overwritten. Long calls run it compiled
     ([`compiled_or_eager`][attnkit.mods.compiled_or_eager]): its half-dozen passes over the
-    block become two, which took a causal N=4096 forward with a learned bias from 0.55 s to
-    0.35 s (Zen 5)."""
+    block become two (docs/bench/choices.md)."""
     b, h_kv, g, bq, bk = scores.shape
     new_max = torch.maximum(row_max, scores.amax(dim=-1, keepdim=True))
     shift = new_max.masked_fill(new_max == _NEG_INF, 0.0)  # a row with no key yet: 0
@@ -272,8 +265,8 @@ def softmax_backward_(
     """One block's weights ``P = exp(S - lse)`` and ``dS = P (dP - D)``, both in ``scores``'
     dtype; 0 where ``masked`` (a NaN row's or a hidden key's NaN times 0). Long calls run it
     compiled, as [`online_softmax_`][attnkit.backends.tiled_loop.online_softmax_]: written out of
-    place, it becomes one pass that reads two blocks and writes two, about eight times faster
-    than its eager passes (Zen 5)."""
+    place, it becomes one pass that reads two blocks and writes two, several times faster than
+    its eager passes (docs/bench/choices.md)."""
     probs = exp_(scores - lse)  # not in place: a score_mod's graph may hold the scores
     dscores = probs * (dprobs.to(scores.dtype) - delta)
     if masked is not None:
@@ -296,7 +289,7 @@ def forward(q5: Tensor, k: Tensor, v: Tensor, plan: Plan) -> tuple[Tensor, Tenso
     if careful:
         finite = torch.isfinite(v)
         clean_v, bad_v = v.where(finite, 0.0), (~finite).to(plan.matmul_dtype)
-    req = plan.request  # masks that may hide keys inside a block (key_mask padding is zero already)
+    req = plan.call  # masks that may hide keys inside a block (key_mask padding is zero already)
     masked_blocks = any(x is not None for x in (req.masks.attn_mask, req.score_mod, req.block_mask))
     step = mods.compiled_or_eager(online_softmax_) if plan.compile_mods else online_softmax_
     for i0, i1 in plan.query_blocks():
@@ -335,7 +328,7 @@ def backward(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """Gradients of q (w.r.t. the pre-scaled q), k, v and the ALiBi slopes (if ``slopes_grad``), in
     ``stats_dtype``. ``delta`` ``(b, h_kv, g, t)`` is ``D_i = dO_i . O_i - dlse_i``. With a
-    ``score_mod``, ``mod_grads`` (one entry per tensor of ``request.mod_tensors``, None at first)
+    ``score_mod``, ``mod_grads`` (one entry per tensor of ``call.mod_tensors``, None at first)
     accumulates the gradients of the tensors it reads."""
     b, h_kv, g, _t, d = q5.shape
     lse = lse.masked_fill(lse == _NEG_INF, 0.0)  # empty rows: their scores are -inf, exp() = 0
@@ -372,7 +365,7 @@ def backward(
             _add_matmul(_flat(dv[:, :, j0:j1]), p_3d.transpose(-2, -1), do_3d)  # dV += P^T dO
             if recorded is not None:  # through score_mod, to its input and the tensors it reads
                 dscores = _through_score_mod(
-                    recorded, dscores, plan.request.mod_tensors, mod_grads, masked
+                    recorded, dscores, plan.call.mod_tensors, mod_grads, masked
                 )
             if dslopes is not None:  # score -= slope |p(i) - j|, added after the soft-cap
                 distance = plan.distance(i0, i1, j0, j1, q5.device)

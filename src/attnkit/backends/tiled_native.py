@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from attnkit import mods
-from attnkit.backends import _native
+from attnkit.backends import _native, force
 from attnkit.mods import Block
 
 if TYPE_CHECKING:
@@ -43,28 +43,33 @@ def marked(name: str) -> contextlib.AbstractContextManager:
     return torch.profiler.record_function(name)
 
 
-def kernel_for(device: torch.device, matmul_dtype: torch.dtype) -> ModuleType | None:
-    """The C++ kernel if it can run a call with these block products, else None: float32 products
-    always, bf16 ones where its build multiplies them with AVX512-BF16 (elsewhere the loop's bf16
-    matrix products, oneDNN's, are the faster way)."""
+def kernel_for(device: torch.device, matmul_dtype: torch.dtype) -> _native.Kernel | None:
+    """The C++ kernel if it would run a call with these block products, else None (the loop
+    runs): float32 products always, bf16 ones where its build multiplies them with AVX512-BF16
+    (elsewhere the loop's bf16 matrix products, oneDNN's, are the faster way). Decides without
+    building or loading it (`attnkit.backends._native.Kernel.usable`); see also
+    [`attnkit.backends.force`][attnkit.backends.force]."""
     if device.type != "cpu" or matmul_dtype not in (torch.float32, torch.bfloat16):
         return None
-    if torch.compiler.is_compiling():  # dynamo traces the PyTorch loop; it cannot trace C++
+    if torch.compiler.is_compiling() or force.loop_only():  # dynamo cannot trace C++
         return None
-    kernel = KERNEL.load()
-    if kernel is not None and matmul_dtype == torch.bfloat16 and pair_products(kernel) is None:
+    if not KERNEL.usable()[0]:
         return None
-    return kernel
+    if matmul_dtype == torch.bfloat16 and pair_products(KERNEL) is None:
+        return None
+    return KERNEL
 
 
-def pair_products(kernel: ModuleType) -> str | None:
-    """How the kernel multiplies bf16 blocks: ``"avx512_bf16"`` (``vdpbf16ps``) where its build
-    has it, else None (bf16 products then run in the loop). The tests return ``"portable"`` here to
-    run the kernel's portable version of the same sums on any CPU."""
+def pair_products(kernel) -> str | None:
+    """How the kernel (or its loaded module) multiplies bf16 blocks: ``"avx512_bf16"``
+    (``vdpbf16ps``) where its build has it, else None (bf16 products then run in the loop);
+    ``"portable"``, the same sums in portable code, where a path forces it."""
+    if force.portable_pairs() or (force.current() == "tiled:half" and not kernel.has_avx512_bf16()):
+        return "portable"
     return "avx512_bf16" if kernel.has_avx512_bf16() else None
 
 
-def products(kernel: ModuleType, matmul_dtype: torch.dtype) -> str:
+def products(kernel, matmul_dtype: torch.dtype) -> str:
     """The block products as [`attnkit.functional.which_backend`][attnkit.functional.which_backend] names them: ``"float32"``,
     ``"bf16-avx512_bf16"`` or ``"bf16-portable"``."""
     return "float32" if matmul_dtype == torch.float32 else f"bf16-{pair_products(kernel)}"
@@ -82,9 +87,9 @@ def _even(x: Tensor) -> Tensor:
 
 
 def options(plan: Plan) -> tuple:
-    """The request as the C++ kernel takes it: bias, allowed, key_mask, alibi, softcap, window,
+    """The call as the C++ kernel takes it: bias, allowed, key_mask, alibi, softcap, window,
     shift."""
-    req = plan.request
+    req = plan.call
     shape = (plan.b, plan.h_kv * plan.groups, plan.t, plan.s)
     bias, allowed = _EMPTY[torch.float32], _EMPTY[torch.bool]
     mask = req.masks.attn_mask
@@ -122,7 +127,7 @@ def tiles(plan: Plan, mod_grads: list[Tensor | None] | None = None) -> Tiles:
     with enough query blocks a panel to keep every thread busy. ``mod_grads`` (the backward): the
     gradients of the tensors the mod reads, accumulated tile by tile."""
     whole = Tiles(_round_up(plan.t, plan.block_q), _round_up(plan.s, plan.block_k))
-    score_mod = plan.request.score_mod
+    score_mod = plan.call.score_mod
     if score_mod is None:
         return whole
     heads = plan.h_kv * plan.groups
@@ -138,7 +143,7 @@ def tiles(plan: Plan, mod_grads: list[Tensor | None] | None = None) -> Tiles:
     def mod_bias(r0: int, r1: int, c0: int, c1: int) -> Tensor:
         return mods.bias(score_mod, block(r0, r1, c0, c1), compiled=compiled)
 
-    tensors = plan.request.mod_tensors
+    tensors = plan.call.mod_tensors
     if mod_grads is None or not tensors:
         return Tiles(rows, keys, mod_bias)
 

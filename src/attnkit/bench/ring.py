@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 
 from attnkit._progress import Progress
+from attnkit.bench.launch import run_local
 from attnkit.bench.report import machine
-from attnkit.distributed import run_local
 
 WARM_UP_TOKENS = 1024
 """Tokens a rank of the step run before the one whose memory is measured: enough for whole blocks
@@ -87,6 +87,7 @@ def _rank_main(rank: int, world: int, n: int, layout: str, config: RingConfig) -
     import torch.distributed as dist
 
     from attnkit import distributed as ring
+    from attnkit.distributed.transport import Ring
     from attnkit.functional import attention
 
     torch.manual_seed(rank)
@@ -94,13 +95,13 @@ def _rank_main(rank: int, world: int, n: int, layout: str, config: RingConfig) -
     warm = min(t, WARM_UP_TOKENS)
     q, k, v = (torch.randn(b, h, warm, d, requires_grad=True) for _ in range(3))
     sent = [0]
-    exchange = ring._Ring.exchange
+    exchange = Ring.exchange
 
     def counted(self, outgoing, incoming, what):
         sent[0] += sum(x.numel() * x.element_size() for x in outgoing)
         return exchange(self, outgoing, incoming, what)
 
-    ring._Ring.exchange = counted
+    Ring.exchange = counted
 
     def step() -> None:
         if layout == "whole":

@@ -10,8 +10,7 @@ from collections.abc import Sequence
 from torch import Tensor, nn
 from torch.nn.modules import module as _module
 
-from attnkit import _checks
-from attnkit.backends import decode
+from attnkit import _checks, functional
 
 
 def as_batched(
@@ -37,10 +36,10 @@ def project(layer: nn.Linear, x: Tensor) -> Tensor:
 
 
 def project_all(layers: Sequence[nn.Linear], x: Tensor) -> list[Tensor]:
-    """``[layer(x) for layer in layers]``. A decoding step's few rows, without gradients, go to the
-    decode kernel's matrix-vector product ([`attnkit.backends.decode.linear`][attnkit.backends.decode.linear]), which streams the
-    weights of all the layers in one pass on every thread; a layer that is not a plain ``nn.Linear``
-    (a subclass, hooks, a ``forward`` of its own) is called as a module, and so are the others."""
+    """``[layer(x) for layer in layers]``, the plain ``nn.Linear`` layers through
+    [`attnkit.functional.linear_all`][attnkit.functional.linear_all] (which streams the weights of
+    a decoding step's every layer in one pass); a layer that is not a plain ``nn.Linear`` (a
+    subclass, hooks, a ``forward`` of its own) is called as a module, and so are the others."""
     if (
         _module._global_forward_hooks
         or _module._global_forward_pre_hooks
@@ -62,9 +61,7 @@ def project_all(layers: Sequence[nn.Linear], x: Tensor) -> list[Tensor]:
             return [layer(x) for layer in layers]
         weights.append(params["weight"])
         biases.append(params["bias"])
-    if decode.runs_linear(x, weights, biases):
-        return decode.linear(x, weights, biases)
-    return [layer(x) for layer in layers]
+    return functional.linear_all(x, weights, biases)
 
 
 def split_heads(x: Tensor, num_heads: int) -> Tensor:

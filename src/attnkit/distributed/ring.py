@@ -1,0 +1,297 @@
+"""[`ring_attention`][attnkit.distributed.ring_attention]: its checks, the ranks' agreement, and
+the plan of one call (which pieces of queries and keys meet, and the call each pair makes)."""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask
+
+from attnkit import _checks, functional, masks, mods
+from attnkit.backends import choose_backend
+from attnkit.backends.base import Call, call_of
+from attnkit.distributed import passes
+from attnkit.distributed.layout import LAYOUTS, Chunk, Piece, chunks, local, pieces_of
+from attnkit.distributed.transport import DEFAULT_TIMEOUT, Ring
+
+
+def ring_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    causal: bool = False,
+    layout: str = "contiguous",
+    key_mask: Tensor | None = None,
+    window: tuple[int, int] | None = None,
+    alibi_slopes: Tensor | None = None,
+    softcap: float | None = None,
+    scale: float | None = None,
+    score_mod: mods.ScoreMod | None = None,
+    return_lse: bool = False,
+    timeout: float = DEFAULT_TIMEOUT,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    return_weights: bool = False,
+    block_mask: BlockMask | None = None,
+    mask_mod: mods.MaskMod | None = None,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """[`attention`][attnkit.functional.attention] over a sequence whose queries, keys and values
+    are split along it over the ranks of ``group``: each rank passes its shard and gets its
+    shard of the output (and of the lse). Every rank must call it, with shards of the same shape.
+    It computes in the inputs' dtype, under autocast too. With one rank it is ``attention`` of
+    the shard, the whole sequence (which, unlike a ring of several, takes a second derivative).
+
+    Args:
+        q: this rank's queries ``(b, h, t / P, d)``.
+        k: this rank's keys ``(b, h_kv, s / P, d)`` (``h_kv`` divides ``h``: GQA, MQA).
+        v: this rank's values ``(b, h_kv, s / P, d_v)``.
+        group: the process group (the default group if None).
+        causal: key ``j`` visible to query ``i`` iff ``j <= i + s - t``, in global positions.
+        layout: how the sequence was cut, ``"contiguous"`` or ``"zigzag"`` (see
+            [`shard`][attnkit.distributed.shard]); ``"zigzag"`` balances causal work.
+        key_mask: this rank's part ``(b, s / P)`` of the key padding mask, True for a real token.
+        window: ``(left, right)`` around each query's global position; -1 unbounded.
+        alibi_slopes: ``(h,)``; the distances are global. Its gradient, like any tensor every rank
+            holds a copy of, is this rank's part: sum it over the group (as DDP does).
+        softcap: scores become ``softcap * tanh(score / softcap)``.
+        scale: multiplies ``q . k``; ``1 / sqrt(d)`` by default.
+        score_mod: as in [`attention`][attnkit.functional.attention], with global ``q_idx`` and
+            ``kv_idx``; the gradients of the tensors it reads are this rank's part, as the
+            slopes'.
+        return_lse: also return this rank's lse ``(b, h, t / P)``, with gradients through it.
+        timeout: seconds to wait for a peer before raising
+            [`RingError`][attnkit.distributed.RingError].
+        attn_mask: refused: a dense mask of the whole sequence is what ring attention avoids.
+        dropout_p: refused (0 only).
+        return_weights: refused: the weights are ``t x s``.
+        block_mask: refused: its tables are for the whole sequence; pass its ``mask_mod``.
+        mask_mod: as in [`attention`][attnkit.functional.attention], with global ``q_idx`` and
+            ``kv_idx``; evaluated on each pair of pieces as they meet.
+
+    Returns:
+        This rank's output ``(b, h, t / P, d_v)``, or ``(out, lse)`` with ``return_lse``.
+
+    Raises:
+        ValueError: a refused option; shards whose shapes differ between ranks (on every rank);
+            a length that does not fit the layout; no process group, or not a member of it.
+        RingError: a peer died or did not answer within ``timeout`` seconds.
+    """
+    for name, given in (
+        ("attn_mask", attn_mask is not None),
+        ("dropout_p", dropout_p != 0.0),
+        ("return_weights", return_weights),
+        ("block_mask", block_mask is not None),
+    ):
+        if given:
+            raise ValueError(f"ring_attention does not take {name}: {_REFUSED[name]}")
+    ring = Ring.of(group, timeout)
+    options = {
+        "key_mask": key_mask,
+        "causal": causal,
+        "window": window,
+        "alibi_slopes": alibi_slopes,
+        "softcap": softcap,
+        "scale": scale,
+        "score_mod": score_mod,
+        "mask_mod": mask_mod,
+    }
+    shard_call = functional.checked_call(q, k, v, **options)  # this shard's own checks
+    t, s = _agree(
+        ring,
+        q,
+        k,
+        v,
+        layout,
+        causal=causal,
+        key_mask=key_mask is not None,
+        window=window,
+        alibi_slopes=None if alibi_slopes is None else alibi_slopes.tolist(),
+        softcap=softcap,
+        scale=scale,
+        score_mod=mods.name_of(score_mod) if score_mod is not None else None,
+        mask_mod=mods.name_of(mask_mod) if mask_mod is not None else None,
+        key_piece=KEY_PIECE,  # the pieces that travel must have the same sizes everywhere
+    )
+    if ring.size == 1:  # the shard is the whole sequence: attention of it, in the inputs' dtype
+        with torch.autocast(q.device.type, enabled=False):
+            return functional.attention(q, k, v, return_lse=return_lse, backend="tiled", **options)
+    plan = RingPlan.of(ring, t, s, layout, shard_call, causal, window, mask_mod)
+    piece = plan.k_pieces[ring.rank][0]  # any pair: the tiled kernel's refusals
+    qc, kc = plan.q_pieces[0], piece.parts[0]
+    rows = (slice(None), slice(None), qc.rows)
+    k_first, v_first = (x.narrow(2, piece.homes[0], kc.length) for x in (k, v))
+    first = plan.pair(q[rows], k_first, v_first, None, alibi_slopes, (), qc, kc)
+    choose_backend("tiled", first)  # raises if it cannot, saying why
+    mod_tensors = shard_call.mod_tensors
+    function = passes.RingAttentionWithMods if mod_tensors else passes.RingAttention
+    out, lse = function.apply(q, k, v, alibi_slopes, key_mask, plan, *mod_tensors)
+    return (out, lse) if return_lse else out
+
+
+_REFUSED = {
+    "attn_mask": "a dense (t, s) mask of the whole sequence is what ring attention avoids; use "
+    "causal, window, key_mask or score_mod",
+    "dropout_p": "dropout on the weights is not supported across the ring (pass 0.0)",
+    "return_weights": "the weights are t x s, which no rank holds",
+    "block_mask": "a BlockMask's tables are for the whole sequence; pass its mask_mod instead",
+}
+
+
+_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def _agree(ring: Ring, q, k, v, layout: str, **options) -> tuple[int, int]:
+    """Check that every rank holds shards of one shape, dtype and device and asked for the same
+    options; return the global query and key lengths. The ranks compare what each holds, so all
+    of them raise the same error."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(map(repr, LAYOUTS))}, got {layout!r}")
+    t = q.shape[2]
+    described = {
+        "q": tuple(q.shape),
+        "k": tuple(k.shape),
+        "v": tuple(v.shape),
+        "dtype": str(q.dtype).removeprefix("torch."),
+        "device": q.device.type,
+        "layout": layout,
+        **options,
+    }
+    mine = [float(x) for x in (*q.shape, *k.shape, *v.shape)]
+    mine += [_DTYPES.index(q.dtype) if q.dtype in _DTYPES else -1, q.is_cuda, LAYOUTS.index(layout)]
+    mine += [zlib.crc32(repr(value).encode()) for value in options.values()]  # one number each
+    everyone = ring.all_gather(torch.tensor(mine, dtype=torch.float64, device=q.device), "shards")
+    if any(not torch.equal(x, everyone[0]) for x in everyone):
+        raise ValueError(
+            f"ring_attention: the ranks' shards or options differ (rank {ring.rank} has "
+            f"{described}); every rank must pass shards of one shape, dtype and device, and the "
+            "same options"
+        )
+    t_all, s_all = t * ring.size, k.shape[2] * ring.size
+    chunks(t_all, ring.size, layout), chunks(s_all, ring.size, layout)  # raise if they do not fit
+    return t_all, s_all
+
+
+KEY_PIECE = 1024
+"""About how many keys of a chunk travel together as a piece (a chunk is cut into near-equal
+slices). Each rank holds two pieces of other ranks' keys and values at a time (the one it computes
+with, the one arriving), and in the backward three of their gradients' sums, so smaller pieces take
+less memory. How well a transfer hides behind the compute does not depend on the piece's size
+(both grow with it); the fixed cost of each step does."""
+
+QUERY_PIECE = 2048
+"""About how many queries of a chunk one call of the tiled kernel takes: the call's own buffers
+(its queries scaled, their gradients) grow with it, and the fixed cost of a call shrinks."""
+
+
+@dataclass(frozen=True)
+class RingPlan:
+    """One call's geometry and options: the pieces of this rank's queries and of every rank's
+    keys, and the checked call of this rank's shard, from which each pair's call is made."""
+
+    ring: Ring
+    q_pieces: list[Chunk]
+    k_pieces: list[list[Piece]]  # [rank][j]
+    t: int
+    s: int
+    shard_call: Call  # without its tensors
+    causal: bool
+    window: tuple[int, int] | None
+    mask_mod: mods.MaskMod | None = None
+
+    @staticmethod
+    def of(
+        ring: Ring,
+        t: int,
+        s: int,
+        layout: str,
+        shard_call: Call,
+        causal: bool,
+        window: tuple[int, int] | None,
+        mask_mod: mods.MaskMod | None,
+    ) -> RingPlan:
+        q_chunks = local(chunks(t, ring.size, layout)[ring.rank])
+        k_chunks = [local(c) for c in chunks(s, ring.size, layout)]
+        count = pieces_of(k_chunks[0][0].length, KEY_PIECE)
+        return RingPlan(
+            ring=ring,
+            q_pieces=[p for c in q_chunks for p in c.slices(pieces_of(c.length, QUERY_PIECE))],
+            k_pieces=[Piece.cut_up(shard, count) for shard in k_chunks],
+            t=t,
+            s=s,
+            shard_call=shard_call.with_tensors(*[None] * 6),
+            causal=causal,
+            window=window,
+            mask_mod=mask_mod,
+        )
+
+    def schedule(self) -> Iterator[tuple[int, int, int]]:
+        """``(j, step, src)`` of each step: round ``j`` brings piece ``j`` of every rank's keys
+        around the ring, this rank's own first (step 0), then that of rank ``src``, which arrives
+        from the previous rank while the one before is computed."""
+        for j in range(len(self.k_pieces[0])):
+            for step in range(self.ring.size):
+                yield j, step, self.ring.peer(-step)
+
+    def pairs(self, src: int, j: int) -> list[tuple[Chunk, Chunk]]:
+        """The (query piece, key part) pairs of piece ``j`` of rank ``src``'s keys in which some
+        query may see some key by position: the others are never computed."""
+        limits = masks.merge_window(self.causal, self.window, self.t, self.s)
+        left, right = limits or (-1, -1)
+        visible = []
+        for qc in self.q_pieces:
+            first, last = qc.start + self.s - self.t, qc.start + qc.length - 1 + self.s - self.t
+            for kc in self.k_pieces[src][j].parts:
+                if kc.length == 0:
+                    continue
+                if right >= 0 and kc.start > last + right:
+                    continue
+                if left >= 0 and kc.start + kc.length - 1 < first - left:
+                    continue
+                visible.append((qc, kc))
+        return visible
+
+    def pair(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        key_mask: Tensor | None,
+        slopes: Tensor | None,
+        mod_tensors: tuple[Tensor, ...],
+        qc: Chunk,
+        kc: Chunk,
+    ) -> Call:
+        """The call of one pair: the shard's call with its masks and ALiBi in global positions and
+        its mods seeing global indices (nothing is checked again)."""
+        shift = (qc.start + self.s - self.t) - kc.start - (kc.length - qc.length)
+        base = self.shard_call
+        at = mods.at_positions(
+            {"score_mod": base.score_mod, "mask_mod": self.mask_mod}, qc.start, kc.start
+        )
+        b, h, t, _ = q.shape
+        s = k.shape[2]
+        window = masks.merge_window(self.causal, self.window, t, s, shift)
+        block_mask = None
+        if at["mask_mod"] is not None:
+            block_mask = _checks.check_block_mask(None, at["mask_mod"], b, h, t, s, q.device)
+        return call_of(
+            q,
+            k,
+            v,
+            masks.Masks(window, key_mask, None, shift),
+            base.scale,
+            softcap=base.softcap,
+            alibi_slopes=slopes,
+            return_lse=True,
+            score_mod=at["score_mod"],
+            block_mask=block_mask,
+            mod_tensors=mod_tensors,
+            mod_adds=base.mod_adds,
+        )
