@@ -56,7 +56,10 @@ def compare_case(rank: int, world: int, case: dict) -> dict[str, float]:
     """Ring attention of ``case`` on this rank against float64 attention of the whole sequence:
     the largest differences of the output, lse and gradients of this rank's shard (and of the
     slopes' or table's gradient, summed over the ranks)."""
-    tiled_function.BLOCK_Q, tiled_function.BLOCK_K = 5, 7  # many blocks, lengths that do not divide them
+    tiled_function.BLOCK_Q, tiled_function.BLOCK_K = (
+        5,
+        7,
+    )  # many blocks, lengths that do not divide them
     # Pieces of about 2 keys and 3 queries a chunk: several rounds, pieces of unequal sizes.
     plan.KEY_PIECE, plan.QUERY_PIECE = case.get("pieces", (2, 3))
     dtype = case.get("dtype", torch.float64)
