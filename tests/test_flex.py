@@ -20,6 +20,7 @@ import attnkit
 from attnkit import functional as F
 from attnkit.backends import tiled_function, tiled_loop
 from attnkit.block_mask import create_block_mask
+from attnkit.mods import compiling
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
@@ -776,14 +777,14 @@ def test_a_mod_that_gathers_a_block_runs_compiled_from_long_calls(monkeypatch):
     torch._dynamo.utils.counters.clear()
     out = F.attention(q, k, v, score_mod=gathers, block_mask=block_mask, backend="tiled")
     grads = torch.autograd.grad(out.sum(), (q, table))
-    assert mods._WORTH_COMPILING[gathers.__code__] is True
+    assert compiling.worth_compiling(gathers) is True
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # it was compiled
     want = F.attention(q, k, v, score_mod=gathers, block_mask=block_mask, backend="reference")
     torch.testing.assert_close(out, want)
     for g, w in zip(grads, torch.autograd.grad(want.sum(), (q, table))):
         torch.testing.assert_close(g, w)
     F.attention(q, k, v, score_mod=computes, block_mask=block_mask, backend="tiled")  # the loop
-    assert mods._WORTH_COMPILING[computes.__code__] is False  # arithmetic runs faster eager
+    assert compiling.worth_compiling(computes) is False  # arithmetic runs faster eager
 
 
 @pytest.mark.parametrize("path", ["kernel", "loop"])
@@ -799,8 +800,7 @@ def test_a_mod_that_cannot_be_compiled_runs_uncompiled_with_a_warning(monkeypatc
 
     monkeypatch.setattr(mods, "COMPILE_FROM", 0)
     monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fails)
-    mods._block_function.cache_clear()
-    mods._compiled.cache_clear()
+    compiling.forget()
 
     def gathers_too(score, b, h, q_idx, kv_idx):
         return score + TABLE[h, q_idx - kv_idx + 28]
@@ -818,8 +818,7 @@ def test_a_mod_that_cannot_be_compiled_runs_uncompiled_with_a_warning(monkeypatc
             warnings.simplefilter("always")
             again = F.attention(q, k, v, **options)
     finally:
-        mods._block_function.cache_clear()
-        mods._compiled.cache_clear()
+        compiling.forget()
     said = sorted(str(w.message).split(" (")[0].split(".")[-1] for w in warned)
     if path == "kernel":
         assert said == ["gathers_too could not be compiled"]
@@ -868,14 +867,14 @@ def test_long_calls_run_the_softmax_steps_compiled_with_the_same_results(monkeyp
         "compile",
         lambda fn, **kwargs: compiled.append(fn.__name__) or real_compile(fn, **kwargs),
     )
-    mods._compiled.cache_clear()
+    compiling.forget()
     uncompiled = run()
     assert compiled == []  # a short call
     monkeypatch.setattr(mods, "COMPILE_FROM", 0)
     try:
         got = run()
     finally:
-        mods._compiled.cache_clear()
+        compiling.forget()
     assert {"online_softmax_", "softmax_backward_"} <= set(compiled)
     want, _ = oracle(q, k, v.nan_to_num(0.0), score_mod, mask_mod)
     key_20 = torch.zeros_like(v)
@@ -900,7 +899,7 @@ def test_compiled_block_functions_take_every_length_without_recompiling_each(mon
     from attnkit import mods
 
     monkeypatch.setattr(mods, "COMPILE_FROM", 0)
-    mods._compiled.cache_clear()
+    compiling.forget()
 
     def gathers_again(score, b, h, q_idx, kv_idx):
         return score + TABLE[h, q_idx - kv_idx + 28]
@@ -912,7 +911,7 @@ def test_compiled_block_functions_take_every_length_without_recompiling_each(mon
             want = oracle(q, k, v, relative_bias(TABLE), causal)[0]
             torch.testing.assert_close(out, want.float())
     finally:
-        mods._compiled.cache_clear()
+        compiling.forget()
     assert "recompile_limit" not in caplog.text
 
 

@@ -220,3 +220,42 @@ def test_which_backend_follows_transforms_and_tracing():
     with torch.autograd.forward_ad.dual_level():
         dual = torch.autograd.forward_ad.make_dual(q, torch.ones_like(q))
         assert which_backend(dual, k, v).backend == "reference"  # only it has a jvp rule
+
+
+DECIDING = """
+import json, sys, torch
+from attnkit.functional import which_backend
+q = torch.randn(1, 4, 64, 32)
+kv = torch.randn(1, 2, 64, 32)
+cases = [
+    ({}, (q, kv, kv)),
+    ({"causal": True, "softcap": 5.0}, (q, kv, kv)),
+    ({"window": (7, 0), "backend": "tiled"}, (q.bfloat16(), kv.bfloat16(), kv.bfloat16())),
+    ({}, (q[:, :, :1], kv, kv)),
+    ({"score_mod": lambda s, b, h, i, j: s + (i - j)}, (q, kv, kv)),
+]
+with torch.no_grad():
+    chosen = [list(which_backend(*x, **o)[:2]) for o, x in cases]
+loaded = sorted(name for name in sys.modules if name.startswith("attnkit_"))
+print(json.dumps({"chosen": chosen, "loaded": loaded}))
+"""
+
+
+def test_which_backend_in_a_fresh_extensions_folder_builds_loads_and_writes_nothing(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    folder = tmp_path / "extensions"
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(folder)}
+    result = subprocess.run(
+        [sys.executable, "-c", DECIDING], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert not folder.exists() and report["loaded"] == []
+    assert "attnkit:" not in result.stderr  # no build announced
+    if tiled_native.KERNEL.usable()[0]:  # a compiler here: the kernels are chosen, to be built
+        assert report["chosen"][1] == ["tiled", "native"]
+        assert report["chosen"][3] == ["decode", "native"]
