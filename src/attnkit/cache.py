@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from attnkit import _checks
+from attnkit.masks import alibi_bias, window_mask
 
 
 class KVCache(nn.Module):
@@ -249,6 +250,40 @@ class KVCache(nn.Module):
         self._ints_behind = True  # written, never read here: no recompile
         held = torch.arange(self.capacity, device=keys.device) < filled  # (capacity,)
         return keys, values, real & held
+
+    def static_step(
+        self,
+        k: Tensor,
+        v: Tensor,
+        key_mask: Tensor | None,
+        window: tuple[int, int] | None,
+        alibi_slopes: Tensor | None,
+        context_length: int | None,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """What a causal module's cached step under ``torch.compile`` attends with: the whole
+        buffers ([`update_static`][attnkit.cache.KVCache.update_static], so that its shapes never
+        change and it compiles once), and the mask, bool or with ALiBi float ``(b, h or 1, t, C)``,
+        of the keys each query may see, from the ``(t,)`` slots of the queries.
+
+        Returns:
+            ``(keys, values, attn_mask)`` for ``attention(..., causal=False)``.
+        """
+        t = k.shape[2]
+        slots = self.next_slots(t)  # where this chunk goes: the queries' positions
+        if context_length is not None:  # check_context_length, on the tensor
+            torch._assert_async(
+                slots[-1] < context_length,
+                f"cache + x is longer than context_length ({context_length})",
+            )
+        keys, values, real = self.update_static(k, v, key_mask=key_mask)
+        capacity = keys.shape[2]
+        window = (-1, 0) if window is None else window  # a cached module is causal
+        allowed = window_mask(t, capacity, window, device=keys.device, query_slots=slots)
+        attn_mask = allowed & real[:, None, None, :]  # (t, C) & (b, 1, 1, C) -> (b, 1, t, C)
+        if alibi_slopes is not None:
+            bias = alibi_bias(alibi_slopes, t, capacity, query_slots=slots)  # (h, t, C)
+            attn_mask = bias.to(k.dtype).masked_fill(~attn_mask, float("-inf"))
+        return keys, values, attn_mask
 
     def _check_chunk(self, k: Tensor, v: Tensor, key_mask: Tensor | None, keys: Tensor) -> int:
         """The chunk's length ``n``, once ``k``, ``v`` and ``key_mask`` fit the cache and its room."""

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from attnkit import _checks
 from attnkit.cache import KVCache
 from attnkit.modules._common import as_batched, unbatch
-from attnkit.modules.multihead import ProjectedAttention
+from attnkit.modules.projected import ProjectedAttention
 from attnkit.textbook import attend
 
 
