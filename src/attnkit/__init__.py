@@ -8,9 +8,9 @@ preallocated [`KVCache`][attnkit.cache.KVCache] and [`RotaryEmbedding`][attnkit.
 """
 
 from attnkit import functional
-from attnkit.block_mask import create_block_mask, document_mask
+from attnkit.block_mask import create_block_mask
 from attnkit.cache import KVCache
-from attnkit.flex import flex_attention, varlen_attention
+from attnkit.flex import flex_attention
 from attnkit.functional import attention
 from attnkit.masks import alibi_slopes, causal_mask, window_mask
 from attnkit.modules import (
@@ -23,6 +23,7 @@ from attnkit.modules import (
 )
 from attnkit.positions import RotaryEmbedding
 from attnkit.textbook import AttentionResult, attend, simple_self_attention
+from attnkit.varlen import document_mask, varlen_attention
 
 __version__ = "0.1.0"
 

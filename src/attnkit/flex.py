@@ -30,9 +30,10 @@ import warnings
 from torch import Tensor
 from torch.nn.attention.flex_attention import AuxOutput, AuxRequest, BlockMask
 
-from attnkit.block_mask import create_block_mask, document_mask, sequence_lengths
+from attnkit.block_mask import create_block_mask
 from attnkit.functional import attention
 from attnkit.mods import ScoreMod
+from attnkit.varlen import document_mask, varlen_attention
 
 __all__ = [
     "AuxOutput",
@@ -117,93 +118,3 @@ def flex_attention(
         out, lse = result if want_lse else (result, None)
         return out, AuxOutput(lse=lse)
     return result
-
-
-def varlen_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    cu_seqlens_q: Tensor,
-    cu_seqlens_k: Tensor,
-    max_seqlen_q: int | None = None,
-    max_seqlen_k: int | None = None,
-    *,
-    causal: bool = False,
-    window: tuple[int, int] | None = None,
-    scale: float | None = None,
-    softcap: float | None = None,
-    score_mod: ScoreMod | None = None,
-    return_lse: bool = False,
-    block_size: int | tuple[int, int] = 128,
-) -> Tensor | tuple[Tensor, Tensor]:
-    """Attention over packed sequences of different lengths, shaped as flash-attn's
-    ``flash_attn_varlen_func``, with a backward on every device.
-
-    Sequence ``i`` holds queries ``cu_seqlens_q[i]:cu_seqlens_q[i + 1]`` and keys
-    ``cu_seqlens_k[i]:cu_seqlens_k[i + 1]``; no query sees another sequence's keys. Within a
-    sequence, ``causal`` and ``window`` align bottom-right, as in flash-attn: with fewer queries
-    than keys, the last query sees the last key. Computed by the tiled kernel with
-    [`document_mask`][attnkit.block_mask.document_mask], so only the blocks on the sequences'
-    diagonal are computed, in ``O(total)`` memory.
-
-    Args:
-        q: ``(total_q, h, d)``.
-        k: ``(total_k, h_kv, d)``; ``h`` a multiple of ``h_kv``.
-        v: ``(total_k, h_kv, d_v)``.
-        cu_seqlens_q: ``(n + 1,)`` int, ``0, l0, l0 + l1, ..., total_q``.
-        cu_seqlens_k: ``(n + 1,)`` int, likewise for the keys.
-        max_seqlen_q: the longest query sequence, checked if given (flash-attn needs it).
-        max_seqlen_k: the longest key sequence, checked if given.
-        causal: each query sees the keys up to its position in its sequence.
-        window: ``(left, right)`` keys around that position, -1 unbounded.
-        scale: multiplies ``q . k``; ``1 / sqrt(d)`` by default.
-        softcap: soft-capping of the scores, as in [`attention`][attnkit.functional.attention].
-        score_mod: a score modifier, with ``q_idx``/``kv_idx`` indexing the packed tokens.
-        return_lse: also return the log-sum-exp, ``(h, total_q)`` as flash-attn returns it.
-        block_size: the block mask's block size.
-
-    Returns:
-        ``out`` ``(total_q, h, d_v)``, or ``(out, lse)``.
-
-    Example:
-        >>> import torch
-        >>> cu = torch.tensor([0, 3, 8])                 # two sequences, of 3 and 5 tokens
-        >>> q, k, v = (torch.randn(8, 4, 16) for _ in range(3))
-        >>> out = varlen_attention(q, k, v, cu, cu, causal=True)
-        >>> alone = varlen_attention(q[3:], k[3:], v[3:], cu[1:] - 3, cu[1:] - 3, causal=True)
-        >>> torch.allclose(out[3:], alone)
-        True
-    """
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(x, Tensor) or x.dim() != 3:
-            got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
-            raise ValueError(f"{name} must be (total, heads, head_dim), got {got}")
-    for cu, total, longest, name in (
-        (cu_seqlens_q, q.shape[0], max_seqlen_q, "cu_seqlens_q"),
-        (cu_seqlens_k, k.shape[0], max_seqlen_k, "cu_seqlens_k"),
-    ):
-        lengths = sequence_lengths(cu, name, total)
-        if longest is not None and int(lengths.max()) > longest:
-            raise ValueError(
-                f"{name} holds a sequence of {int(lengths.max())}, over max_seqlen {longest}"
-            )
-    mask = document_mask(
-        cu_seqlens=cu_seqlens_q,
-        cu_seqlens_k=cu_seqlens_k,
-        causal=causal,
-        window=window,
-        BLOCK_SIZE=block_size,
-        device=q.device,
-    )
-    packed = [x.transpose(0, 1).unsqueeze(0) for x in (q, k, v)]  # (1, heads, total, d)
-    result = attention(
-        *packed,
-        block_mask=mask,
-        score_mod=score_mod,
-        scale=scale,
-        softcap=softcap,
-        return_lse=return_lse,
-    )
-    out, lse = result if return_lse else (result, None)
-    out = out.squeeze(0).transpose(0, 1)
-    return (out, lse.squeeze(0)) if return_lse else out

@@ -18,8 +18,8 @@ from torch import Tensor
 
 from attnkit import mods
 from attnkit.backends.base import Call
+from attnkit.backends.block_plan import BlockPlan
 from attnkit.backends.nonfinite import NAN, may_hold_nonfinite
-from attnkit.block_mask import BlockPlan
 from attnkit.block_mask import allowed as dense_allowed
 
 _NEG_INF = float("-inf")

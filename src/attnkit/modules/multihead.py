@@ -20,7 +20,6 @@ from torch import Tensor, nn
 from torch.nn.attention.flex_attention import BlockMask
 
 from attnkit import _checks
-from attnkit.block_mask import document_mask
 from attnkit.cache import KVCache, token_positions
 from attnkit.functional import attention
 from attnkit.masks import alibi_slopes
@@ -29,6 +28,7 @@ from attnkit.modules import interop
 from attnkit.modules._common import as_batched, module_softcap, module_window, unbatch
 from attnkit.modules.projected import ProjectedAttention
 from attnkit.positions import RotaryEmbedding
+from attnkit.varlen import document_mask
 
 if TYPE_CHECKING:
     from attnkit.distributed import ContextParallel
@@ -170,7 +170,7 @@ class MultiHeadAttention(ProjectedAttention):
             block_mask: a ``BlockMask`` for ``(t, t)`` (without a cache).
             documents: ``(t,)`` document ids of packed sequences (each document contiguous): no
                 token sees another document's (without a cache;
-                [`attnkit.document_mask`][attnkit.block_mask.document_mask]).
+                [`attnkit.document_mask`][attnkit.varlen.document_mask]).
             context_parallel: a [`ContextParallel`][attnkit.distributed.ContextParallel]: ``x`` is
                 this rank's shard of a sequence split over a process group, and the output is its
                 shard of the whole sequence's output (ring attention; RoPE at the tokens' global
