@@ -28,6 +28,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import platform
@@ -123,9 +124,14 @@ def features_of(spec: str | None) -> frozenset[str]:
 
 def features() -> frozenset[str]:
     """The extensions attnkit may use on this CPU: those it has, narrowed by ``ATTNKIT_CPU_FEATURES``
-    (unset or blank: not narrowed)."""
+    (unset or blank: not narrowed). Under ``torch.compile``'s tracing, the answer of the last call
+    outside it (or at import): the probe reads a file and the environment, which dynamo cannot
+    trace, and the CPU does not change while a graph is traced."""
+    if torch.compiler.is_compiling():
+        return _last[0]
     spec = os.environ.get(ENV, "").strip()
-    return features_of(spec or None)
+    _last[0] = features_of(spec or None)
+    return _last[0]
 
 
 def has(*names: str) -> bool:
@@ -158,3 +164,8 @@ def describe() -> str:
     spec = os.environ.get(ENV, "").strip()
     narrowed = f" ({ENV}={spec})" if spec else ""
     return " ".join(shown) + narrowed
+
+
+_last = [frozenset()]
+with contextlib.suppress(ValueError):  # a bad ATTNKIT_CPU_FEATURES: the first real call says so
+    features()  # read once at import, outside anything dynamo traces

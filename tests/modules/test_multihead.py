@@ -236,6 +236,24 @@ def test_compiles_with_fullgraph(options):
     torch.testing.assert_close(compiled(x, key_mask=key_mask), module(x, key_mask=key_mask))
 
 
+@pytest.mark.parametrize(
+    "dtype, t", [(torch.float32, 300), (torch.bfloat16, 17)], ids=["fp32 long", "bf16"]
+)
+def test_training_compiles_with_fullgraph_where_auto_weighs_the_cpu(dtype, t):
+    """Lengths and dtypes at which auto asks what the CPU has (the tiled kernel's speed rules):
+    read once, outside dynamo's tracing, so the whole step is one graph."""
+    module = MultiHeadAttention(16, 16, None, 0.0, 2, window=8, alibi=True).to(dtype)
+    x = torch.randn(1, t, 16, dtype=dtype, requires_grad=True)
+    out = torch.compile(module, fullgraph=True)(x)
+    out.float().sum().backward()
+    torch.testing.assert_close(
+        out,
+        module(x),
+        atol=2e-2 if dtype == torch.bfloat16 else None,
+        rtol=None if dtype == torch.float32 else 2e-2,
+    )
+
+
 @pytest.mark.filterwarnings("ignore:`torch.jit.trace:DeprecationWarning")
 @pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")
 @pytest.mark.parametrize("num_kv_heads", [4, 2])

@@ -52,6 +52,12 @@ def _finite(x: Tensor) -> bool:
     return bool(torch.isfinite(x.sum()))
 
 
+def all_finite(*tensors: Tensor) -> bool:
+    """Whether Python may look at the tensors (`can_branch_on_data`) and every value of each is
+    finite, in one pass over each: the common case, in which no row needs the exact check."""
+    return can_branch_on_data(*tensors) and all(_finite(x) for x in tensors)
+
+
 def nonfinite_rows(x: Tensor) -> Tensor:
     """``(...)`` True where a row ``x[..., :]`` holds a NaN or an infinity.
 

@@ -32,7 +32,7 @@ from attnkit.backends.base import (
     gradient_levels,
     wants_grad,
 )
-from attnkit.backends.nonfinite import can_branch_on_data, nonfinite_rows
+from attnkit.backends.nonfinite import all_finite, can_branch_on_data, nonfinite_rows
 from attnkit.backends.reference import differentiable_grads
 from attnkit.masks import alibi_bias, zero_padding
 
@@ -56,7 +56,9 @@ def sdpa(call: Call) -> AttentionOutput:
         attn_mask = bias if allowed is None else bias.masked_fill(~allowed, float("-inf"))
 
     with torch.no_grad():  # which rows attnkit's rules overwrite (no gradient flows through it)
-        nan_rows = rows_made_nan(q, keys, allowed, is_causal, masks.bias(), call.alibi_slopes)
+        nan_rows = None  # a query or key row that is not finite, a NaN or +inf in the bias...
+        if bias is not None or not all_finite(q, keys):  # ...makes its rows NaN
+            nan_rows = rows_made_nan(q, keys, allowed, is_causal, masks.bias(), call.alibi_slopes)
         empty_rows = None if allowed is None else ~allowed.any(dim=-1, keepdim=True)
     out = F.scaled_dot_product_attention(
         q,
@@ -69,8 +71,8 @@ def sdpa(call: Call) -> AttentionOutput:
         enable_gqa=bool(q.shape[1] != k.shape[1]),  # bool: under jit.trace the sizes are tensors
     )
     fused = _fused(out)
-    if not can_branch_on_data(nan_rows) or bool(nan_rows.any()):  # no copy where nothing changes
-        out = out.masked_fill(nan_rows, _NAN)
+    if nan_rows is not None and (not can_branch_on_data(nan_rows) or bool(nan_rows.any())):
+        out = out.masked_fill(nan_rows, _NAN)  # no copy where nothing changes
     if empty_rows is not None:  # rows with no allowed key are 0, whatever the kernel does
         out = out.masked_fill(empty_rows, 0.0)
     if fused and wants_grad(q, k, v, call.alibi_slopes, masks.attn_mask):
