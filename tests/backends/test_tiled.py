@@ -332,10 +332,12 @@ def test_the_cpp_kernel_refuses_operands_that_do_not_fit_with_a_message():
         blocks=(4, 4),
         route=0,
     ):
-        tiles = (8, 8, None)  # one tile: no score_mod
-        return kernel.forward(
-            *operands, bias, empty_bool, key_mask, alibi, 0.0, -1, -1, 0, *blocks, route, *tiles
-        )
+        options = kernel.TiledOptions()
+        options.bias, options.key_mask, options.alibi = bias, key_mask, alibi
+        options.block_q, options.block_k = blocks
+        options.route = route
+        options.tile_rows = options.tile_keys = 8  # one tile: no score_mod
+        return kernel.forward(*operands, options)
 
     assert forward()[0].shape == (1, 2, 5, 4)
     with pytest.raises(RuntimeError, match=r"bias must be \(b, h, t, s\)"):
@@ -358,3 +360,14 @@ def test_the_cpp_kernel_refuses_operands_that_do_not_fit_with_a_message():
     if not kernel.has_avx512_bf16():
         with pytest.raises(RuntimeError, match="this build has no AVX512-BF16 products"):
             forward(bf16, route=1)
+
+    options = kernel.TiledOptions()  # the backward takes the same options
+    options.block_q = options.block_k = 4
+    options.tile_rows = options.tile_keys = 8
+    dout, lse, delta = torch.randn(1, 2, 5, 4), torch.zeros(1, 2, 5), torch.zeros(1, 2, 5)
+    assert kernel.backward(dout, q, k, v, lse, delta, options)[1].shape == (1, 1, 7, 4)
+    with pytest.raises(RuntimeError, match=r"dout must be \(b, h, t, dv\)"):
+        kernel.backward(torch.randn(1, 2, 5, 3), q, k, v, lse, delta, options)
+    options.alibi_grad = True
+    with pytest.raises(RuntimeError, match="alibi_grad without ALiBi slopes"):
+        kernel.backward(dout, q, k, v, lse, delta, options)

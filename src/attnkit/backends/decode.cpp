@@ -105,6 +105,93 @@ inline void four_rows(const T* base, int64_t j, int64_t stride_s, int64_t d,
   }
 }
 
+// scores[r][j] = q_r . k_{j0 + j} for the query rows r and the n keys of a block.
+template <typename T, int64_t D, int64_t R>
+inline void score_block(const float* q, int64_t rows_given, int64_t dim, const T* k,
+                        int64_t stride_s, int64_t j0, int64_t n, float (*buffer)[kMaxDim],
+                        float (*scores)[kBlock]) {
+  const int64_t d = D ? D : dim;
+  const int64_t rows = R ? R : rows_given;
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) {  // four keys at a time: four independent chains of FMAs
+    const float* key[4];
+    four_rows<T, D>(k, j0 + j, stride_s, d, buffer, key);
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* qr = q + r * d;
+      float dot0 = 0.f, dot1 = 0.f, dot2 = 0.f, dot3 = 0.f;
+      for (int64_t c = 0; c < d; ++c) {
+        dot0 += qr[c] * key[0][c];
+        dot1 += qr[c] * key[1][c];
+        dot2 += qr[c] * key[2][c];
+        dot3 += qr[c] * key[3][c];
+      }
+      scores[r][j] = dot0;
+      scores[r][j + 1] = dot1;
+      scores[r][j + 2] = dot2;
+      scores[r][j + 3] = dot3;
+    }
+  }
+  for (; j < n; ++j) {
+    const float* key = as_float<T, D>(k + (j0 + j) * stride_s, buffer[0], d);
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* qr = q + r * d;
+      float dot = 0.f;
+      for (int64_t c = 0; c < d; ++c) dot += qr[c] * key[c];
+      scores[r][j] = dot;
+    }
+  }
+}
+
+// A block's scores made ready for the softmax: a padding key's score becomes -FLT_MAX, and a row
+// with a real key whose score is not finite is marked bad, its scores all -FLT_MAX. `real`: the
+// block's keys, null when all are real.
+template <int64_t R>
+inline void mask_block(const bool* real, int64_t rows_given, int64_t n, float (*scores)[kBlock],
+                       bool* bad) {
+  const int64_t rows = R ? R : rows_given;
+  if (real != nullptr) {
+    for (int64_t j = 0; j < n; ++j) {
+      if (!real[j]) {
+        for (int64_t r = 0; r < rows; ++r) scores[r][j] = -FLT_MAX;
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {  // a padding key's -FLT_MAX is finite: only real keys count
+    bool all_finite = true;
+    for (int64_t j = 0; j < n; ++j) all_finite = all_finite && finite(scores[r][j]);
+    if (!all_finite) {
+      bad[r] = true;
+      std::fill(scores[r], scores[r] + n, -FLT_MAX);  // weight 0 here: the row ends as NaN
+    }
+  }
+}
+
+// The online softmax's update for a block: each row's scores become its weights, its running max
+// m and sum l take the block in, and its output so far is rescaled to the new max.
+template <int64_t D, int64_t R>
+inline void update_rows(int64_t rows_given, int64_t dim, int64_t n, float (*scores)[kBlock],
+                        float* m, float* l, float (*acc)[kMaxDim]) {
+  const int64_t d = D ? D : dim;
+  const int64_t rows = R ? R : rows_given;
+  for (int64_t r = 0; r < rows; ++r) {
+    float block_max = m[r];
+    for (int64_t j = 0; j < n; ++j) block_max = std::max(block_max, scores[r][j]);
+    const float alpha = exp_nonpositive(m[r] - block_max);
+    m[r] = block_max;
+    float sum = 0.f;
+    for (int64_t j = 0; j < n; ++j) {
+      // A masked key's -FLT_MAX minus a real max is below -87: its weight is 0.
+      const float p = exp_nonpositive(scores[r][j] - block_max);
+      scores[r][j] = p;
+      sum += p;
+    }
+    l[r] = l[r] * alpha + sum;
+    if (alpha != 1.f) {
+      for (int64_t c = 0; c < d; ++c) acc[r][c] *= alpha;
+    }
+  }
+}
+
 // One work item: keys [begin, end) of one (batch row, key/value head) for `rows` query rows. D is the
 // head dim when known at compile time (the common widths), 0 for any other width `dim`; R is the
 // rows when known (one query of multi-head attention: 1-4% faster, the loops over rows gone), else 0.
@@ -132,67 +219,14 @@ void attend_split(const float* q, int64_t rows_given, int64_t dim, const T* k, c
       continue;  // the block adds nothing: neither its keys nor its values are read
     }
     const bool all_real = real == nullptr || std::all_of(real + j0, real + j0 + n, is_real);
+    const bool* block_real = all_real ? nullptr : real + j0;
+    score_block<T, D, R>(q, rows, d, k, stride_s, j0, n, buffer, scores);
+    mask_block<R>(block_real, rows, n, scores, bad);
+    update_rows<D, R>(rows, d, n, scores, m, l, acc);
+    // acc += P V stays here, one level deeper than the steps above: decode is built with
+    // -ffast-math, and with these loops in a function of their own GCC associates the four-value
+    // sum differently (the last bit of some outputs changes) and some builds run slower.
     int64_t j = 0;
-    for (; j + 4 <= n; j += 4) {  // four keys at a time: four independent chains of FMAs
-      const float* key[4];
-      four_rows<T, D>(k, j0 + j, stride_s, d, buffer, key);
-      for (int64_t r = 0; r < rows; ++r) {
-        const float* qr = q + r * d;
-        float dot0 = 0.f, dot1 = 0.f, dot2 = 0.f, dot3 = 0.f;
-        for (int64_t c = 0; c < d; ++c) {
-          dot0 += qr[c] * key[0][c];
-          dot1 += qr[c] * key[1][c];
-          dot2 += qr[c] * key[2][c];
-          dot3 += qr[c] * key[3][c];
-        }
-        scores[r][j] = dot0;
-        scores[r][j + 1] = dot1;
-        scores[r][j + 2] = dot2;
-        scores[r][j + 3] = dot3;
-      }
-    }
-    for (; j < n; ++j) {
-      const float* key = as_float<T, D>(k + (j0 + j) * stride_s, buffer[0], d);
-      for (int64_t r = 0; r < rows; ++r) {
-        const float* qr = q + r * d;
-        float dot = 0.f;
-        for (int64_t c = 0; c < d; ++c) dot += qr[c] * key[c];
-        scores[r][j] = dot;
-      }
-    }
-    if (!all_real) {
-      for (int64_t j = 0; j < n; ++j) {
-        if (!real[j0 + j]) {
-          for (int64_t r = 0; r < rows; ++r) scores[r][j] = -FLT_MAX;
-        }
-      }
-    }
-    for (int64_t r = 0; r < rows; ++r) {  // a padding key's -FLT_MAX is finite: only real keys count
-      bool all_finite = true;
-      for (int64_t j = 0; j < n; ++j) all_finite = all_finite && finite(scores[r][j]);
-      if (!all_finite) {
-        bad[r] = true;
-        std::fill(scores[r], scores[r] + n, -FLT_MAX);  // weight 0 here: the row ends as NaN
-      }
-    }
-    for (int64_t r = 0; r < rows; ++r) {
-      float block_max = m[r];
-      for (int64_t j = 0; j < n; ++j) block_max = std::max(block_max, scores[r][j]);
-      const float alpha = exp_nonpositive(m[r] - block_max);
-      m[r] = block_max;
-      float sum = 0.f;
-      for (int64_t j = 0; j < n; ++j) {
-        // A masked key's -FLT_MAX minus a real max is below -87: its weight is 0.
-        const float p = exp_nonpositive(scores[r][j] - block_max);
-        scores[r][j] = p;
-        sum += p;
-      }
-      l[r] = l[r] * alpha + sum;
-      if (alpha != 1.f) {
-        for (int64_t c = 0; c < d; ++c) acc[r][c] *= alpha;
-      }
-    }
-    j = 0;
     if (!all_real) {  // selection, not multiplication: 0 * a padding value's NaN would be NaN
       for (; j < n; ++j) {
         if (!real[j0 + j]) continue;
@@ -230,6 +264,19 @@ void attend_split(const float* q, int64_t rows_given, int64_t dim, const T* k, c
   }
 }
 
+// The query rows of one (batch row, key/value head) of q (b, h_kv, rows, d), as float32 times
+// `scale`, into `queries` (rows x d).
+template <typename T>
+inline void scaled_queries(const at::Tensor& q, int64_t batch, int64_t head, int64_t rows,
+                           int64_t d, double scale, float* queries) {
+  const T* qp = q.data_ptr<T>() + batch * q.stride(0) + head * q.stride(1);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < d; ++c) {
+      queries[r * d + c] = static_cast<float>(qp[r * q.stride(2) + c]) * scale;
+    }
+  }
+}
+
 template <typename T, int64_t D>
 void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
          const at::Tensor& key_mask, double scale, int64_t splits, at::Tensor& out) {
@@ -246,12 +293,7 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     for (int64_t item = first; item < last; ++item) {
       const int64_t split = item % splits, bh = item / splits;
       const int64_t batch = bh / h_kv, head = bh % h_kv;
-      const T* qp = q.data_ptr<T>() + batch * q.stride(0) + head * q.stride(1);
-      for (int64_t r = 0; r < rows; ++r) {
-        for (int64_t c = 0; c < d; ++c) {
-          queries[r * d + c] = static_cast<float>(qp[r * q.stride(2) + c]) * scale;
-        }
-      }
+      scaled_queries<T>(q, batch, head, rows, d, scale, queries);
       const int64_t begin = std::min(s, split * per_split);
       const int64_t end = std::min(s, begin + per_split);
       auto attend = rows == 1 ? attend_split<T, D, 1> : attend_split<T, D, 0>;
@@ -290,6 +332,32 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   }
 }
 
+constexpr int64_t kLinearLanes = 16;  // the float32 lanes of each of linear_rows' dot products
+
+// y[r * out] = x_r . wr + b for one row `wr` of a weight and every row of x (xs: x as float32,
+// `rows` rows of `in`, then zero rows up to a multiple of kGroup), kGroup rows of x at a time.
+template <typename T, int64_t kGroup>
+inline void project(const T* wr, float b, T* y, int64_t out, const float* xs, int64_t rows,
+                    int64_t in) {
+  const int64_t body = in - in % kLinearLanes;
+  for (int64_t r0 = 0; r0 < rows; r0 += kGroup) {
+    const float* xr = xs + r0 * in;
+    float acc[kGroup][kLinearLanes] = {};
+    for (int64_t c = 0; c < body; c += kLinearLanes) {
+      for (int64_t lane = 0; lane < kLinearLanes; ++lane) {
+        const float weight = static_cast<float>(wr[c + lane]);
+        for (int64_t g = 0; g < kGroup; ++g) acc[g][lane] += weight * xr[g * in + c + lane];
+      }
+    }
+    for (int64_t g = 0; g < std::min(kGroup, rows - r0); ++g) {
+      float dot = b;
+      for (int64_t c = body; c < in; ++c) dot += static_cast<float>(wr[c]) * xr[g * in + c];
+      for (int64_t lane = 0; lane < kLinearLanes; ++lane) dot += acc[g][lane];
+      y[(r0 + g) * out] = static_cast<T>(dot);
+    }
+  }
+}
+
 // y_i = x w_i^T + bias_i for a few rows of x and a few weights (one token's projections while
 // decoding: q, k and v in one call). The threads share the rows of all the weights, each streaming
 // its share once, row after row (one sequential stream: faster here than four rows side by side), for
@@ -299,9 +367,7 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 template <typename T, int64_t kGroup>
 void linear_rows(const at::Tensor& x, const std::vector<at::Tensor>& ws,
                  const std::vector<at::Tensor>& biases, std::vector<at::Tensor>& ys) {
-  constexpr int64_t kLanes = 16;
   const int64_t rows = x.size(0), in = x.size(1);
-  const int64_t body = in - in % kLanes;
   const int64_t padded = (rows + kGroup - 1) / kGroup * kGroup;
   std::vector<float> xs(padded * in, 0.f);  // x as float32, zero rows up to a multiple of kGroup
   const T* xp = x.data_ptr<T>();
@@ -309,24 +375,6 @@ void linear_rows(const at::Tensor& x, const std::vector<at::Tensor>& ws,
   std::vector<int64_t> starts{0};  // weight i's rows are o in [starts[i], starts[i + 1])
   for (const auto& w : ws) starts.push_back(starts.back() + w.size(0));
 
-  auto project = [&](const T* wr, float b, T* y, int64_t out) {  // one row of w, all rows of x
-    for (int64_t r0 = 0; r0 < rows; r0 += kGroup) {
-      const float* xr = xs.data() + r0 * in;
-      float acc[kGroup][kLanes] = {};
-      for (int64_t c = 0; c < body; c += kLanes) {
-        for (int64_t lane = 0; lane < kLanes; ++lane) {
-          const float weight = static_cast<float>(wr[c + lane]);
-          for (int64_t g = 0; g < kGroup; ++g) acc[g][lane] += weight * xr[g * in + c + lane];
-        }
-      }
-      for (int64_t g = 0; g < std::min(kGroup, rows - r0); ++g) {
-        float dot = b;
-        for (int64_t c = body; c < in; ++c) dot += static_cast<float>(wr[c]) * xr[g * in + c];
-        for (int64_t lane = 0; lane < kLanes; ++lane) dot += acc[g][lane];
-        y[(r0 + g) * out] = static_cast<T>(dot);
-      }
-    }
-  };
   at::parallel_for(0, starts.back(), 64, [&](int64_t first, int64_t last) {
     for (size_t i = 0; i < ws.size(); ++i) {
       const int64_t out = ws[i].size(0);
@@ -336,7 +384,8 @@ void linear_rows(const at::Tensor& x, const std::vector<at::Tensor>& ws,
       const int64_t lo = std::max(first, starts[i]) - starts[i];
       const int64_t hi = std::min(last, starts[i + 1]) - starts[i];
       for (int64_t o = lo; o < hi; ++o) {
-        project(wp + o * in, bp ? static_cast<float>(bp[o]) : 0.f, yp + o, out);
+        const float b = bp ? static_cast<float>(bp[o]) : 0.f;
+        project<T, kGroup>(wp + o * in, b, yp + o, out, xs.data(), rows, in);  // one row of w
       }
     }
   });

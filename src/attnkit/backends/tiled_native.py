@@ -10,8 +10,8 @@ bf16 blocks are multiplied in pairs with float32 sums (``pair_products.h``), wit
 tests check that path on any CPU. Scores, softmax statistics and accumulators are float32.
 
 This module takes the operands as the kernel wants them (contiguous, q pre-scaled, in the products'
-dtype) and the call's plan ([`attnkit.backends.tiled_loop.Plan`][attnkit.backends.tiled_loop.Plan]), and passes the masks in the
-kernel's form.
+dtype) and the call's plan ([`attnkit.backends.tiled_loop.Plan`][attnkit.backends.tiled_loop.Plan]), and passes the rest in the
+kernel's form: one ``TiledOptions``, filled once (`options`).
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ if TYPE_CHECKING:
     from attnkit.backends.tiled_loop import Plan
 
 KERNEL = _native.KERNELS["tiled"]
-_EMPTY = {dtype: torch.empty(0, dtype=dtype) for dtype in (torch.float32, torch.bool)}
 
 
 def marked(name: str) -> contextlib.AbstractContextManager:
@@ -86,23 +85,38 @@ def _even(x: Tensor) -> Tensor:
     return torch.nn.functional.pad(x, (0, 1))
 
 
-def options(plan: Plan) -> tuple:
-    """The call as the C++ kernel takes it: bias, allowed, key_mask, alibi, softcap, window,
-    shift."""
+def options(
+    kernel: ModuleType,
+    plan: Plan,
+    slopes_grad: bool = False,
+    mod_grads: list[Tensor | None] | None = None,
+) -> object:  # the kernel's TiledOptions
+    """The call as the C++ kernel takes it: one ``TiledOptions`` (``tiled.cpp``), filled once
+    from the plan. Masks and slopes the call lacks stay the kernel's empty defaults. The
+    backward's: ``slopes_grad`` asks for the slopes' gradient, ``mod_grads`` (see `tiles`) for
+    those of the tensors a ``score_mod`` reads."""
     req = plan.call
     shape = (plan.b, plan.h_kv * plan.groups, plan.t, plan.s)
-    bias, allowed = _EMPTY[torch.float32], _EMPTY[torch.bool]
+    opts = kernel.TiledOptions()
     mask = req.masks.attn_mask
     if mask is not None and mask.dtype == torch.bool:
-        allowed = mask.expand(shape)
+        opts.allowed = mask.expand(shape)
     elif mask is not None:
-        bias = mask.detach().to(torch.float32).expand(shape)
-    key_mask = req.masks.key_mask
-    key_mask = _EMPTY[torch.bool] if key_mask is None else key_mask.contiguous()
-    slopes = req.alibi_slopes
-    slopes = _EMPTY[torch.float32] if slopes is None else slopes.to(torch.float32).contiguous()
-    left, right = req.masks.window or (-1, -1)
-    return bias, allowed, key_mask, slopes, req.softcap or 0.0, left, right, req.masks.shift
+        opts.bias = mask.detach().to(torch.float32).expand(shape)
+    if req.masks.key_mask is not None:
+        opts.key_mask = req.masks.key_mask.contiguous()
+    if req.alibi_slopes is not None:
+        opts.alibi = req.alibi_slopes.to(torch.float32).contiguous()
+    opts.softcap = req.softcap or 0.0
+    opts.window_left, opts.window_right = req.masks.window or (-1, -1)
+    opts.shift = req.masks.shift
+    opts.block_q, opts.block_k = plan.block_q, plan.block_k
+    opts.route = _route(kernel)
+    tiling = tiles(plan, mod_grads)
+    opts.tile_rows, opts.tile_keys = tiling.rows, tiling.keys
+    opts.mod_bias, opts.mod_bias_grad = tiling.mod_bias, tiling.mod_bias_grad
+    opts.alibi_grad = slopes_grad
+    return opts
 
 
 TILE_BYTES = 16 * 2**20
@@ -167,14 +181,7 @@ def forward(
     """``(out, lse)``, float32, from the pre-scaled q, k and v."""
     dv = operands[2].shape[-1]
     with marked("attnkit::tiled_native_forward"):
-        out, lse = kernel.forward(
-            *map(_even, operands),
-            *options(plan),
-            plan.block_q,
-            plan.block_k,
-            _route(kernel),
-            *tiles(plan)[:3],
-        )
+        out, lse = kernel.forward(*map(_even, operands), options(kernel, plan))
     return out[..., :dv], lse
 
 
@@ -195,16 +202,7 @@ def backward(
     dout = _even(dout.to(operands[0].dtype).contiguous())
     lse = lse.to(torch.float32).masked_fill(lse == float("-inf"), 0.0).contiguous()
     with marked("attnkit::tiled_native_backward"):
-        dq, dk, dv, dslopes = kernel.backward(
-            dout,
-            *map(_even, operands),
-            lse,
-            delta.to(torch.float32).contiguous(),
-            *options(plan),
-            plan.block_q,
-            plan.block_k,
-            slopes_grad,
-            _route(kernel),
-            *tiles(plan, mod_grads),
-        )
+        delta = delta.to(torch.float32).contiguous()
+        opts = options(kernel, plan, slopes_grad, mod_grads)
+        dq, dk, dv, dslopes = kernel.backward(dout, *map(_even, operands), lse, delta, opts)
     return dq[..., :d], dk[..., :d], dv[..., :d_v], dslopes if slopes_grad else None

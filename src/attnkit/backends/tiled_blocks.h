@@ -1,0 +1,253 @@
+// The tiled kernel's block products (Q K^T, P V, and the backward's dP, dV, dQ, dK) on blocks that
+// stay in cache, by one of two engines with one interface.
+
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "pair_products.h"
+#include "tiled_simd.h"
+#include "tiled_walk.h"
+
+namespace {
+
+// C (m x n, row stride ldc) = op(A) op(B), plus C if `add`; row-major, op(X) = X or X^T as stored
+// (`ta`: A is stored (kk x m); `tb`: B is stored (n x kk)). The product is torch's own (MKL here),
+// on views of the block: one BLAS call per product, no copy. On one thread inside parallel_for.
+inline void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t kk, const float* a, int64_t lda,
+                 const float* b, int64_t ldb, float* c, int64_t ldc, bool add) {
+  const auto view = [](const float* x, int64_t rows, int64_t cols, int64_t ld, bool transposed) {
+    const int64_t stored_rows = transposed ? cols : rows, stored_cols = transposed ? rows : cols;
+    auto t = at::from_blob(const_cast<float*>(x), {stored_rows, stored_cols}, {ld, 1},
+                              at::kFloat);
+    return transposed ? t.t() : t;
+  };
+  auto out = at::from_blob(c, {m, n}, {ldc, 1}, at::kFloat);
+  const auto lhs = view(a, m, kk, lda, ta), rhs = view(b, kk, n, ldb, tb);
+  if (add) {
+    at::addmm_out(out, out, lhs, rhs);
+  } else {
+    at::mm_out(out, lhs, rhs);
+  }
+}
+
+// The block products of the kernel, in two implementations with one interface: float32 operands
+// multiplied by torch's matmul (Float32Blocks), and bf16 operands multiplied in pairs with float32
+// sums (Bf16Blocks, pair_products.h). In both, a block of scores, weights or their gradients is
+// float32, (bq x n) with row stride `ld` = score_stride(n); results accumulate into float32 rows of
+// `width(d)` (or `width(dv)`) entries. `bh` is the query head's index in (b * h), `kv` the key/value
+// head's in (b * h_kv), [i0, i0 + bq) the query rows and [j0, j0 + n) the keys.
+struct Float32Blocks {
+  Sizes z;
+  const float *q, *k, *v, *dout;
+  struct Scratch {
+    std::vector<float> clean;  // a value block with its non-finite entries zeroed
+    explicit Scratch(const Float32Blocks&, int64_t, int64_t) {}
+  };
+
+  Float32Blocks(const Sizes& sizes, const at::Tensor& q_, const at::Tensor& k_,
+                const at::Tensor& v_, const at::Tensor* dout_)
+      : z(sizes), q(q_.data_ptr<float>()), k(k_.data_ptr<float>()), v(v_.data_ptr<float>()),
+        dout(dout_ ? dout_->data_ptr<float>() : nullptr) {}
+
+  int64_t score_stride(int64_t n) const { return n; }
+  int64_t width(int64_t x) const { return x; }
+  const float* values(int64_t kv) const { return v + kv * z.s * z.dv; }
+
+  // S = Q K^T
+  void scores(int64_t bh, int64_t i0, int64_t bq, int64_t kv, int64_t j0, int64_t n, float* S,
+              Scratch&) const {
+    gemm(false, true, bq, n, z.d, q + (bh * z.t + i0) * z.d, z.d, k + (kv * z.s + j0) * z.d, z.d,
+         S, n, false);
+  }
+  // Row r of P from its scores: exp(score - top) in place; returns their sum. `top` is finite and
+  // the row holds no NaN (a row with one is poisoned before).
+  float weights(float* row, int64_t n, float top, int64_t, int64_t, Scratch&) const {
+    return exp_row(row, n, top, row);
+  }
+  // Row r of P when it adds nothing (no key allowed so far, or poisoned).
+  void no_weights(float* row, int64_t n, int64_t, int64_t, Scratch&) const {
+    std::fill(row, row + n, 0.f);
+  }
+  // acc += P V; `dirty`: the block's values hold a non-finite entry (a masked key's weight is 0,
+  // and 0 * NaN would still be NaN).
+  void add_values(const float* P, int64_t bq, int64_t kv, int64_t j0, int64_t n, bool dirty,
+                  float* acc, Scratch& w) const {
+    const float* block = values(kv) + j0 * z.dv;
+    if (dirty) {
+      w.clean.resize(n * z.dv);
+      for (int64_t i = 0; i < n * z.dv; ++i) w.clean[i] = finite(block[i]) ? block[i] : 0.f;
+      block = w.clean.data();
+    }
+    gemm(false, false, bq, z.dv, n, P, n, block, z.dv, acc, z.dv, true);
+  }
+  void prepare(int64_t, int64_t, int64_t, Scratch&) const {}
+  // dV += P^T dO
+  void add_dv(const float* P, int64_t bh, int64_t i0, int64_t bq, int64_t j0, int64_t n,
+              float* dv_head, Scratch&) const {
+    gemm(true, false, n, z.dv, bq, P, n, dout + (bh * z.t + i0) * z.dv, z.dv, dv_head + j0 * z.dv,
+         z.dv, true);
+  }
+  // dP = dO V^T
+  void dprobs(int64_t bh, int64_t i0, int64_t bq, int64_t kv, int64_t j0, int64_t n, float* dP,
+              Scratch&) const {
+    gemm(false, true, bq, n, z.dv, dout + (bh * z.t + i0) * z.dv, z.dv, values(kv) + j0 * z.dv,
+         z.dv, dP, n, false);
+  }
+  // dQ += dS K
+  void add_dq(const float* dS, int64_t bq, int64_t kv, int64_t j0, int64_t n, float* dq_rows,
+              Scratch&) const {
+    gemm(false, false, bq, z.d, n, dS, n, k + (kv * z.s + j0) * z.d, z.d, dq_rows, z.d, true);
+  }
+  // dK += dS^T Q
+  void add_dk(const float* dS, int64_t bh, int64_t i0, int64_t bq, int64_t j0, int64_t n,
+              float* dk_head, Scratch&) const {
+    gemm(true, false, n, z.d, bq, dS, n, q + (bh * z.t + i0) * z.d, z.d, dk_head + j0 * z.d, z.d,
+         true);
+  }
+};
+
+// bf16 operands, packed once per call for the products that read them whole (K and V, each in the
+// two orientations it is multiplied in) and once per query block for the rest.
+struct Bf16Blocks {
+  using Pair = pairs::Pair;
+  using Bf16 = pairs::Bf16;
+  Sizes z;
+  bool fast;  // vdpbf16ps, else the portable tile
+  const Bf16 *q, *k, *v, *dout;
+  int64_t key_cols;             // columns of the packs whose columns are keys: s + kCols, zero-padded
+  int64_t d_cols, dv_cols;      // d and dv padded to kCols
+  std::vector<Pair> k_by_dim;   // per kv head, (d / 2) x key_cols: pairs along d (for Q K^T)
+  std::vector<Pair> v_by_dim;   // (dv / 2) x key_cols, for dO V^T (backward)
+  std::vector<Pair> v_by_key;   // ceil(s / 2) x dv_cols: pairs of keys, for P V
+  std::vector<Pair> k_by_key;   // ceil(s / 2) x d_cols, for dS K (backward)
+
+  struct Scratch {
+    std::vector<Bf16> rows;                       // P or dS rounded, aligned on pairs of keys
+    std::vector<Pair> transposed;                 // P or dS, pairs of query rows
+    std::vector<Pair> q_rows, dout_rows;          // the query block's Q and dO, pairs of rows
+    Scratch(const Bf16Blocks& blocks, int64_t block_q, int64_t block_k)
+        : rows(block_q * (block_k + 3)),
+          transposed((block_q + 1) / 2 * pairs::padded(block_k)),
+          q_rows((block_q + 1) / 2 * blocks.d_cols),
+          dout_rows(blocks.dout ? (block_q + 1) / 2 * blocks.dv_cols : 0) {}
+  };
+
+  Bf16Blocks(const Sizes& sizes, const at::Tensor& q_, const at::Tensor& k_,
+             const at::Tensor& v_, const at::Tensor* dout_, bool fast_)
+      : z(sizes), fast(fast_), q(bits(q_)), k(bits(k_)), v(bits(v_)),
+        dout(dout_ ? bits(*dout_) : nullptr), key_cols(z.s + pairs::kCols),
+        d_cols(pairs::padded(z.d)), dv_cols(pairs::padded(z.dv)) {
+    const int64_t heads = z.b * z.h_kv, key_pairs = (z.s + 1) / 2;
+    k_by_dim.resize(heads * z.d / 2 * key_cols);
+    v_by_key.resize(heads * key_pairs * dv_cols);
+    if (dout) {
+      v_by_dim.resize(heads * z.dv / 2 * key_cols);
+      k_by_key.resize(heads * key_pairs * d_cols);
+    }
+    at::parallel_for(0, heads, 1, [&](int64_t first, int64_t last) {
+      for (int64_t kv = first; kv < last; ++kv) {
+        const Bf16 *kh = k + kv * z.s * z.d, *vh = v + kv * z.s * z.dv;
+        pairs::pack_transposed(kh, z.s, z.d, z.d, &k_by_dim[kv * z.d / 2 * key_cols], key_cols);
+        pairs::pack_row_pairs(vh, z.s, z.dv, z.dv, &v_by_key[kv * key_pairs * dv_cols], dv_cols,
+                              true);
+        if (dout) {
+          pairs::pack_transposed(vh, z.s, z.dv, z.dv, &v_by_dim[kv * z.dv / 2 * key_cols],
+                                 key_cols);
+          pairs::pack_row_pairs(kh, z.s, z.d, z.d, &k_by_key[kv * key_pairs * d_cols], d_cols,
+                                true);
+        }
+      }
+    });
+  }
+
+  static const Bf16* bits(const at::Tensor& x) {
+    return reinterpret_cast<const Bf16*>(x.data_ptr<at::BFloat16>());
+  }
+  const Pair* words(const Bf16* rows) const { return reinterpret_cast<const Pair*>(rows); }
+
+  int64_t score_stride(int64_t n) const { return pairs::padded(n); }
+  int64_t width(int64_t x) const { return pairs::padded(x); }
+  const Bf16* values(int64_t kv) const { return v + kv * z.s * z.dv; }
+
+  void scores(int64_t bh, int64_t i0, int64_t bq, int64_t kv, int64_t j0, int64_t n, float* S,
+              Scratch&) const {
+    const Pair* b = &k_by_dim[kv * z.d / 2 * key_cols] + j0;
+    pairs::gemm(fast, bq, pairs::padded(n), z.d / 2, words(q + (bh * z.t + i0) * z.d), z.d / 2,
+                1, b, key_cols, S, pairs::padded(n), false);
+  }
+  // The weights are rounded to bf16 as they are computed, into rows whose pairs of keys start at an
+  // even key, as the packs' do: a row carries a leading 0 when j0 is odd, a trailing one when it
+  // ends on an odd key.
+  static int64_t key_width(int64_t n) { return (n + 3) / 2 * 2; }  // even: whole pairs
+  static int64_t key_pairs(int64_t j0, int64_t n) { return (j0 % 2 + n + 1) / 2; }
+  Bf16* key_row(Scratch& w, int64_t r, int64_t j0, int64_t n) const {
+    Bf16* row = w.rows.data() + r * key_width(n);
+    row[0] = 0;
+    row[2 * key_pairs(j0, n) - 1] = 0;
+    return row + j0 % 2;
+  }
+  float weights(const float* row, int64_t n, float top, int64_t r, int64_t j0, Scratch& w) const {
+    return exp_row(row, n, top, key_row(w, r, j0, n));
+  }
+  void no_weights(const float*, int64_t n, int64_t r, int64_t j0, Scratch& w) const {
+    Bf16* out = key_row(w, r, j0, n);
+    std::fill(out, out + n, 0);
+  }
+  // acc += P V from the rounded rows. The pack's non-finite values are 0 (the output's NaN comes
+  // from the selection in the forward, which reads the values themselves).
+  void add_values(const float*, int64_t bq, int64_t kv, int64_t j0, int64_t n, bool, float* acc,
+                  Scratch& w) const {
+    const Pair* b = &v_by_key[(kv * ((z.s + 1) / 2) + j0 / 2) * dv_cols];
+    pairs::gemm(fast, bq, dv_cols, key_pairs(j0, n), words(w.rows.data()), key_width(n) / 2, 1, b,
+                dv_cols, acc, dv_cols, true);
+  }
+  // The query block's Q and dO as pairs of rows, for the transposed products.
+  void prepare(int64_t bh, int64_t i0, int64_t bq, Scratch& w) const {
+    pairs::pack_row_pairs(q + (bh * z.t + i0) * z.d, bq, z.d, z.d, w.q_rows.data(), d_cols, false);
+    pairs::pack_row_pairs(dout + (bh * z.t + i0) * z.dv, bq, z.dv, z.dv, w.dout_rows.data(),
+                          dv_cols, false);
+  }
+  // P^T (or dS^T) as pairs of query rows: A2(j, p) = (X[2p][j], X[2p + 1][j]).
+  const Pair* transposed(const float* X, int64_t bq, int64_t n, Scratch& w) const {
+    pairs::pack_row_pairs(X, bq, n, pairs::padded(n), w.transposed.data(), pairs::padded(n),
+                          false);
+    return w.transposed.data();
+  }
+  void add_dv(const float* P, int64_t, int64_t, int64_t bq, int64_t j0, int64_t n,
+              float* dv_head, Scratch& w) const {
+    const Pair* a = transposed(P, bq, n, w);
+    pairs::gemm(fast, n, dv_cols, (bq + 1) / 2, a, 1, pairs::padded(n), w.dout_rows.data(),
+                dv_cols, dv_head + j0 * dv_cols, dv_cols, true);
+  }
+  void dprobs(int64_t bh, int64_t i0, int64_t bq, int64_t kv, int64_t j0, int64_t n, float* dP,
+              Scratch&) const {
+    const Pair* b = &v_by_dim[kv * z.dv / 2 * key_cols] + j0;
+    pairs::gemm(fast, bq, pairs::padded(n), z.dv / 2, words(dout + (bh * z.t + i0) * z.dv),
+                z.dv / 2, 1, b, key_cols, dP, pairs::padded(n), false);
+  }
+  void add_dq(const float* dS, int64_t bq, int64_t kv, int64_t j0, int64_t n, float* dq_rows,
+              Scratch& w) const {
+    const int64_t width = key_width(n);
+    for (int64_t r = 0; r < bq; ++r) {
+      pairs::round_row(dS + r * pairs::padded(n), n, key_row(w, r, j0, n));
+    }
+    const int64_t count = key_pairs(j0, n);
+    const Pair* b = &k_by_key[(kv * ((z.s + 1) / 2) + j0 / 2) * d_cols];
+    pairs::gemm(fast, bq, d_cols, count, words(w.rows.data()), width / 2, 1, b, d_cols, dq_rows,
+                d_cols, true);
+  }
+  void add_dk(const float* dS, int64_t, int64_t, int64_t bq, int64_t j0, int64_t n,
+              float* dk_head, Scratch& w) const {
+    const Pair* a = transposed(dS, bq, n, w);
+    pairs::gemm(fast, n, d_cols, (bq + 1) / 2, a, 1, pairs::padded(n), w.q_rows.data(), d_cols,
+                dk_head + j0 * d_cols, d_cols, true);
+  }
+};
+
+}  // namespace
