@@ -4,6 +4,7 @@ private names (a package-private module such as ``attnkit._checks`` may be impor
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -92,3 +93,71 @@ def test_the_check_finds_what_it_looks_for(tmp_path):
     )
     found = foreign_private_names(fake, "attnkit.fake")
     assert found == ["from attnkit.masks import _block", "attnkit.mods._WORTH_COMPILING (line 3)"]
+
+
+_CODE = re.compile(r"//[^\n]*|/\*.*?\*/|\"(?:\\.|[^\"\\])*\"|'(?:\\.|[^'\\])*'", re.S)
+_TOKEN = re.compile(r"[A-Za-z_]\w*|\d[\w.]*|->|::|\S")
+_BLOCK_AFTER = {")", "]", "else", "do", "try", "const", "mutable", "noexcept", "override", ";"}
+_BLOCK_AFTER |= {"{", "}", ":"}
+_SCOPES = {"namespace", "struct", "class", "enum", "union"}
+
+
+def deepest_nesting(source: str) -> list[tuple[int, int]]:
+    """``(depth, line)`` of the deepest block of each C++ function: its body is level 1, each
+    block inside (a loop's, a branch's, a lambda's) one more; braced initialisers do not count."""
+    code = _CODE.sub(lambda m: re.sub(r"[^\n]", " ", m.group()), source)
+    code = "\n".join("" if line.lstrip().startswith("#") else line for line in code.split("\n"))
+    tokens = [
+        (m.group(), n) for n, line in enumerate(code.split("\n"), 1) for m in _TOKEN.finditer(line)
+    ]
+    stack: list[str] = []
+    found, deepest, start = [], (0, 0), 0
+    for i, (token, line) in enumerate(tokens):
+        if token == "{":
+            before = [t for t, _ in tokens[start:i]]
+            previous = tokens[i - 1][0] if i else ";"
+            if (any(t in _SCOPES for t in before) and "(" not in before) or previous == "namespace":
+                kind = "scope"
+            else:
+                kind = "block" if previous in _BLOCK_AFTER else "init"
+            if kind == "block" and all(k == "scope" for k in stack):
+                deepest = (0, line)
+            stack.append(kind)
+            depth = stack.count("block")
+            if kind == "block" and depth > deepest[0]:
+                deepest = (depth, line)
+            start = i + 1
+        elif token == "}":
+            kind = stack.pop()
+            if kind == "block" and all(k == "scope" for k in stack):
+                found.append(deepest)
+            if kind != "init":
+                start = i + 1
+        elif token == ";":
+            start = i + 1
+    return found
+
+
+@pytest.mark.parametrize("path", [p for p in sources() if p.suffix != ".py"], ids=lambda p: p.name)
+def test_no_cpp_function_nests_deeper_than_4_levels(path):
+    depths = deepest_nesting(path.read_text())
+    assert depths, f"{path.name}: no function found"
+    too_deep = [line for depth, line in depths if depth > 4]
+    assert too_deep == [], f"{path.name}: blocks nested over 4 deep at lines {too_deep}"
+
+
+def test_the_nesting_count_sees_loops_lambdas_and_not_initialisers():
+    source = """
+namespace n {
+struct S { int a[2] = {1, 2}; };
+void f() {                        // 1
+  for (;;) {                      // 2
+    auto g = [](int x) {          // 3
+      if (x) { while (x) { } }    // 4, 5
+    };
+    int b[2] = {3, 4};
+  }
+}
+}  // namespace n
+"""
+    assert deepest_nesting(source) == [(5, 7)]

@@ -192,6 +192,56 @@ inline void update_rows(int64_t rows_given, int64_t dim, int64_t n, float (*scor
   }
 }
 
+// One block of keys [j0, j0 + n) of a work item: its scores, its softmax update, acc += P V.
+template <typename T, int64_t D, int64_t R>
+inline void attend_block(const float* q, int64_t rows, int64_t d, const T* k, const T* v,
+                         int64_t stride_s, const bool* real, int64_t j0, int64_t n,
+                         float (&scores)[kMaxRows][kBlock], float (&acc)[kMaxRows][kMaxDim],
+                         float (&buffer)[4][kMaxDim], float* m, float* l, bool* bad) {
+  const auto is_real = [](bool r) { return r; };
+  if (real != nullptr && std::none_of(real + j0, real + j0 + n, is_real)) {
+    return;  // the block adds nothing: neither its keys nor its values are read
+  }
+  const bool all_real = real == nullptr || std::all_of(real + j0, real + j0 + n, is_real);
+  const bool* block_real = all_real ? nullptr : real + j0;
+  score_block<T, D, R>(q, rows, d, k, stride_s, j0, n, buffer, scores);
+  mask_block<R>(block_real, rows, n, scores, bad);
+  update_rows<D, R>(rows, d, n, scores, m, l, acc);
+  // acc += P V stays inline with the steps above: decode is built with -ffast-math, and with
+  // these loops in a function of their own GCC associates the four-value sum differently (the
+  // last bit of some outputs changes) and some builds run slower.
+  int64_t j = 0;
+  if (!all_real) {  // selection, not multiplication: 0 * a padding value's NaN would be NaN
+    for (; j < n; ++j) {
+      if (!real[j0 + j]) continue;
+      const float* value = as_float<T, D>(v + (j0 + j) * stride_s, buffer[0], d);
+      for (int64_t r = 0; r < rows; ++r) {
+        const float p = scores[r][j];
+        for (int64_t c = 0; c < d; ++c) acc[r][c] += p * value[c];
+      }
+    }
+  }
+  for (; j + 4 <= n; j += 4) {  // four values at a time: one load and store of acc per four
+    const float* value[4];
+    four_rows<T, D>(v, j0 + j, stride_s, d, buffer, value);
+    for (int64_t r = 0; r < rows; ++r) {
+      const float p0 = scores[r][j], p1 = scores[r][j + 1];
+      const float p2 = scores[r][j + 2], p3 = scores[r][j + 3];
+      float* a = acc[r];
+      for (int64_t c = 0; c < d; ++c) {
+        a[c] += p0 * value[0][c] + p1 * value[1][c] + p2 * value[2][c] + p3 * value[3][c];
+      }
+    }
+  }
+  for (; j < n; ++j) {
+    const float* value = as_float<T, D>(v + (j0 + j) * stride_s, buffer[0], d);
+    for (int64_t r = 0; r < rows; ++r) {
+      const float p = scores[r][j];
+      for (int64_t c = 0; c < d; ++c) acc[r][c] += p * value[c];
+    }
+  }
+}
+
 // One work item: keys [begin, end) of one (batch row, key/value head) for `rows` query rows. D is the
 // head dim when known at compile time (the common widths), 0 for any other width `dim`; R is the
 // rows when known (one query of multi-head attention: 1-4% faster, the loops over rows gone), else 0.
@@ -214,48 +264,7 @@ void attend_split(const float* q, int64_t rows_given, int64_t dim, const T* k, c
   }
   for (int64_t j0 = begin; j0 < end; j0 += kBlock) {
     const int64_t n = std::min(kBlock, end - j0);
-    const auto is_real = [](bool r) { return r; };
-    if (real != nullptr && std::none_of(real + j0, real + j0 + n, is_real)) {
-      continue;  // the block adds nothing: neither its keys nor its values are read
-    }
-    const bool all_real = real == nullptr || std::all_of(real + j0, real + j0 + n, is_real);
-    const bool* block_real = all_real ? nullptr : real + j0;
-    score_block<T, D, R>(q, rows, d, k, stride_s, j0, n, buffer, scores);
-    mask_block<R>(block_real, rows, n, scores, bad);
-    update_rows<D, R>(rows, d, n, scores, m, l, acc);
-    // acc += P V stays here, one level deeper than the steps above: decode is built with
-    // -ffast-math, and with these loops in a function of their own GCC associates the four-value
-    // sum differently (the last bit of some outputs changes) and some builds run slower.
-    int64_t j = 0;
-    if (!all_real) {  // selection, not multiplication: 0 * a padding value's NaN would be NaN
-      for (; j < n; ++j) {
-        if (!real[j0 + j]) continue;
-        const float* value = as_float<T, D>(v + (j0 + j) * stride_s, buffer[0], d);
-        for (int64_t r = 0; r < rows; ++r) {
-          const float p = scores[r][j];
-          for (int64_t c = 0; c < d; ++c) acc[r][c] += p * value[c];
-        }
-      }
-    }
-    for (; j + 4 <= n; j += 4) {  // four values at a time: one load and store of acc per four
-      const float* value[4];
-      four_rows<T, D>(v, j0 + j, stride_s, d, buffer, value);
-      for (int64_t r = 0; r < rows; ++r) {
-        const float p0 = scores[r][j], p1 = scores[r][j + 1];
-        const float p2 = scores[r][j + 2], p3 = scores[r][j + 3];
-        float* a = acc[r];
-        for (int64_t c = 0; c < d; ++c) {
-          a[c] += p0 * value[0][c] + p1 * value[1][c] + p2 * value[2][c] + p3 * value[3][c];
-        }
-      }
-    }
-    for (; j < n; ++j) {
-      const float* value = as_float<T, D>(v + (j0 + j) * stride_s, buffer[0], d);
-      for (int64_t r = 0; r < rows; ++r) {
-        const float p = scores[r][j];
-        for (int64_t c = 0; c < d; ++c) acc[r][c] += p * value[c];
-      }
-    }
+    attend_block<T, D, R>(q, rows, d, k, v, stride_s, real, j0, n, scores, acc, buffer, m, l, bad);
   }
   for (int64_t r = 0; r < rows; ++r) {
     max_out[r] = m[r];
