@@ -151,3 +151,19 @@ def test_build_takes_force_or_check_not_both(capsys):
         main(["build", "--force", "--check"])
     assert stopped.value.code == 2
     assert "not allowed with argument" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("timeout", ["0", "-1", "inf"])
+def test_bench_refuses_a_timeout_that_is_not_a_positive_number(timeout, capsys):
+    assert main(["bench", "--smoke", "--timeout", timeout]) == 2
+    assert "--timeout must be a positive number of seconds" in capsys.readouterr().err
+
+
+def test_bench_checks_its_output_folder_before_any_work(tmp_path, capsys):
+    missing = tmp_path / "no" / "such" / "folder"
+    assert main(["bench", "--smoke", "--out", str(missing)]) == 2
+    assert f"{tmp_path / 'no' / 'such'} is not a directory" in capsys.readouterr().err
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    assert main(["bench", "--smoke", "--out", str(a_file)]) == 2
+    assert "is a file, not a folder" in capsys.readouterr().err

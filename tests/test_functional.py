@@ -399,3 +399,34 @@ def test_non_contiguous_inputs_as_modules_produce_them(backend):
     dout = torch.randn_like(out)
     for g, g64 in zip(grads(out, (q, k, v), dout), grads(out64, inputs64, dout.double())):
         torch.testing.assert_close(g, g64.float())
+
+
+@pytest.mark.parametrize("t, s", [(3, 0), (0, 5), (0, 0)])
+def test_no_key_or_no_query_follows_the_rule_no_key_gives_zero(t, s):
+    """As torch's SDPA with no key: output 0 (lse -inf), and gradients, all zeros, reach q, k, v."""
+    q = torch.randn(2, 4, t, 8, requires_grad=True)
+    k, v = (torch.randn(2, 2, s, 8, requires_grad=True) for _ in "kv")
+    out, lse, weights = attention(q, k, v, causal=True, return_lse=True, return_weights=True)
+    assert out.shape == (2, 4, t, 8) and weights.shape == (2, 4, t, s)
+    assert torch.equal(out, torch.zeros_like(out)) and bool((lse == float("-inf")).all())
+    out.sum().backward()
+    for x in (q, k, v):
+        assert x.grad is not None and torch.equal(x.grad, torch.zeros_like(x))
+    if s == 0 and t > 0:
+        torch_out = torch.nn.functional.scaled_dot_product_attention(
+            q.detach(), k.detach().repeat_interleave(2, 1), v.detach().repeat_interleave(2, 1)
+        )
+        torch.testing.assert_close(out.detach(), torch_out)
+
+
+def test_a_score_mod_that_returns_a_constant_gives_uniform_weights_on_every_backend(forcing):
+    q = torch.randn(1, 2, 40, 8)
+    for path in ("tiled", "tiled:loop", "reference"):
+        x = q.clone().requires_grad_()
+        with forced_path(path) as backend:
+            out = attention(
+                x, x, x, score_mod=lambda s, b, h, i, j: torch.tensor(1.0), backend=backend
+            )
+            out.sum().backward()
+        torch.testing.assert_close(out, q.mean(2, keepdim=True).expand_as(q))
+        assert torch.isfinite(x.grad).all()

@@ -178,3 +178,25 @@ def test_scale_and_softcap_must_be_finite(name, value):
     q, k, v = qkv()
     with pytest.raises(ValueError, match=rf"{name} must be"):
         attention(q, k, v, **{name: value})
+
+
+def test_a_call_whose_results_exceed_the_memory_is_refused_before_any_work():
+    import time
+
+    q = torch.empty(1, 2, 200_000, 8)  # weights of 2 x 200,000^2 floats: 298 GiB
+    started = time.perf_counter()
+    with pytest.raises(ValueError, match=r"would need 298\.0 GiB for the results .* more than"):
+        attention(q, q, q, return_weights=True)
+    assert time.perf_counter() - started < 1.0
+    with pytest.raises(ValueError, match=r"float64 scores"):
+        attention(q, q, q, backend="reference")
+
+
+def test_heads_of_zero_are_named():
+    x = torch.randn(1, 0, 3, 4)
+    with pytest.raises(
+        ValueError, match=r"q must have at least one head, got shape \(1, 0, 3, 4\)"
+    ):
+        attention(x, x, x)
+    with pytest.raises(ValueError, match=r"k and v must have at least one head"):
+        attention(torch.randn(1, 2, 3, 4), x, x)

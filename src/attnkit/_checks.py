@@ -94,7 +94,14 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
         and q.device == k.device == v.device
     ):
         (b, h, _, d), (bk, h_kv, s, dk), (bv, h_v, sv, _) = q.shape, k.shape, v.shape
-        if b == bk == bv and 0 < d == dk and 0 < s == sv and 0 < h_kv == h_v and h % h_kv == 0:
+        if (
+            b == bk == bv
+            and 0 < d == dk
+            and s == sv
+            and 0 < h_kv == h_v
+            and h > 0
+            and h % h_kv == 0
+        ):
             return
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_tensor(x, name)
@@ -118,12 +125,16 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
         )
     if h_v != h_kv:
         raise ValueError(f"k and v must have the same number of heads, got {h_kv} and {h_v}")
-    if h_kv == 0 or h % h_kv:
+    if h == 0:
+        raise ValueError(f"q must have at least one head, got shape {_shape(q)}")
+    if h_kv == 0:
+        raise ValueError(
+            f"k and v must have at least one head, got shapes {_shape(k)}, {_shape(v)}"
+        )
+    if h % h_kv:
         raise ValueError(
             f"the query heads ({h}) must be a multiple of the key/value heads ({h_kv})"
         )
-    if s == 0:
-        raise ValueError(f"k and v must hold at least one position, got shape {_shape(k)}")
 
 
 def check_flag(value: object, name: str) -> bool:

@@ -124,11 +124,25 @@ def attention(
         block_mask=block_mask,
         mask_mod=mask_mod,
     )
-    out, lse, weights = run(backend, call)
+    if 0 in (q.shape[2], k.shape[2]):  # no query, or no key: a query with no key gets 0
+        out, lse, weights = _empty(call)
+    else:
+        out, lse, weights = run(backend, call)
     if not (return_lse or return_weights):
         return out
     extras = [x for x, asked in ((lse, return_lse), (weights, return_weights)) if asked]
     return (out, *extras)
+
+
+def _empty(call: Call) -> tuple[Tensor, Tensor, Tensor]:
+    """The results of a call with no query or no key: output 0, lse ``-inf``, weights of no key;
+    zeros computed from q, k and v (sums over nothing), so that gradients reach them, as zeros."""
+    q, k, v = call.q, call.k, call.v
+    b, h, t, _ = q.shape
+    nothing = q[..., :0].sum(-1, keepdim=True) + (k[:, :1, :0].sum() + v[:, :1, :0].sum())
+    stats = torch.promote_types(q.dtype, torch.float32)
+    lse = nothing.squeeze(-1).to(stats) - float("inf")
+    return nothing.expand(b, h, t, v.shape[-1]), lse, nothing.expand(b, h, t, k.shape[2])
 
 
 def which_backend(

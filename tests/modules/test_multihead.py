@@ -308,3 +308,12 @@ def test_a_cache_with_gradients_raises_before_backward_would():
         module(torch.randn(1, 3, 8), cache=cache)
     with torch.no_grad():
         assert module(torch.randn(1, 3, 8), cache=cache).shape == (1, 3, 8)
+
+
+def test_an_empty_sequence_gives_an_empty_result_as_torchs_module_does():
+    module = MultiHeadAttention(16, 16, None, 0.0, 4, causal=False)
+    theirs = torch.nn.MultiheadAttention(16, 4, batch_first=True)
+    x = torch.randn(2, 0, 16)
+    assert module(x).shape == theirs(x, x, x)[0].shape == (2, 0, 16)
+    out, weights = module(x, need_weights=True)
+    assert out.shape == (2, 0, 16) and weights.shape == (2, 0, 0)

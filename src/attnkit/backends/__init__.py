@@ -35,7 +35,10 @@ path run and why.
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
+
+import torch
 
 from attnkit.backends import _native, decode, reference, sdpa, tiled
 from attnkit.backends.base import AttentionOutput, Backend, Call, Path
@@ -147,11 +150,40 @@ def choose_backend(name: str, call: Call) -> BackendChoice:
     return BackendChoice(backend.name, path, reason, products)
 
 
+def memory_of(device: torch.device) -> int:
+    """The memory of the machine (or GPU) that holds ``device``'s tensors, in bytes."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _size(n: float) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError  # pragma: no cover
+
+
+def _check_memory(backend: Backend, call: Call) -> None:
+    """Refuse, before any work, a call whose results or intermediates alone exceed the memory."""
+    need, what = backend.memory(call)
+    limit = memory_of(call.q.device)
+    if need > limit:
+        b, h, t, _ = call.q.shape
+        raise ValueError(
+            f"backend {backend.name!r} would need {_size(need)} for {what} of this call "
+            f"(b={b}, h={h}, t={t}, s={call.k.shape[2]}), more than the {_size(limit)} of memory "
+            "here; ask for fewer results (return_weights=False), or use shorter sequences"
+        )
+
+
 def run(name: str, call: Call) -> AttentionOutput:
     """``call`` on the backend ``name`` (or ``"auto"``'s choice). A kernel chosen because it could
     be built, whose build then fails, is not taken again: ``auto`` chooses anew, a named backend
     raises ``ValueError`` saying why."""
     backend = _auto(call)[0] if name == "auto" else _named(name, call)
+    _check_memory(backend, call)
     try:
         return backend.run(call)
     except _native.KernelUnavailableError as error:

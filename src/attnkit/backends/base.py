@@ -167,8 +167,23 @@ class Backend:
         """Compute ``call``."""
         raise NotImplementedError
 
+    def memory(self, call: Call) -> tuple[int, str]:
+        """The bytes it would hold for ``call`` at once besides the inputs, at least, and what
+        they are (checked against the machine's memory before it runs): by default, the results."""
+        return result_bytes(call), "the results"
+
     def __repr__(self) -> str:
         return f"<backend {self.name!r}>"
+
+
+def result_bytes(call: Call) -> int:
+    """The bytes of the results ``call`` returns: the output, the lse, and the weights if asked."""
+    b, h, t, _ = call.q.shape
+    size = call.q.element_size()
+    total = b * h * t * (call.v.shape[-1] * size + 4)
+    if call.return_weights:
+        total += b * h * t * call.k.shape[2] * size
+    return total
 
 
 def forward_ad_active() -> bool:

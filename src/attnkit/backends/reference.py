@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnkit import block_mask, mods
-from attnkit.backends.base import AttentionOutput, Backend, Call, Path
+from attnkit.backends.base import AttentionOutput, Backend, Call, Path, result_bytes
 from attnkit.backends.nonfinite import NAN, nan_unless_finite
 from attnkit.masks import alibi_bias, zero_padding
 
@@ -147,6 +147,11 @@ class ReferenceBackend(Backend):
 
     def path(self, call: Call) -> Path:
         return Path("float64", "float64")
+
+    def memory(self, call: Call) -> tuple[int, str]:
+        b, h, t, _ = call.q.shape
+        scores = 3 * b * h * t * call.k.shape[2] * 8  # scores, weights and their exponentials
+        return result_bytes(call) + scores, "the results and float64 scores, weights, exponentials"
 
     def run(self, call: Call) -> AttentionOutput:
         return reference(call)

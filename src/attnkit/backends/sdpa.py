@@ -30,6 +30,7 @@ from attnkit.backends.base import (
     Path,
     forward_ad_active,
     gradient_levels,
+    result_bytes,
     wants_grad,
 )
 from attnkit.backends.nonfinite import all_finite, can_branch_on_data, nonfinite_rows
@@ -184,6 +185,22 @@ class SdpaBackend(Backend):
 
     def path(self, call: Call) -> Path:
         return Path("torch")
+
+    def memory(self, call: Call) -> tuple[int, str]:
+        b, h, t, _ = call.q.shape
+        s = call.k.shape[2]
+        masks = call.masks
+        what, total = "the results", result_bytes(call)
+        if not (masks.is_causal_only and t == s) and (masks.window, masks.key_mask) != (None, None):
+            total += (b if masks.key_mask is not None else 1) * t * s  # a dense bool mask
+            what += " and a dense mask"
+        if call.alibi_slopes is not None or masks.bias() is not None:
+            total += b * h * t * s * call.q.element_size()
+            what += " and a dense float mask"
+        if call.dropout_p > 0 or "attn_mask_grad" in call.options:  # torch's math path
+            total += 3 * b * h * t * s * call.q.element_size()
+            what += " and the scores, weights and dropout mask of torch's math path"
+        return total, what
 
     def run(self, call: Call) -> AttentionOutput:
         return sdpa(call)

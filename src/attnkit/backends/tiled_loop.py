@@ -200,6 +200,8 @@ def _through_score_mod(
     """The gradient of the scores before ``score_mod`` given that after it (``dscores``), adding
     the gradients of the tensors the mod reads into ``mod_grads``."""
     before, after = recorded
+    if not after.requires_grad:  # a constant: neither the score nor a tensor reaches it
+        return torch.zeros_like(dscores)
     grads = torch.autograd.grad(
         after, (before, *tensors), dscores.view(after.shape), allow_unused=True
     )

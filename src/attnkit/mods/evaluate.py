@@ -82,6 +82,8 @@ def score(
             out = out.expand(scores.shape).contiguous()
     except Exception as error:
         out = _by_vmap("score_mod", score_mod, at, scores, error)
+        if isinstance(out, Tensor) and 0 in out.stride():  # vmap's broadcast of a constant
+            out = out.contiguous()  # a block of its own, which the kernels write into
     if out.shape != scores.shape:
         raise ValueError(
             f"score_mod {name_of(score_mod)} changed the shape of {at.where()} from "
