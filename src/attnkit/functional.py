@@ -247,27 +247,34 @@ def checked_call(
     masks = Masks(
         merge_window(causal, _checks.check_window(window), t, s, shift), key_mask, attn_mask, shift
     )
+    extras = {}  # the options left out are their defaults: none of them is checked for nothing
+    if softcap is not None:
+        extras["softcap"] = _checks.check_positive_number(softcap, "softcap")
+    if alibi_slopes is not None:
+        extras["alibi_slopes"] = alibi_slopes
+    if not (type(dropout_p) is float and dropout_p == 0.0):
+        extras["dropout_p"] = _checks.check_probability(dropout_p, "dropout_p")
+    if block_mask is not None or mask_mod is not None:
+        extras["block_mask"] = _checks.check_block_mask(block_mask, mask_mod, b, h, t, s, q.device)
+    if score_mod is not None:
+        extras["score_mod"] = score_mod
+        extras["mod_tensors"] = mods.tensors_to_train(score_mod, q)
+        extras["mod_adds"] = _adds_to_score(score_mod, q)
     return call_of(
         q,
         k,
         v,
         masks,
         q.shape[-1] ** -0.5 if scale is None else _checks.check_positive_number(scale, "scale"),
-        softcap=None if softcap is None else _checks.check_positive_number(softcap, "softcap"),
-        alibi_slopes=alibi_slopes,
-        dropout_p=_checks.check_probability(dropout_p, "dropout_p"),
         return_lse=return_lse,
         return_weights=return_weights,
-        score_mod=score_mod,
-        block_mask=_checks.check_block_mask(block_mask, mask_mod, b, h, t, s, q.device),
-        mod_tensors=mods.tensors_to_train(score_mod, q),
-        mod_adds=_adds_to_score(score_mod, q),
+        **extras,
     )
 
 
-def _adds_to_score(score_mod: ScoreMod | None, q: Tensor) -> bool:
+def _adds_to_score(score_mod: ScoreMod, q: Tensor) -> bool:
     """Whether a mod that a CPU kernel may run adds to the score (inspected once per call)."""
-    if score_mod is None or q.device.type != "cpu" or torch.compiler.is_compiling():
+    if q.device.type != "cpu" or torch.compiler.is_compiling():
         return False
     return mods.adds_to_score(score_mod)
 

@@ -35,6 +35,7 @@ path run and why.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import NamedTuple
 
@@ -93,22 +94,21 @@ def _auto(call: Call) -> tuple[Backend, str]:
     passed, reason = [], ""
     for name in AUTO_ORDER:
         backend = BACKENDS[name]
-        if chosen is not None and not _has_speed_rule(backend):
+        if chosen is not None:  # a later backend takes over where its own rule says it is faster
+            if not _has_speed_rule(backend):
+                continue
+            faster = backend.faster_than(chosen, call)
+            if faster is not None and _why_not(backend, call) is None:
+                chosen, reason = backend, f"faster than {chosen.name} here: {faster}"
             continue
         why_not = _why_not(backend, call)
         if why_not is not None:
-            if chosen is None:
-                passed.append(f"{name} {why_not}")
+            passed.append(f"{name} {why_not}")
             continue
-        if chosen is None:
-            chosen, reason = (
-                backend,
-                f"the first backend of {', '.join(AUTO_ORDER)} that runs this call",
-            )
-            continue
-        faster = backend.faster_than(chosen, call)
-        if faster is not None:
-            chosen, reason = backend, f"faster than {chosen.name} here: {faster}"
+        chosen, reason = (
+            backend,
+            f"the first backend of {', '.join(AUTO_ORDER)} that runs this call",
+        )
     if chosen is None:  # pragma: no cover - the reference backend runs every call
         raise AssertionError("no backend runs this call")
     if passed:
@@ -150,11 +150,17 @@ def choose_backend(name: str, call: Call) -> BackendChoice:
     return BackendChoice(backend.name, path, reason, products)
 
 
+@functools.cache
 def memory_of(device: torch.device) -> int:
     """The memory of the machine (or GPU) that holds ``device``'s tensors, in bytes."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+SMALL_CALL = 2**22
+"""Scores (b * h * t * s) below which no backend's memory is checked: every estimate is a small
+multiple of them, far below any machine's memory."""
 
 
 def _size(n: float) -> str:
@@ -167,10 +173,12 @@ def _size(n: float) -> str:
 
 def _check_memory(backend: Backend, call: Call) -> None:
     """Refuse, before any work, a call whose results or intermediates alone exceed the memory."""
+    b, h, t, _ = call.q.shape
+    if b * h * t * call.k.shape[2] < SMALL_CALL:
+        return
     need, what = backend.memory(call)
     limit = memory_of(call.q.device)
     if need > limit:
-        b, h, t, _ = call.q.shape
         raise ValueError(
             f"backend {backend.name!r} would need {_size(need)} for {what} of this call "
             f"(b={b}, h={h}, t={t}, s={call.k.shape[2]}), more than the {_size(limit)} of memory "

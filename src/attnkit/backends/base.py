@@ -88,12 +88,11 @@ class Call(NamedTuple):
 def call_of(q: Tensor, k: Tensor, v: Tensor, masks: Masks, scale: float, **fields) -> Call:
     """A [`Call`][attnkit.backends.base.Call] of arguments already checked, with the set of
     options in use computed once."""
-    call = Call(q, k, v, masks, scale, **fields)
-    return call._replace(options=_options_in_use(call))
+    return Call(q, k, v, masks, scale, options=_options_in_use(masks, fields), **fields)
 
 
-def _options_in_use(call: Call) -> frozenset[str]:
-    window, key_mask, attn_mask = call.masks.window, call.masks.key_mask, call.masks.attn_mask
+def _options_in_use(masks: Masks, fields: dict) -> frozenset[str]:
+    window, key_mask, attn_mask = masks.window, masks.key_mask, masks.attn_mask
     used = []
     if attn_mask is not None:
         used.append("attn_mask")
@@ -106,17 +105,15 @@ def _options_in_use(call: Call) -> frozenset[str]:
             used.append("window")
         if window[1] == 0:
             used.append("causal")
-    flags = {
-        "shift": call.masks.shift != 0,
-        "softcap": call.softcap is not None,
-        "alibi_slopes": call.alibi_slopes is not None,
-        "dropout_p": call.dropout_p > 0,
-        "return_lse": call.return_lse,
-        "return_weights": call.return_weights,
-        "score_mod": call.score_mod is not None,
-        "block_mask": call.block_mask is not None,
-    }
-    return frozenset(used + [name for name, used in flags.items() if used])
+    if masks.shift != 0:
+        used.append("shift")
+    for name in ("softcap", "alibi_slopes", "score_mod", "block_mask"):
+        if fields.get(name) is not None:
+            used.append(name)
+    for name in ("dropout_p", "return_lse", "return_weights"):
+        if fields.get(name):
+            used.append(name)
+    return frozenset(used)
 
 
 class AttentionOutput(NamedTuple):

@@ -13,6 +13,8 @@ cannot branch on data, the exact path always runs.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -47,9 +49,9 @@ def _finite(x: Tensor) -> bool:
     if x.numel() == 0:
         return True
     if x.dtype in (torch.float16, torch.bfloat16):
-        low, high = torch.aminmax(x)  # a NaN anywhere makes both NaN
+        low, high = torch.aminmax(x.detach())  # a NaN anywhere makes both NaN
         return bool(torch.isfinite(low) & torch.isfinite(high))
-    return bool(torch.isfinite(x.sum()))
+    return math.isfinite(x.detach().sum().item())  # a Python float: no tensor operation more
 
 
 def all_finite(*tensors: Tensor) -> bool:

@@ -56,11 +56,11 @@ def sdpa(call: Call) -> AttentionOutput:
     if bias is not None:
         attn_mask = bias if allowed is None else bias.masked_fill(~allowed, float("-inf"))
 
-    with torch.no_grad():  # which rows attnkit's rules overwrite (no gradient flows through it)
-        nan_rows = None  # a query or key row that is not finite, a NaN or +inf in the bias...
-        if bias is not None or not all_finite(q, keys):  # ...makes its rows NaN
+    nan_rows = None  # rows a query or key row that is not finite, or a NaN or +inf bias, makes NaN
+    if bias is not None or not all_finite(q, keys):
+        with torch.no_grad():  # which rows attnkit's rules overwrite (no gradient flows there)
             nan_rows = rows_made_nan(q, keys, allowed, is_causal, masks.bias(), call.alibi_slopes)
-        empty_rows = None if allowed is None else ~allowed.any(dim=-1, keepdim=True)
+    empty_rows = None if allowed is None else ~allowed.any(dim=-1, keepdim=True)
     out = F.scaled_dot_product_attention(
         q,
         keys,
@@ -71,12 +71,12 @@ def sdpa(call: Call) -> AttentionOutput:
         scale=call.scale,
         enable_gqa=bool(q.shape[1] != k.shape[1]),  # bool: under jit.trace the sizes are tensors
     )
-    fused = _fused(out)
+    twice = wants_grad(q, k, v, call.alibi_slopes, masks.attn_mask) and _fused(out)
     if nan_rows is not None and (not can_branch_on_data(nan_rows) or bool(nan_rows.any())):
         out = out.masked_fill(nan_rows, _NAN)  # no copy where nothing changes
     if empty_rows is not None:  # rows with no allowed key are 0, whatever the kernel does
         out = out.masked_fill(empty_rows, 0.0)
-    if fused and wants_grad(q, k, v, call.alibi_slopes, masks.attn_mask):
+    if twice:  # torch's fused kernel made it, whose backward cannot run twice
         template = call.with_tensors(*[None] * 6)  # its tensors are saved apart
         out = _TwiceDifferentiable.apply(out, *call.tensors(), template)
     return AttentionOutput(out)
