@@ -45,11 +45,11 @@ browser:
 	  || echo "note: Chromium could not be installed here; the browser test will skip"
 
 test: lint browser kernels
-	$(BIN)/python -m pytest -m "not build"
+	$(BIN)/python -m pytest -m "not build" --durations=15
 
 # The tests that compile kernels from scratch and build a wheel (a few minutes; CI runs them).
 test-build: $(TEST_STAMP) kernels
-	$(BIN)/python -m pytest -m build
+	$(BIN)/python -m pytest -m build --durations=5
 
 format: $(TEST_STAMP)
 	$(BIN)/ruff format src tests examples setup.py

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from attnkit.cli import main
-from test_views import page_data
+from pages import page_data
 
 CHROMIUM = os.environ.get("ATTNKIT_CHROMIUM", "/usr/bin/chromium")
 # The machine's closed network refuses Chromium's background connections: turn them off.

@@ -9,7 +9,6 @@ import torch
 from torch import nn
 
 from attnkit import MultiHeadAttention, attention
-from attnkit.backends import sdpa
 from attnkit.functional import which_backend
 from oracle import naive_attention
 
@@ -206,7 +205,13 @@ def test_sdpa_refuses_a_second_derivative_through_a_fused_kernels_dropout(monkey
     out = attention(q, k, v, dropout_p=0.3, backend="sdpa")
     (dq,) = torch.autograd.grad(out.sum(), q, create_graph=True)
     assert dq.requires_grad  # composite dropout: twice differentiable natively
-    monkeypatch.setattr(sdpa, "_fused", lambda out: True)
+    torch_sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def fused_dropout(*args, dropout_p=0.0, **kwargs):
+        """torch's fused CPU kernel, which has no dropout, stands in for a GPU's, which has."""
+        return torch_sdpa(*args, dropout_p=0.0, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", fused_dropout)
     out = attention(q, k, v, dropout_p=0.3, backend="sdpa")
     with pytest.raises(
         ValueError, match="backend 'sdpa' cannot differentiate twice through dropout"

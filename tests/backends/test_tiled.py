@@ -231,19 +231,6 @@ def test_a_narrowed_cpu_multiplies_bf16_in_float32(features, monkeypatch):
     assert ran == ["attnkit::tiled_native_forward"]
 
 
-def test_bf16_runs_the_kernel_only_where_its_build_has_avx512_bf16():
-    """Elsewhere the portable pair products would be the slow way: the loop multiplies in bf16."""
-    kernel = tiled_native.KERNEL.load()
-    has = bool(kernel.has_avx512_bf16())
-    assert tiled_native.pair_products(tiled_native.KERNEL) == ("avx512_bf16" if has else None)
-    cpu = torch.device("cpu")
-    assert (tiled_native.kernel_for(cpu, torch.bfloat16) is not None) == has
-    assert tiled_native.kernel_for(cpu, torch.float32) is tiled_native.KERNEL
-    # a build has vdpbf16ps exactly when it was built for a CPU with AVX512-BF16
-    assert kernel.has_avx512_bf16() == ("avx512bf16" in tiled_native.KERNEL.name())
-    assert tiled_native.KERNEL.name() == kernel.__name__  # once loaded, the loaded build's name
-
-
 def test_a_kernel_that_cannot_be_built_falls_back_to_the_loop_with_a_warning(monkeypatch, tmp_path):
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))

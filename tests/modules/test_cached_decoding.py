@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+import attnkit
 from attnkit import CrossAttention, KVCache, MultiHeadAttention, RotaryEmbedding
+from zoo import H
 
 D_IN, D_OUT, T = 24, 32, 13
 CONFIGS = {
@@ -195,3 +197,25 @@ def test_rope_option_errors():
     module = MultiHeadAttention(D_IN, D_OUT, None, 0.0, 4, rope=RotaryEmbedding(8, max_len=4))
     with pytest.raises(ValueError, match=r"position 4 is beyond the rotary table \(max_len=4\)"):
         module(torch.randn(1, 5, D_IN))
+
+
+def test_the_module_decodes_with_a_relative_bias_as_its_full_forward():
+    mha = attnkit.MultiHeadAttention(32, 32, 64, 0.0, H, num_kv_heads=2, rope=True).eval()
+    table = torch.randn(H, 2 * 64 - 1)
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + table[h, q_idx - kv_idx + 63]
+
+    def local(b, h, q_idx, kv_idx):
+        return q_idx - kv_idx < 9
+
+    x = torch.randn(2, 20, 32)
+    with torch.no_grad():
+        full = mha(x, score_mod=score_mod, mask_mod=local)
+        cache = attnkit.KVCache(2, 2, max_len=64, head_dim=8)
+        steps = [mha(x[:, :7], cache=cache, score_mod=score_mod, mask_mod=local)]
+        steps += [
+            mha(x[:, i : i + 1], cache=cache, score_mod=score_mod, mask_mod=local)
+            for i in range(7, 20)
+        ]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full)

@@ -18,7 +18,7 @@ import pytest
 
 import ring_ranks
 
-HERE = pathlib.Path(__file__).parent
+HERE = pathlib.Path(__file__).parents[1]  # tests/, where ring_netns_rank.py lives
 PREFIX = f"akr{os.getpid() % 100000}"  # every namespace and link of this run starts with it
 
 

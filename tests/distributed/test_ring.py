@@ -180,10 +180,3 @@ def test_a_failed_rank_makes_the_others_raise_within_the_timeout(how, where):
     assert neighbour["waited_on"] == victim
     if how == "die":
         assert neighbour["failed"] == victim
-
-
-@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
-def test_a_module_run_context_parallel_equals_the_module_on_the_whole_sequence(layout):
-    for rank, found in enumerate(ring_ranks.run(3, ring_ranks.module_case, layout)):
-        for name, difference in found.items():
-            assert difference <= 1e-10, f"rank {rank}: {name} differs by {difference:.3g}"

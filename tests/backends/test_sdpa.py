@@ -1,0 +1,133 @@
+"""attnkit.backends.sdpa: which rows attnkit's NaN rule overwrites in torch's output
+(rows_made_nan), and the memory it counts for a call besides the inputs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from attnkit.backends.sdpa import BACKEND, rows_made_nan
+from attnkit.functional import attention, checked_call
+
+NAN, INF = math.nan, math.inf
+B, H, H_KV, T, D = 1, 4, 2, 6, 3
+
+
+def finite_qk(s=T):
+    return torch.randn(B, H, T, D), torch.randn(B, H_KV, s, D)
+
+
+def rows(*indices, heads=range(H)):
+    """``(b, h, t, 1)`` True at rows ``indices`` of ``heads``."""
+    bad = torch.zeros(B, H, T, 1, dtype=torch.bool)
+    for h in heads:
+        bad[0, h, list(indices)] = True
+    return bad
+
+
+def test_finite_inputs_make_no_row_nan():
+    q, k = finite_qk()
+    assert not rows_made_nan(q, k, None, False, None, None).any()
+    assert not rows_made_nan(q, k, None, True, None, torch.ones(H)).any()
+
+
+def test_a_non_finite_query_row_makes_only_its_own_row_nan():
+    q, k = finite_qk()
+    q[0, 1, 3, 2] = INF
+    assert torch.equal(rows_made_nan(q, k, None, False, None, None), rows(3, heads=[1]))
+
+
+def test_a_non_finite_key_reaches_the_rows_that_see_it_in_the_heads_that_share_it():
+    q, k = finite_qk()
+    k[0, 1, 2, 0] = NAN  # key/value head 1: query heads 2 and 3
+    everyone = rows_made_nan(q, k, None, False, None, None)
+    assert torch.equal(everyone, rows(*range(T), heads=[2, 3]))
+    causal = rows_made_nan(q, k, None, True, None, None)  # query i sees keys 0..i
+    assert torch.equal(causal, rows(2, 3, 4, 5, heads=[2, 3]))
+    allowed = torch.zeros(T, T, dtype=torch.bool)
+    allowed[[0, 4], 2] = True  # only queries 0 and 4 see key 2
+    allowed[:, 0] = True
+    assert torch.equal(rows_made_nan(q, k, allowed, False, None, None), rows(0, 4, heads=[2, 3]))
+
+
+def test_a_nan_or_plus_inf_bias_that_a_row_sees_makes_it_nan_minus_inf_masks():
+    q, k = finite_qk()
+    bias = torch.zeros(T, T)
+    bias[1, 4] = NAN
+    bias[2, 0] = INF
+    bias[3, 3] = -INF  # a mask, not a NaN
+    assert torch.equal(rows_made_nan(q, k, None, False, bias, None), rows(1, 2))
+    hidden = torch.ones(T, T, dtype=torch.bool)
+    hidden[1, 4] = False  # the NaN lies where row 1 may not look
+    assert torch.equal(rows_made_nan(q, k, hidden, False, bias, None), rows(2))
+
+
+def test_a_non_finite_slope_makes_its_heads_rows_nan():
+    q, k = finite_qk()
+    slopes = torch.tensor([0.5, INF, 0.25, NAN])
+    assert torch.equal(rows_made_nan(q, k, None, True, None, slopes), rows(*range(T), heads=[1, 3]))
+
+
+def test_sdpa_makes_those_rows_nan_as_the_reference_does():
+    q, k = finite_qk()
+    v = torch.randn(B, H_KV, T, D)
+    k[0, 0, 4, 1] = -INF
+    out = attention(q, k, v, causal=True, backend="sdpa")
+    want = attention(q, k, v, causal=True, backend="reference")
+    assert torch.equal(out.isnan(), want.isnan()) and out.isnan().any()
+    torch.testing.assert_close(out.nan_to_num(0.0), want.nan_to_num(0.0))
+
+
+def memory(**options):
+    t, s = options.pop("t", 8), options.pop("s", 8)
+    q, k, v = torch.randn(2, 4, t, 16), torch.randn(2, 4, s, 16), torch.randn(2, 4, s, 16)
+    return BACKEND.memory(checked_call(q, k, v, **options))
+
+
+RESULTS = 2 * 4 * 8 * (16 * 4 + 4)  # the output, float32, and the lse of 2 x 4 x 8 rows
+DENSE_FLOAT = 2 * 4 * 8 * 8 * 4  # a float mask of b x h x t x s
+
+
+@pytest.mark.parametrize(
+    ("options", "total", "what"),
+    [
+        ({}, RESULTS, "the results"),
+        ({"causal": True}, RESULTS, "the results"),  # is_causal: no mask is built
+        ({"causal": True, "s": 12}, RESULTS + 8 * 12, "the results and a dense mask"),
+        ({"window": (2, 2)}, RESULTS + 8 * 8, "the results and a dense mask"),
+        (
+            {"key_mask": torch.ones(2, 8, dtype=torch.bool)},
+            RESULTS + 2 * 8 * 8,  # one (t, s) bool mask per batch row
+            "the results and a dense mask",
+        ),
+        (
+            {"causal": True, "alibi_slopes": torch.ones(4)},
+            RESULTS + DENSE_FLOAT,
+            "the results and a dense float mask",
+        ),
+        (
+            {"attn_mask": torch.zeros(8, 8)},
+            RESULTS + DENSE_FLOAT,
+            "the results and a dense float mask",
+        ),
+        (
+            {"dropout_p": 0.1},
+            RESULTS + 3 * DENSE_FLOAT,
+            "the results and the scores, weights and dropout mask of torch's math path",
+        ),
+    ],
+    ids=[
+        "plain",
+        "causal, t = s",
+        "causal, t < s",
+        "window",
+        "key mask",
+        "ALiBi",
+        "float mask",
+        "dropout",
+    ],
+)
+def test_its_memory_counts_the_dense_masks_and_the_math_paths_matrices(options, total, what):
+    assert memory(**options) == (total, what)

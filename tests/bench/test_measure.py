@@ -1,0 +1,30 @@
+"""attnkit.bench.measure: a case over its time budget, a case that raises, the matmul rate."""
+
+from __future__ import annotations
+
+import torch
+
+from attnkit.bench.measure import Result, matmul_gflops, probe_memory, time_interleaved
+from attnkit.bench.peers import Case
+
+
+def test_a_case_over_its_time_budget_is_reported_not_dropped():
+    case = Case("naive", 64, "fp32", False, "fwd", h=1, d=8)
+    result = probe_memory(case, timeout_s=0.01)
+    assert result.status.startswith("timeout")
+
+
+def test_a_case_that_raises_is_marked_and_leaves_the_rotation():
+    ok, bad = Result(Case("a", 1, "fp32", False, "fwd")), Result(Case("b", 1, "fp32", False, "fwd"))
+
+    def boom():
+        raise RuntimeError("DefaultCPUAllocator: not enough memory")
+
+    time_interleaved([(ok, lambda: None), (bad, boom)], repeats=3, warmups=1)
+    assert len(ok.times) == 3 and not bad.times
+    assert bad.status == "error: DefaultCPUAllocator: not enough memory"
+
+
+def test_matmul_throughput_is_positive():
+    size, gflops = matmul_gflops(torch.float32, max_size=256)
+    assert size == 256 and gflops > 0

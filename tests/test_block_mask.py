@@ -1,0 +1,73 @@
+"""attnkit.create_block_mask: torch's block tables, built without the dense mask; and a block
+mask's mask_mod evaluated at every batch and head of a call."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.nn.attention import flex_attention as torch_flex
+
+import attnkit
+from attnkit import functional as F
+from zoo import BACKENDS, ZOO, H, inputs
+
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+
+
+@pytest.mark.parametrize("block_size", [4, (4, 8), 8, 16, 128])
+@pytest.mark.parametrize("heads", [None, H])
+@pytest.mark.parametrize("mod", [m for m, (_, mask_mod) in ZOO.items() if mask_mod is not None])
+def test_create_block_mask_gives_torch_block_tables(mod, heads, block_size):
+    _, mask_mod = ZOO[mod]
+    ours = attnkit.create_block_mask(mask_mod, 2, heads, 29, 29, "cpu", block_size)
+    theirs = torch_flex.create_block_mask(mask_mod, 2, heads, 29, 29, "cpu", block_size)
+    assert type(ours) is torch_flex.BlockMask
+    assert (ours.BLOCK_SIZE, ours.seq_lengths) == (theirs.BLOCK_SIZE, theirs.seq_lengths)
+    for num, indices in (
+        ("kv_num_blocks", "kv_indices"),
+        ("full_kv_num_blocks", "full_kv_indices"),
+    ):
+        n = getattr(ours, num)
+        assert torch.equal(n, getattr(theirs, num))
+        flat_ours = getattr(ours, indices).flatten(0, 2)
+        flat_theirs = getattr(theirs, indices).flatten(0, 2)
+        for a, b, count in zip(flat_ours, flat_theirs, n.flatten().tolist()):  # past n: padding
+            assert set(a[:count].tolist()) == set(b[:count].tolist())
+
+
+def test_create_block_mask_never_builds_the_dense_mask(tmp_path):
+    """A subprocess builds the causal mask of 65536 x 65536 (4 GiB as a dense bool mask) and
+    reports how much its peak memory grew."""
+    script = tmp_path / "probe.py"
+    script.write_text(
+        "import resource, torch, attnkit\n"
+        "def mask(b, h, q, kv):\n"
+        "    return q >= kv\n"
+        "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "m = attnkit.create_block_mask(mask, None, None, 65536, 65536, 'cpu')\n"
+        "after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "print(int(m.kv_num_blocks.sum()), int(m.full_kv_num_blocks.sum()), (after - before) // 1024)\n"
+    )
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    partial, full, extra_mib = map(int, run.stdout.split())
+    assert (partial, full) == (512, 512 * 511 // 2)  # the diagonal's blocks, and those below it
+    assert extra_mib < 256, f"{extra_mib} MiB: the dense mask would be 4096 MiB"
+
+
+def test_a_block_mask_for_one_batch_and_head_still_sees_every_batch_and_head():
+    """torch evaluates a mask_mod at the call's batches and heads, even in tables built with
+    B=None, H=None (for batch 0 and head 0)."""
+
+    def depends(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & ((kv_idx % 2 == 0) | (h == 1) | (b == 1))
+
+    q, k, v = inputs(2, H, 29, 29)
+    block_mask = torch_flex.create_block_mask(depends, None, None, 29, 29, "cpu", BLOCK_SIZE=8)
+    want = torch_flex.flex_attention(q, k, v, block_mask=block_mask)
+    for backend in BACKENDS:
+        out = F.attention(q, k, v, block_mask=block_mask, backend=backend)
+        torch.testing.assert_close(out, want)
