@@ -36,10 +36,9 @@ namespace {
 constexpr int64_t kBlock = 64;     // keys scored together before one softmax update
 constexpr int64_t kMaxRows = 16;   // query rows per key/value head
 constexpr int64_t kMaxDim = 256;
-// How far ahead of its use a row is asked for, and into which cache. Measured per CPU kind, 32k-key
-// fp32 cache, h=12 d=64, 2 threads: on Zen 3 (AVX2) 8 KB into L1 gave 1.11-1.22x the bus's limit;
-// on Zen 5 (AVX-512) that gave 1.6-1.8x, and 16 KB into L2 (prefetcht1) 1.21-1.28x (bf16 1.21x):
-// there the L1's few outstanding misses held the stream back. Builds for AVX-512 take the second.
+// How far ahead of its use a row is asked for, and into which cache, chosen per CPU kind
+// (docs/bench/choices.md): into L1 on AVX2 CPUs; on AVX-512 ones the L1's few outstanding misses
+// held the stream back, and further ahead into L2 ran closer to the memory bus's limit.
 #if defined(__AVX512F__)
 constexpr int64_t kPrefetchBytes = 16384;
 constexpr int kPrefetchLocality = 2;  // prefetcht1: into L2
@@ -70,8 +69,8 @@ inline float exp_nonpositive(float x) {
   return x < -87.f ? 0.f : p;
 }
 
-// Ask for the row kPrefetchBytes of data ahead, every cache line of it (measured: the hardware
-// prefetchers alone left a third of the bandwidth unused with two streams per thread).
+// Ask for the row kPrefetchBytes of data ahead, every cache line of it: the hardware prefetchers
+// alone left bandwidth unused with two streams per thread.
 template <typename T>
 inline void prefetch_ahead(const T* row, int64_t stride_s, int64_t d) {
   const int64_t row_bytes = d * static_cast<int64_t>(sizeof(T));
@@ -371,8 +370,8 @@ inline void project(const T* wr, float b, T* y, int64_t out, const float* xs, in
 // decoding: q, k and v in one call). The threads share the rows of all the weights, each streaming
 // its share once, row after row (one sequential stream: faster here than four rows side by side), for
 // kGroup rows of x at a time while the row is in L1 (one for one token, else four); each dot product
-// in sixteen float32 lanes, half-precision weights converted as they are read. MKL's sgemv ran on one
-// thread at half the bus's speed on the CPU this was measured on.
+// in sixteen float32 lanes, half-precision weights converted as they are read. MKL's sgemv ran these
+// few rows on one thread, below the bus's speed (docs/bench/choices.md).
 template <typename T, int64_t kGroup>
 void linear_rows(const at::Tensor& x, const std::vector<at::Tensor>& ws,
                  const std::vector<at::Tensor>& biases, std::vector<at::Tensor>& ys) {

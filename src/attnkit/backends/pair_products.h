@@ -9,11 +9,10 @@
 //   A2(i, p) = a[i * a_row + p * a_pair]: one word, two neighbours of row i of A (any strides);
 //   B2(p, j) = b[p * ldb + j]: row p of pairs of B, its columns contiguous, padded to kCols.
 //
-// Route, measured on an AMD EPYC Zen 5 (AVX512-BF16, no AMX), one thread, 240 x 64 x 512 and
-// 240 x 512 x 64 blocks: this kernel 178-228 GFLOP/s; torch's bf16 matmul from C++ (`at::mm_out`,
-// oneDNN, bf16 results) 167-182; `at::native::cpublas::brgemm` (bf16 in, float32 out) 132; float32
-// `at::mm_out` (MKL) 93. It is also the only one of them that gives float32 scores: oneDNN's route
-// would round every score to bf16 before the softmax.
+// Why a kernel of our own: on a CPU with AVX512-BF16 and no AMX it ran faster than torch's bf16
+// matmul from C++ (oneDNN), its brgemm and float32 MKL (docs/bench/choices.md), and it is the only
+// one of them that gives float32 scores: oneDNN's route would round every score to bf16 before the
+// softmax.
 //
 // Builds without AVX512-BF16 (and tests that ask for it) use the portable tile: the same sums in
 // float32 arithmetic, slow, for correctness on every CPU.

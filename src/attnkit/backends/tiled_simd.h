@@ -85,7 +85,7 @@ inline void probs_row(float* row, int64_t n, float shift) {
 
 // The softmax's hottest loop after the block products: out[j] = exp(row[j] - top) for j < n,
 // returning their sum (row without NaN, top finite). With AVX-512, 16 lanes at a time (exp16;
-// measured on Zen 5: twice as fast as the compiler's vectorisation of exp_nonpositive), and with
+// faster than the compiler's vectorisation of exp_nonpositive: docs/bench/choices.md), and with
 // AVX512-BF16 straight into bf16 when Out is bf16 bits, so the float32 row is never stored.
 template <typename Out>
 inline float exp_row(const float* row, int64_t n, float top, Out* out) {
