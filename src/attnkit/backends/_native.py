@@ -66,10 +66,6 @@ class Kernel:
     def source(self) -> str:
         return f"{self.kernel}.cpp"
 
-    @property
-    def cflags(self) -> tuple[str, ...]:
-        return _build.KERNELS[self.kernel]
-
     def name(self) -> str:
         """The build's name: once loaded, the loaded one's; before, the one that would load now."""
         if self._module is not None:

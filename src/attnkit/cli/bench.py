@@ -87,8 +87,7 @@ def _run_decode_bench(args: argparse.Namespace) -> int:
     smoke = args.smoke
     config = DecodeConfig.from_name("smoke", **overrides) if smoke else DecodeConfig(**overrides)
     written = write_decode(run_decode(config), Path(args.out))
-    print(Path(written["markdown"]).read_text())
-    print("wrote " + ", ".join(str(p) for p in written.values()))
+    _show(written)
     return 0
 
 
@@ -113,8 +112,7 @@ def _run_ring_bench(args: argparse.Namespace) -> int:
             if n % (2 * world):
                 raise ValueError(f"--n {n} must split into 2 x {world} equal chunks (--ranks)")
     written = write_ring(run_ring(config), Path(args.out))
-    print(Path(written["markdown"]).read_text())
-    print("wrote " + ", ".join(str(p) for p in written.values()))
+    _show(written)
     return 0
 
 
@@ -126,6 +124,12 @@ def _out(args: argparse.Namespace) -> Path:
         raise ValueError(f"--out {args.out}: {out.resolve()} is a file, not a folder")
     check_folder(out if out.exists() else out.parent, args.out)
     return out
+
+
+def _show(written: dict[str, Path]) -> None:
+    """The report's table, then where the results went."""
+    print(Path(written["markdown"]).read_text())
+    print("wrote " + ", ".join(str(p) for p in written.values()))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -165,6 +169,5 @@ def run(args: argparse.Namespace) -> int:
     config = BenchConfig.from_name("smoke", **overrides) if args.smoke else BenchConfig(**overrides)
     results, info = run_cases(config)
     written = write(results, info, Path(args.out))
-    print(Path(written["markdown"]).read_text())
-    print("wrote " + ", ".join(str(p) for p in written.values()))
+    _show(written)
     return 0

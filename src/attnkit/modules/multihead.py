@@ -195,25 +195,16 @@ class MultiHeadAttention(ProjectedAttention):
             positions = self._positions(t, key_mask, cache, context_parallel, x.device)
             queries, keys = self.rope(queries, positions), self.rope(keys, positions)
         mods = _mods_of(score_mod, mask_mod, block_mask, documents, cache, x.device)
+        causal, window, slopes = self.causal, self.window, self.alibi_slopes
         if cache is not None and torch.compiler.is_compiling():
             if score_mod is not None or mask_mod is not None:
                 raise ValueError("a compiled cached step takes no score_mod or mask_mod")
+            # the cache's whole buffers, positions and empty slots in the mask: one compiled graph
             keys, values, attn_mask = cache.static_step(
-                keys, values, key_mask, self.window, self.alibi_slopes, self.context_length
+                keys, values, key_mask, window, slopes, self.context_length
             )
-            result = self._attend(
-                queries,
-                keys,
-                values,
-                causal=False,
-                key_mask=None,
-                attn_mask=attn_mask,
-                need_weights=False,
-                average_weights=False,
-                softcap=self.softcap,
-            )
-            return unbatch(result, unbatched)
-        if cache is not None:
+            causal, key_mask, window, slopes = False, None, None, None
+        elif cache is not None:
             keys, values = cache.update(keys, values, key_mask=key_mask)
             key_mask = None if cache.key_mask is None else cache.key_mask[:, -keys.shape[2] :]
             mods = at_positions(mods, cache.position - t, cache.position - keys.shape[2])
@@ -221,13 +212,13 @@ class MultiHeadAttention(ProjectedAttention):
             queries,
             keys,
             values,
-            causal=self.causal,
+            causal=causal,
             key_mask=key_mask,
             attn_mask=attn_mask,
             need_weights=need_weights,
             average_weights=average_weights,
-            window=self.window,
-            alibi_slopes=self.alibi_slopes,
+            window=window,
+            alibi_slopes=slopes,
             softcap=self.softcap,
             attend=attention if context_parallel is None else context_parallel.attention,
             **mods,
