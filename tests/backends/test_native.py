@@ -228,11 +228,7 @@ def test_a_wheel_for_this_cpu_runs_its_kernels_without_a_compiler(tmp_path):
     level = _cpu.build_level()
     if level not in _build.WHEEL_LEVELS:
         pytest.skip(f"this CPU's level is {level!r}: a wheel carries builds from AVX2 up")
-    source = tmp_path / "source"  # a copy: pip builds in the tree it is given
-    source.mkdir()
-    for name in ("pyproject.toml", "setup.py", "README.md", "LICENSE"):
-        shutil.copy2(ROOT / name, source / name)
-    shutil.copytree(ROOT / "src", source / "src", ignore=shutil.ignore_patterns("__pycache__"))
+    source = source_copy(tmp_path)
     dist = tmp_path / "dist"
     built = subprocess.run(
         [
@@ -306,3 +302,38 @@ def test_a_wheel_for_this_cpu_runs_its_kernels_without_a_compiler(tmp_path):
     report = json.loads(below.stdout.strip().splitlines()[-1])
     assert report["windowed"] == "loop" and report["step"][0] == "sdpa"  # PyTorch, and why:
     assert "no C++ compiler: '/nowhere/c++' is not on PATH" in below.stderr
+
+
+def source_copy(tmp_path: Path) -> Path:
+    """The project's sources in a folder of their own: pip builds in the tree it is given."""
+    source = tmp_path / "source"
+    source.mkdir()
+    for name in ("pyproject.toml", "setup.py", "README.md", "LICENSE"):
+        shutil.copy2(ROOT / name, source / name)
+    shutil.copytree(ROOT / "src", source / "src", ignore=shutil.ignore_patterns("__pycache__"))
+    return source
+
+
+def test_a_wheel_for_an_unknown_cpu_level_is_refused_naming_it(tmp_path):
+    built = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            str(source_copy(tmp_path)),
+            "--no-build-isolation",
+            "--no-deps",
+            "--no-index",
+            "-w",
+            str(tmp_path / "dist"),
+        ],
+        env={**os.environ, "ATTNKIT_WHEEL_LEVELS": "avx2,avx9"},
+        capture_output=True,
+        text=True,
+    )
+    assert built.returncode != 0
+    said = built.stdout + built.stderr
+    assert "ATTNKIT_WHEEL_LEVELS: unknown levels ['avx9']" in said
+    assert "known: ['none', 'avx2', 'avx512', 'avx512_bf16']" in said
+    assert not list(tmp_path.glob("dist/*.whl"))  # no wheel without its kernels
