@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from attnkit import _build
+from attnkit._tracing import traced
 
 KNOWN = frozenset(
     {
@@ -127,7 +128,7 @@ def features() -> frozenset[str]:
     (unset or blank: not narrowed). Under ``torch.compile``'s tracing, the answer of the last call
     outside it (or at import): the probe reads a file and the environment, which dynamo cannot
     trace, and the CPU does not change while a graph is traced."""
-    if torch.compiler.is_compiling():
+    if traced():
         return _last[0]
     spec = os.environ.get(ENV, "").strip()
     _last[0] = features_of(spec or None)

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from attnkit import _checks
+from attnkit._tracing import traced
 from attnkit.masks import alibi_bias, window_mask
 
 
@@ -154,7 +155,7 @@ class KVCache(nn.Module):
     def next_positions(self, n: int, key_mask: Tensor | None = None) -> Tensor:
         """Positions of the next ``n`` tokens, for rotary embeddings: ``(n,)`` when every row is
         unpadded, else ``(b, n)`` counting each row's real tokens only (padding gets position 0)."""
-        if torch.compiler.is_compiling():  # from tensors: the ints would compile anew each step
+        if traced():  # from tensors: the ints would compile anew each step
             return token_positions(n, key_mask, self.filled - self.padding_seen)
         if not self.padded and key_mask is None:
             return torch.arange(self.position, self.position + n, device=self.keys.device)

@@ -34,6 +34,7 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
 from attnkit import _checks, mods
+from attnkit._tracing import traced
 from attnkit.backends import BackendChoice, Call, choose_backend, decode, run
 from attnkit.backends.base import call_of
 from attnkit.masks import Masks, merge_window
@@ -274,7 +275,7 @@ def checked_call(
 
 def _adds_to_score(score_mod: ScoreMod, q: Tensor) -> bool:
     """Whether a mod that a CPU kernel may run adds to the score (inspected once per call)."""
-    if q.device.type != "cpu" or torch.compiler.is_compiling():
+    if q.device.type != "cpu" or traced():
         return False
     return mods.adds_to_score(score_mod)
 

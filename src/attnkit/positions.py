@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from attnkit import _checks
+from attnkit._tracing import traced
 
 
 class RotaryEmbedding(nn.Module):
@@ -71,7 +72,7 @@ class RotaryEmbedding(nn.Module):
                 f"positions must be (tokens,) = ({x.shape[2]},) or (batch, tokens) = "
                 f"{(x.shape[0], x.shape[2])}, got shape {tuple(positions.shape)}"
             )
-        if not torch.compiler.is_compiling() and positions.numel():
+        if not traced() and positions.numel():
             last = int(positions.max())
             if last >= self.max_len:
                 raise ValueError(

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 from torch.overrides import has_torch_function
 
+from attnkit._tracing import traced
 from attnkit.backends import _native
 from attnkit.backends.base import AttentionOutput, Backend, Call, Path, forward_ad_active
 
@@ -48,7 +49,7 @@ def refuses(call: Call) -> str | None:
     rows = t * (h // k.shape[1])
     if not q.is_cpu:
         return f"tensors on {q.device.type} (the decode kernel is CPU-only)"
-    if torch.jit.is_tracing() or torch.compiler.is_compiling():
+    if torch.jit.is_tracing() or traced():
         return "under torch.jit.trace or torch.compile (neither can see into the C++ kernel)"
     if torch._C._are_functorch_transforms_active() or forward_ad_active():
         return (
@@ -126,7 +127,7 @@ def runs_linear(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | 
         or x.dtype not in _DTYPES
         or (grad and x.requires_grad)
         or torch.is_autocast_enabled("cpu")
-        or torch.compiler.is_compiling()
+        or traced()
         or torch._C._are_functorch_transforms_active()  # vmap, grad, ...: x or a weight is wrapped
         or torch._C._is_torch_function_mode_enabled()
         or torch._C._len_torch_dispatch_stack() > 0

@@ -18,6 +18,8 @@ import math
 import torch
 from torch import Tensor
 
+from attnkit._tracing import traced
+
 NAN = float("nan")
 
 
@@ -32,7 +34,7 @@ def can_branch_on_data(*tensors: Tensor) -> bool:
     compiling, tracing or under a ``torch.func`` transform or a dispatch mode, where a branch would
     be frozen or refused; not on an accelerator, where a look costs a synchronisation)."""
     if (
-        torch.compiler.is_compiling()
+        traced()
         or torch.jit.is_tracing()
         or torch._C._are_functorch_transforms_active()
         or torch._C._len_torch_dispatch_stack() > 0

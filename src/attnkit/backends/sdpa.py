@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from attnkit._tracing import traced
 from attnkit.backends.base import (
     AttentionOutput,
     Backend,
@@ -129,7 +130,7 @@ def _fused(out: Tensor) -> bool:
     the composite one of ordinary operations (which torch's CPU dispatch picks for dropout or a mask
     that needs a gradient). Not under a transform, tracing or compilation, which differentiate
     SDPA themselves."""
-    if torch.jit.is_tracing() or torch.compiler.is_compiling():
+    if torch.jit.is_tracing() or traced():
         return False
     if torch._C._are_functorch_transforms_active():
         return False

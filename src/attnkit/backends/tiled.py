@@ -43,6 +43,7 @@ from __future__ import annotations
 import torch
 
 from attnkit import _cpu
+from attnkit._tracing import traced
 from attnkit.backends import tiled_function, tiled_native
 from attnkit.backends.base import (
     AttentionOutput,
@@ -150,7 +151,7 @@ class TiledBackend(Backend):
         """``native`` or ``loop``, and the block products: in the C++ kernel ``"float32"``,
         ``"bf16-avx512_bf16"`` or ``"bf16-portable"``; in the loop, the dtype torch multiplies in;
         None under ``torch.compile``, whose compiled loop inductor chooses."""
-        if torch.compiler.is_compiling():
+        if traced():
             return Path("loop")
         products = _products(call)
         kernel = tiled_function.kernel_for(call, products)

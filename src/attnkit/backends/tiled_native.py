@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from attnkit import mods
+from attnkit._tracing import traced
 from attnkit.backends import _native, force
 from attnkit.mods import Block
 
@@ -37,7 +38,7 @@ KERNEL = _native.KERNELS["tiled"]
 def marked(name: str) -> contextlib.AbstractContextManager:
     """A profiler range: ``attnkit::tiled_{native,loop}_{forward,backward}`` say which path ran.
     A no-op under torch.compile, whose graphs drop such ranges (with a warning)."""
-    if torch.compiler.is_compiling():
+    if traced():
         return contextlib.nullcontext()
     return torch.profiler.record_function(name)
 
@@ -50,7 +51,7 @@ def kernel_for(device: torch.device, matmul_dtype: torch.dtype) -> _native.Kerne
     [`attnkit.backends.force`][attnkit.backends.force]."""
     if device.type != "cpu" or matmul_dtype not in (torch.float32, torch.bfloat16):
         return None
-    if torch.compiler.is_compiling() or force.loop_only():  # dynamo cannot trace C++
+    if traced() or force.loop_only():  # dynamo cannot trace C++
         return None
     if not KERNEL.usable()[0]:
         return None

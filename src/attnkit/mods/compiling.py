@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from attnkit import _warn
+from attnkit._tracing import traced
 
 
 def name_of(fn: Callable) -> str:
@@ -43,11 +44,7 @@ def compile_block(fn: Callable) -> Callable:
     over other Python numbers compiles again.
     """
     code = getattr(fn, "__code__", None)
-    if (
-        torch.compiler.is_compiling()
-        or os.environ.get("ATTNKIT_COMPILE", "1") == "0"
-        or code is None
-    ):
+    if traced() or os.environ.get("ATTNKIT_COMPILE", "1") == "0" or code is None:
         return fn
     return _block_function(fn)
 
@@ -80,7 +77,7 @@ def compiled_or_eager(fn: Callable, *, dynamic: bool | None = True) -> Callable:
     a time runs it (the first compiles, the others then run the same code). If
     compiling fails (no C++ compiler, an operation inductor cannot lower), ``fn`` runs uncompiled
     from then on, after one warning that names it and the error."""
-    if torch.compiler.is_compiling() or os.environ.get("ATTNKIT_COMPILE", "1") == "0":
+    if traced() or os.environ.get("ATTNKIT_COMPILE", "1") == "0":
         return fn
     return _compiled(fn, dynamic)
 

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from torch.nn.attention.flex_attention import BlockMask
 
 from attnkit import _checks
+from attnkit._tracing import traced
 from attnkit.cache import KVCache, token_positions
 from attnkit.functional import attention
 from attnkit.masks import alibi_slopes
@@ -196,7 +197,7 @@ class MultiHeadAttention(ProjectedAttention):
             queries, keys = self.rope(queries, positions), self.rope(keys, positions)
         mods = _mods_of(score_mod, mask_mod, block_mask, documents, cache, x.device)
         causal, window, slopes = self.causal, self.window, self.alibi_slopes
-        if cache is not None and torch.compiler.is_compiling():
+        if cache is not None and traced():
             if score_mod is not None or mask_mod is not None:
                 raise ValueError("a compiled cached step takes no score_mod or mask_mod")
             # the cache's whole buffers, positions and empty slots in the mask: one compiled graph
@@ -241,7 +242,7 @@ class MultiHeadAttention(ProjectedAttention):
             _checks.check_context_length(t, self.context_length)
         else:
             self._check_cache(cache, x)
-            if torch.compiler.is_compiling():
+            if traced():
                 self._check_compiled_step(attn_mask, need_weights)
             else:  # the position is a Python int, which a compiled step must not read
                 _checks.check_context_length(cache.position + t, self.context_length, "cache + x")
