@@ -40,8 +40,10 @@ def naive_attention(
     alibi_slopes: Tensor | None = None,
     softcap: float | None = None,
     scale: float | None = None,
+    sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Returns (out, lse, weights) in the inputs' dtype; q (b, h, t, d), k/v (b, h_kv, s, d)."""
+    """Returns (out, lse, weights) in the inputs' dtype; q (b, h, t, d), k/v (b, h_kv, s, d).
+    ``sinks`` (h,): a logit per head, one more column of every row's softmax, dropped after it."""
     b, h, t, d = q.shape
     s = k.shape[-2]
     kv_head = torch.arange(h) // (h // k.shape[1])
@@ -63,6 +65,12 @@ def naive_attention(
         else:
             scores = scores + attn_mask
             allowed &= attn_mask > float("-inf")
+    if sinks is not None:  # the sink column is always there: no row is empty
+        column = sinks.to(q.dtype)[None, :, None, None].expand(b, h, t, 1)
+        with_sink = torch.cat([scores.masked_fill(~allowed, float("-inf")), column], dim=-1)
+        weights = torch.softmax(with_sink, dim=-1)[..., :-1]
+        lse = torch.logsumexp(with_sink, dim=-1)
+        return torch.einsum("bhts,bhsd->bhtd", weights, v), lse, weights
     has_key = allowed.any(-1, keepdim=True)
     # Empty rows: softmax over zeros (finite), then zeroed, so gradients stay finite.
     filled = scores.masked_fill(~allowed, float("-inf")).masked_fill(~has_key, 0.0)

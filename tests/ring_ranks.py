@@ -96,6 +96,8 @@ def compare_case(rank: int, world: int, case: dict) -> dict[str, float]:
     trained = {}
     if case.get("alibi"):
         trained["alibi_slopes"] = torch.linspace(0.1, 0.9, h, dtype=torch.float64)
+    if case.get("sinks"):
+        trained["sinks"] = torch.randn(h, dtype=torch.float64)
     table = None
     if case.get("relative_bias"):
         table = torch.randn(h, TABLE_SIZE, dtype=torch.float64) * 0.5
@@ -151,7 +153,7 @@ def compare_case(rank: int, world: int, case: dict) -> dict[str, float]:
     differences = {}
     names = ["out", "lse", "dq", "dk", "dv", *trained, *(["table"] if table is not None else [])]
     for name, g, w in zip(names, got, want):
-        w = w.detach() if name in ("alibi_slopes", "table") else cut(w.detach(), 2)
+        w = w.detach() if name in ("alibi_slopes", "sinks", "table") else cut(w.detach(), 2)
         same_inf = torch.equal(g.isinf(), w.isinf()) and torch.equal(g.isnan(), w.isnan())
         g, w = g.detach().double().nan_to_num(posinf=0, neginf=0), w.nan_to_num(posinf=0, neginf=0)
         differences[name] = (g - w).abs().max().item() if same_inf else math.inf

@@ -254,6 +254,16 @@ def check_alibi_slopes(slopes: object, num_heads: int, device: torch.device) -> 
     return slopes
 
 
+def check_sinks(sinks: object, num_heads: int, device: torch.device) -> Tensor:
+    """Learned sinks: one float logit per query head, on the queries' device."""
+    sinks = check_tensor(sinks, "sinks")
+    check_floating(sinks, "sinks")
+    if tuple(sinks.shape) != (num_heads,):
+        raise ValueError(f"sinks must have shape (heads,) = ({num_heads},), got {_shape(sinks)}")
+    check_same_device(sinks, "sinks", device)
+    return sinks
+
+
 def check_block_mask(block_mask, mask_mod, b: int, h: int, t: int, s: int, device):
     """``block_mask`` (a torch ``BlockMask`` built for ``(t, s)``, batches 1 or ``b``, heads 1 or
     ``h``), or the one ``mask_mod`` builds, or None."""

@@ -58,6 +58,7 @@ def flex_attention(
     kernel_options: dict | None = None,
     *,
     return_aux: AuxRequest | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor] | tuple[Tensor, AuxOutput]:
     """torch's ``flex_attention``, computed by attnkit, with a backward on every device.
 
@@ -75,6 +76,8 @@ def flex_attention(
         kernel_options: accepted for compatibility and ignored: they tune torch's generated
             kernels, and attnkit's kernels choose their own blocks.
         return_aux: ``AuxRequest(lse=True)`` returns ``(out, AuxOutput(lse=..., max_scores=None))``.
+        sinks: attnkit's own: ``(Hq,)`` learned sink logits that join every query's softmax
+            denominator (see [`attention`][attnkit.functional.attention]); not given to a mod.
 
     Returns:
         ``out`` ``(B, Hq, L, Ev)``; with ``return_lse`` ``(out, lse)``; with ``return_aux``
@@ -112,6 +115,7 @@ def flex_attention(
         score_mod=score_mod,
         block_mask=block_mask,
         scale=scale,
+        sinks=sinks,
         return_lse=want_lse,
     )
     if return_aux is not None:

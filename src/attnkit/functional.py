@@ -8,6 +8,8 @@ gathered into one [`Masks`][attnkit.masks.Masks], the options), then runs the ba
 - score = ``(q . k) * scale``, ``scale = 1 / sqrt(d)`` by default;
 - ``softcap``: score = ``softcap * tanh(score / softcap)``;
 - ``alibi_slopes`` ``(h,)``: score += ``-slope * |p(i) - j|``;
+- ``sinks`` ``(h,)``: a logit per query head joins every query's softmax denominator and brings
+  no value (GPT-OSS's learned sinks): the weights of a row sum to ``1 - p_sink``;
 - ``attn_mask``: bool (True = may attend) or float (added to the score; masked where -inf);
   ``key_mask`` ``(b, s)``: True = real token;
 - ``causal``: key ``j`` allowed iff ``j <= p(i)``; ``window=(left, right)`` (-1 unbounded):
@@ -36,7 +38,8 @@ from torch.nn.attention.flex_attention import BlockMask
 from attnkit import _checks, mods
 from attnkit._tracing import traced
 from attnkit.backends import BackendChoice, Call, choose_backend, decode, run
-from attnkit.backends.base import call_of
+from attnkit.backends.base import AttentionOutput, call_of
+from attnkit.backends.sinks import join as join_sinks
 from attnkit.masks import Masks, merge_window
 from attnkit.mods import MaskMod, ScoreMod
 
@@ -51,6 +54,7 @@ def attention(
     causal: bool = False,
     window: tuple[int, int] | None = None,
     alibi_slopes: Tensor | None = None,
+    sinks: Tensor | None = None,
     softcap: float | None = None,
     scale: float | None = None,
     dropout_p: float = 0.0,
@@ -74,6 +78,11 @@ def attention(
         causal: key ``j`` is visible to query ``i`` iff ``j <= i + s - t`` (bottom-right aligned).
         window: ``(left, right)`` positions around ``p(i)`` that a query sees; -1 is unbounded.
         alibi_slopes: ``(h,)`` ALiBi slopes (see [`attnkit.alibi_slopes`][attnkit.masks.alibi_slopes]).
+        sinks: ``(h,)`` learned logits, one per query head (any float dtype): each joins the
+            softmax denominator of every query of its head as an extra score that brings no value
+            (GPT-OSS). It is not scaled, capped, ALiBi'd or given to a mod; the returned weights
+            leave it out (a row sums to ``1 - p_sink``), the lse takes it in; a query with no
+            visible key still gets 0. Gradients reach it.
         softcap: caps scores smoothly to ``(-softcap, softcap)`` (Gemma 2).
         scale: multiplies ``q . k``; defaults to ``1 / sqrt(d)``.
         dropout_p: dropout probability on the weights, applied whenever > 0 (pass 0 in eval).
@@ -116,6 +125,7 @@ def attention(
         causal=causal,
         window=window,
         alibi_slopes=alibi_slopes,
+        sinks=sinks,
         softcap=softcap,
         scale=scale,
         dropout_p=dropout_p,
@@ -127,6 +137,8 @@ def attention(
     )
     if 0 in (q.shape[2], k.shape[2]):  # no query, or no key: a query with no key gets 0
         out, lse, weights = _empty(call)
+        if call.sinks is not None:  # the sink alone: the lse is its logit
+            out, lse, weights = join_sinks(AttentionOutput(out, lse, weights), call.sinks, True)
     else:
         out, lse, weights = run(backend, call)
     if not (return_lse or return_weights):
@@ -156,6 +168,7 @@ def which_backend(
     causal: bool = False,
     window: tuple[int, int] | None = None,
     alibi_slopes: Tensor | None = None,
+    sinks: Tensor | None = None,
     softcap: float | None = None,
     scale: float | None = None,
     dropout_p: float = 0.0,
@@ -192,6 +205,7 @@ def which_backend(
         causal=causal,
         window=window,
         alibi_slopes=alibi_slopes,
+        sinks=sinks,
         softcap=softcap,
         scale=scale,
         dropout_p=dropout_p,
@@ -214,6 +228,7 @@ def checked_call(
     causal: bool = False,
     window: tuple[int, int] | None = None,
     alibi_slopes: Tensor | None = None,
+    sinks: Tensor | None = None,
     softcap: float | None = None,
     scale: float | None = None,
     dropout_p: float = 0.0,
@@ -253,6 +268,8 @@ def checked_call(
         extras["softcap"] = _checks.check_positive_number(softcap, "softcap")
     if alibi_slopes is not None:
         extras["alibi_slopes"] = alibi_slopes
+    if sinks is not None:
+        extras["sinks"] = _checks.check_sinks(sinks, h, q.device)
     if not (type(dropout_p) is float and dropout_p == 0.0):
         extras["dropout_p"] = _checks.check_probability(dropout_p, "dropout_p")
     if block_mask is not None or mask_mod is not None:

@@ -164,6 +164,7 @@ def varlen_attention(
     window: tuple[int, int] | None = None,
     scale: float | None = None,
     softcap: float | None = None,
+    sinks: Tensor | None = None,
     score_mod: ScoreMod | None = None,
     return_lse: bool = False,
     block_size: int | tuple[int, int] = 128,
@@ -190,6 +191,8 @@ def varlen_attention(
         window: ``(left, right)`` keys around that position, -1 unbounded.
         scale: multiplies ``q . k``; ``1 / sqrt(d)`` by default.
         softcap: soft-capping of the scores, as in [`attention`][attnkit.functional.attention].
+        sinks: ``(h,)`` learned sink logits, as in [`attention`][attnkit.functional.attention]:
+            every query of a head, in every sequence, has its head's sink in its denominator.
         score_mod: a score modifier, with ``q_idx``/``kv_idx`` indexing the packed tokens.
         return_lse: also return the log-sum-exp, ``(h, total_q)`` as flash-attn returns it.
         block_size: the block mask's block size.
@@ -234,6 +237,7 @@ def varlen_attention(
         score_mod=score_mod,
         scale=scale,
         softcap=softcap,
+        sinks=sinks,
         return_lse=return_lse,
     )
     out, lse = result if return_lse else (result, None)

@@ -21,6 +21,10 @@ CASES = {  # lengths: contiguous splits into 1..4 chunks (12), zigzag into 2..8 
         "t": 24, "causal": True, "layout": "zigzag", "key_mask": True, "nan_padding": True
     },
     "ALiBi, causal": {"t": 12, "causal": True, "alibi": True},
+    "sinks, GQA, causal, zigzag": {
+        "t": 24, "h": 4, "h_kv": 2, "causal": True, "layout": "zigzag", "sinks": True
+    },
+    "sinks, key padding": {"t": 12, "key_mask": True, "sinks": True},
     "sliding window, zigzag": {"t": 24, "causal": True, "window": (3, 0), "layout": "zigzag"},
     "two-sided window, key padding": {"t": 24, "window": (2, 5), "key_mask": True},
     "softcap, scale": {"t": 12, "softcap": 2.0, "scale": 0.3},

@@ -267,3 +267,31 @@ def test_a_packed_batch_trains_through_the_module_as_its_documents_alone():
     torch.testing.assert_close(grad, want)
     with pytest.raises(ValueError, match="with a cache, give mask_mod"), torch.no_grad():
         mha(x[:, :3], cache=attnkit.KVCache(1, H, 64, 8), documents=documents[:3])
+
+
+def test_learned_sinks_start_at_zero_train_and_decode_as_the_whole_sequence():
+    module = MultiHeadAttention(16, 16, 32, 0.0, 4, num_kv_heads=2, sinks=True)
+    assert torch.equal(module.sinks, torch.zeros(4)) and "sinks" in module.state_dict()
+    assert MultiHeadAttention(16, 16, 32, 0.0, 4).sinks is None
+    with torch.no_grad():
+        module.sinks.copy_(torch.randn(4) * 2)
+    x = torch.randn(2, 9, 16, requires_grad=True)
+    out = module(x)
+    q, k, v = (
+        w(x).unflatten(-1, (-1, 4)).transpose(1, 2)
+        for w in (module.W_query, module.W_key, module.W_value)
+    )
+    context = attnkit.attention(q, k, v, causal=True, sinks=module.sinks, backend="reference")
+    expected = module.out_proj(context.transpose(1, 2).flatten(2))
+    torch.testing.assert_close(out, expected)
+    got = torch.autograd.grad(out.sum(), (x, module.sinks))
+    want = torch.autograd.grad(expected.sum(), (x, module.sinks))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    cache = KVCache(2, 2, 32, 4)
+    with torch.no_grad():
+        steps = [module(x[:, :4], cache=cache)]
+        steps += [module(x[:, i : i + 1], cache=cache) for i in range(4, 9)]
+    torch.testing.assert_close(torch.cat(steps, 1), out.detach())
+    with pytest.raises(TypeError, match="sinks must be a bool"):
+        MultiHeadAttention(16, 16, 32, 0.0, 4, sinks="yes")

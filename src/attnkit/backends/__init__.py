@@ -7,6 +7,7 @@
 | attn_mask_grad | yes | yes | no | no | a float attn_mask that requires grad |
 | alibi_slopes | yes | yes | yes | no | sdpa: a float mask of shape (h, t, s) |
 | softcap | yes | no | yes | no | |
+| sinks | yes | no | yes | yes | tiled: joined to the kernel's output through its lse; decode: in the kernel's merge |
 | dropout_p | yes | yes | no | no | |
 | return_lse | yes | no | yes | no | with gradients |
 | return_weights | yes | no | yes | no | tiled: recomputed from the lse |

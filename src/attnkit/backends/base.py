@@ -33,6 +33,8 @@ class Call(NamedTuple):
         scale: multiplies ``q . k``.
         softcap: if set, scores become ``softcap * tanh(score / softcap)``.
         alibi_slopes: ``(h,)``; if set, scores get ``-slope * |p(i) - j|``.
+        sinks: ``(h,)`` learned logits, one per query head, that join every query's softmax
+            denominator and bring no value ([`attnkit.backends.sinks`][attnkit.backends.sinks]).
         dropout_p: dropout on the attention weights (0 disables it).
         return_lse: also return the log-sum-exp of the scores, ``(b, h, t)``.
         return_weights: also return the softmax weights before dropout, ``(b, h, t, s)``.
@@ -53,6 +55,7 @@ class Call(NamedTuple):
     scale: float
     softcap: float | None = None
     alibi_slopes: Tensor | None = None
+    sinks: Tensor | None = None
     dropout_p: float = 0.0
     return_lse: bool = False
     return_weights: bool = False
@@ -107,7 +110,7 @@ def _options_in_use(masks: Masks, fields: dict) -> frozenset[str]:
             used.append("causal")
     if masks.shift != 0:
         used.append("shift")
-    for name in ("softcap", "alibi_slopes", "score_mod", "block_mask"):
+    for name in ("softcap", "alibi_slopes", "sinks", "score_mod", "block_mask"):
         if fields.get(name) is not None:
             used.append(name)
     for name in ("dropout_p", "return_lse", "return_weights"):

@@ -10,7 +10,9 @@
 // and are merged at the end from each one's output, max and sum.
 //
 // Layout: q (b, h_kv, rows, d), k, v (b, h_kv, s, d), all of one dtype with the last dim contiguous
-// (views of a cache buffer are fine); key_mask (b, s) bool or empty (all real).
+// (views of a cache buffer are fine); key_mask (b, s) bool or empty (all real). Learned sinks (a
+// logit per query head that joins the denominator and brings no value) enter the final merge as
+// one more split with output 0.
 //
 // Non-finite values follow attnkit's rule (reference.py): a padding key (key_mask False) is never
 // read into a result, whatever it holds; a row with a real key whose score is not finite (NaN or
@@ -285,9 +287,11 @@ inline void scaled_queries(const at::Tensor& q, int64_t batch, int64_t head, int
   }
 }
 
+// sinks: the sink logit of each query row of each key/value head (h_kv x rows), or null.
 template <typename T, int64_t D>
 void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-         const at::Tensor& key_mask, double scale, int64_t splits, at::Tensor& out) {
+         const at::Tensor& key_mask, double scale, int64_t splits, const float* sinks,
+         at::Tensor& out) {
   const int64_t b = q.size(0), h_kv = q.size(1), rows = q.size(2), d = q.size(3), s = k.size(2);
   const int64_t per_split = (s + splits - 1) / splits;
   const int64_t items = b * h_kv * splits;
@@ -312,18 +316,19 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
              part_sum.data() + item * rows);
     }
   });
-  // Merge the splits of each (b, h_kv): rescale to the overall max, divide by the total sum. A row
-  // with no real key has sum 0 and gets zeros.
+  // Merge the splits of each (b, h_kv), and the sink: rescale to the overall max, divide by the
+  // total sum. A row with no real key has sum 0 (or the sink's alone) and gets zeros.
   T* op = out.data_ptr<T>();
   for (int64_t bh = 0; bh < b * h_kv; ++bh) {
     for (int64_t r = 0; r < rows; ++r) {
-      float overall = -FLT_MAX;
+      const float sink = sinks ? sinks[(bh % h_kv) * rows + r] : -INFINITY;
+      float overall = std::max(-FLT_MAX, sink);
       for (int64_t sp = 0; sp < splits; ++sp) {
         overall = std::max(overall, part_max[(bh * splits + sp) * rows + r]);
       }
-      float total = 0.f;
+      float total = std::exp(sink - overall);  // 0 without a sink
       float merged[kMaxDim] = {};
-      bool bad = false;
+      bool bad = sink != sink;
       for (int64_t sp = 0; sp < splits; ++sp) {
         const int64_t at = (bh * splits + sp) * rows + r;
         bad = bad || part_sum[at] != part_sum[at];
@@ -438,10 +443,12 @@ std::vector<at::Tensor> linear(at::Tensor x, std::vector<at::Tensor> weights,
 }
 
 // Attention of q (b, h, t, d) over k, v (b, h_kv, s, d), query head i using key/value head
-// i / (h / h_kv); returns (b, h, t, d) in q's dtype. The keys are cut into splits so that every
-// thread has work, but into no more than s / min_keys_per_split, so that each split streams.
+// i / (h / h_kv); returns (b, h, t, d) in q's dtype. sinks: float32 (h,) or empty (none). The keys
+// are cut into splits so that every thread has work, but into no more than s / min_keys_per_split,
+// so that each split streams.
 at::Tensor decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                     const at::Tensor& key_mask, double scale, int64_t min_keys_per_split) {
+                  const at::Tensor& key_mask, const at::Tensor& sinks, double scale,
+                  int64_t min_keys_per_split) {
   TORCH_CHECK(q.dim() == 4 && q.stride(3) == 1 && q.scalar_type() == k.scalar_type(),
               "decode: q must be (b, h, t, d) with a contiguous last dim, of k's dtype");
   TORCH_CHECK(k.dim() == 4 && v.sizes() == k.sizes() && v.strides() == k.strides() &&
@@ -458,6 +465,17 @@ at::Tensor decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   TORCH_CHECK(key_mask.numel() == 0 || (key_mask.scalar_type() == at::kBool &&
                                         key_mask.dim() == 2 && key_mask.stride(1) == 1),
               "decode: key_mask must be an empty tensor or a (b, s) bool tensor");
+  TORCH_CHECK(sinks.numel() == 0 || (sinks.scalar_type() == at::kFloat && sinks.dim() == 1 &&
+                                     sinks.size(0) == h && sinks.is_contiguous()),
+              "decode: sinks must be an empty tensor or a contiguous float32 (h,) tensor");
+  std::vector<float> sink_rows;  // the sink of each query row of each key/value head
+  if (sinks.numel()) {
+    const float* sp = sinks.data_ptr<float>();
+    for (int64_t head = 0; head < h_kv; ++head) {
+      for (int64_t r = 0; r < rows; ++r) sink_rows.push_back(sp[head * (h / h_kv) + r / t]);
+    }
+  }
+  const float* sink_ptr = sink_rows.empty() ? nullptr : sink_rows.data();
   auto out = at::empty({b, h_kv, rows, d},
                          q.options().memory_format(at::MemoryFormat::Contiguous));
   if (out.numel() == 0) return out.view({b, h, t, d});  // b, t or d is 0: nothing to compute
@@ -466,9 +484,9 @@ at::Tensor decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   const int64_t splits = std::max<int64_t>(1, std::min(wanted, s / min_keys_per_split));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "decode", [&] {
     switch (d) {
-      case 64: run<scalar_t, 64>(grouped, k, v, key_mask, scale, splits, out); break;
-      case 128: run<scalar_t, 128>(grouped, k, v, key_mask, scale, splits, out); break;
-      default: run<scalar_t, 0>(grouped, k, v, key_mask, scale, splits, out);
+      case 64: run<scalar_t, 64>(grouped, k, v, key_mask, scale, splits, sink_ptr, out); break;
+      case 128: run<scalar_t, 128>(grouped, k, v, key_mask, scale, splits, sink_ptr, out); break;
+      default: run<scalar_t, 0>(grouped, k, v, key_mask, scale, splits, sink_ptr, out);
     }
   });
   return out.view({b, h, t, d});

@@ -8,7 +8,8 @@ the bus. This backend runs a small C++ kernel (``decode.cpp``, built once for th
 rows that share it (GQA groups included), with FlashAttention's online softmax; the splits of the keys
 that the threads share are merged here.
 
-It computes plain scaled dot-product attention with an optional ``key_mask`` (ragged batches), for
+It computes plain scaled dot-product attention with an optional ``key_mask`` (ragged batches) and
+learned sinks, for
 CPU tensors in float32, bfloat16 or float16 that need no gradient, with at most
 [`MAX_ROWS`][attnkit.backends.decode.MAX_ROWS] query rows per key/value head. Where the kernel cannot be built (no C++ compiler;
 or ``ATTNKIT_NATIVE=0``), [`refuses`][attnkit.backends.decode.refuses] says why and ``auto`` uses SDPA instead.
@@ -37,6 +38,7 @@ MIN_KEYS_PER_SPLIT = 1024
 """The shortest split of the keys that a thread streams on its own."""
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _NO_MASK = torch.empty(0, dtype=torch.bool)
+_NO_SINKS = torch.empty(0)
 
 KERNEL = _native.KERNELS["decode"]
 
@@ -57,7 +59,9 @@ def refuses(call: Call) -> str | None:
         )
     if q.dtype not in _DTYPES:
         return f"dtype {q.dtype} (the decode kernel takes float32, bfloat16 or float16)"
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+    if torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad for x in (q, k, v, call.sinks)
+    ):
         return "inputs that require grad (the decode kernel has no backward)"
     if rows > MAX_ROWS:
         return f"{rows} query rows per key/value head (the decode kernel takes at most {MAX_ROWS})"
@@ -87,7 +91,8 @@ def decode(call: Call) -> AttentionOutput:
         )
     key_mask = call.masks.key_mask
     mask = _NO_MASK if key_mask is None else key_mask.contiguous()
-    out = kernel.decode(call.q, call.k, call.v, mask, call.scale, MIN_KEYS_PER_SPLIT)
+    sinks = _NO_SINKS if call.sinks is None else call.sinks.float().contiguous()
+    out = kernel.decode(call.q, call.k, call.v, mask, sinks, call.scale, MIN_KEYS_PER_SPLIT)
     return AttentionOutput(out)
 
 
@@ -95,7 +100,7 @@ class DecodeBackend(Backend):
     """A few queries over a long key/value cache, in one pass over the cache."""
 
     name = "decode"
-    supports = frozenset({"key_mask"})
+    supports = frozenset({"key_mask", "sinks"})
 
     def refuses(self, call: Call) -> str | None:
         return refuses(call)

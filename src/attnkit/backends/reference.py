@@ -19,13 +19,17 @@ from attnkit.backends.nonfinite import NAN, nan_unless_finite
 from attnkit.masks import alibi_bias, zero_padding
 
 
-def masked_softmax(scores: Tensor, allowed: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def masked_softmax(
+    scores: Tensor, allowed: Tensor | None = None, sink: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     """Softmax over the allowed entries of the last dim: zeros, not NaN, for a row with no allowed
     entry; masked entries get weight 0 even in a row that a NaN score makes NaN.
 
     Args:
         scores: ``(..., s)``; ``-inf`` entries count as masked.
         allowed: bool, broadcastable to ``scores``, True = may attend; None allows all.
+        sink: a logit broadcastable to ``(..., 1)`` that joins every row's denominator (an
+            entry of its own, always allowed, whose weight is left out of the result).
 
     Returns:
         ``(weights, lse)``: weights like ``scores``, and the log-sum-exp ``(...)`` of the allowed
@@ -33,6 +37,10 @@ def masked_softmax(scores: Tensor, allowed: Tensor | None = None) -> tuple[Tenso
     """
     if allowed is not None:
         scores = scores.masked_fill(~allowed, float("-inf"))
+    if sink is not None:
+        scores = torch.cat([scores, sink.expand(*scores.shape[:-1], 1)], dim=-1)
+        if allowed is not None:
+            allowed = torch.cat([allowed.expand((*scores.shape[:-1], -1)), _ones(scores)], -1)
     # Subtracting the row max keeps exp() in range; it does not change the result, so it is detached.
     row_max = scores.amax(dim=-1, keepdim=True).detach()
     row_max = row_max.masked_fill(row_max == float("-inf"), 0.0)  # empty row: exp(-inf) = 0 below
@@ -44,7 +52,11 @@ def masked_softmax(scores: Tensor, allowed: Tensor | None = None) -> tuple[Tenso
     if allowed is not None:  # a NaN row: exp(-inf - nan) is NaN at the masked entries too
         weights = weights.masked_fill(~allowed, 0.0)
     lse = (row_max + safe_sum.log()).masked_fill(empty, float("-inf")).squeeze(-1)
-    return weights, lse
+    return (weights if sink is None else weights[..., :-1]), lse
+
+
+def _ones(scores: Tensor) -> Tensor:
+    return torch.ones(*scores.shape[:-1], 1, dtype=torch.bool, device=scores.device)
 
 
 def weighted_values(weights: Tensor, values: Tensor, allowed: Tensor | None) -> Tensor:
@@ -101,7 +113,8 @@ def reference(call: Call) -> AttentionOutput:
         attn_scores = attn_scores + bias.to(f64)
     attn_scores = nan_unless_finite(attn_scores)  # a -inf bias still masks: allowed() says so
 
-    attn_weights, lse = masked_softmax(attn_scores, allowed)
+    sink = None if call.sinks is None else call.sinks.to(f64).view(1, -1, 1, 1)
+    attn_weights, lse = masked_softmax(attn_scores, allowed, sink)
     dropped = F.dropout(attn_weights, call.dropout_p) if call.dropout_p else attn_weights
     context = weighted_values(dropped, values, allowed)  # (b, h, t, s) x (b, h, s, d_v)
     return AttentionOutput(
@@ -143,6 +156,7 @@ class ReferenceBackend(Backend):
     supports = frozenset(
         {"causal", "window", "attn_mask", "key_mask", "alibi_slopes", "softcap", "return_lse"}
         | {"return_weights", "score_mod", "block_mask", "shift", "dropout_p", "attn_mask_grad"}
+        | {"sinks"}
     )
 
     def path(self, call: Call) -> Path:

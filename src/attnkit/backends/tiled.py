@@ -54,6 +54,7 @@ from attnkit.backends.base import (
     gradient_levels,
     wants_grad,
 )
+from attnkit.backends.sinks import join as join_sinks
 
 DENSE_MASK_LIMIT = 2**24
 """The largest mask SDPA is given to materialise (elements; 64 MiB of float32) before "auto"
@@ -88,7 +89,7 @@ class TiledBackend(Backend):
     name = "tiled"
     supports = frozenset(
         {"causal", "window", "attn_mask", "key_mask", "alibi_slopes", "softcap", "return_lse"}
-        | {"return_weights", "score_mod", "block_mask", "shift"}
+        | {"return_weights", "score_mod", "block_mask", "shift", "sinks"}
     )
 
     def refuses(self, call: Call) -> str | None:
@@ -160,7 +161,10 @@ class TiledBackend(Backend):
         return Path("native", tiled_native.products(kernel, products))
 
     def run(self, call: Call) -> AttentionOutput:
-        return tiled_function.run(call)
+        if call.sinks is None:
+            return tiled_function.run(call)
+        keys_alone = tiled_function.run(call._replace(sinks=None, return_lse=True))
+        return join_sinks(keys_alone, call.sinks, call.return_lse)
 
 
 BACKEND = TiledBackend()

@@ -14,7 +14,8 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from attnkit import _checks, functional, masks, mods
 from attnkit.backends import choose_backend
-from attnkit.backends.base import Call, call_of
+from attnkit.backends.base import AttentionOutput, Call, call_of
+from attnkit.backends.sinks import join as join_sinks
 from attnkit.distributed import passes
 from attnkit.distributed.layout import LAYOUTS, Chunk, Piece, chunks, local, pieces_of
 from attnkit.distributed.transport import DEFAULT_TIMEOUT, Ring
@@ -31,6 +32,7 @@ def ring_attention(
     key_mask: Tensor | None = None,
     window: tuple[int, int] | None = None,
     alibi_slopes: Tensor | None = None,
+    sinks: Tensor | None = None,
     softcap: float | None = None,
     scale: float | None = None,
     score_mod: mods.ScoreMod | None = None,
@@ -60,6 +62,8 @@ def ring_attention(
         window: ``(left, right)`` around each query's global position; -1 unbounded.
         alibi_slopes: ``(h,)``; the distances are global. Its gradient, like any tensor every rank
             holds a copy of, is this rank's part: sum it over the group (as DDP does).
+        sinks: ``(h,)`` learned sink logits, as in [`attention`][attnkit.functional.attention],
+            joined once to each row after the ring; their gradient is this rank's part.
         softcap: scores become ``softcap * tanh(score / softcap)``.
         scale: multiplies ``q . k``; ``1 / sqrt(d)`` by default.
         score_mod: as in [`attention`][attnkit.functional.attention], with global ``q_idx`` and
@@ -103,6 +107,8 @@ def ring_attention(
         "mask_mod": mask_mod,
     }
     shard_call = functional.checked_call(q, k, v, **options)  # this shard's own checks
+    if sinks is not None:
+        _checks.check_sinks(sinks, q.shape[1], q.device)
     t, s = _agree(
         ring,
         q,
@@ -113,6 +119,7 @@ def ring_attention(
         key_mask=key_mask is not None,
         window=window,
         alibi_slopes=None if alibi_slopes is None else alibi_slopes.tolist(),
+        sinks=None if sinks is None else sinks.tolist(),
         softcap=softcap,
         scale=scale,
         score_mod=mods.name_of(score_mod) if score_mod is not None else None,
@@ -121,7 +128,9 @@ def ring_attention(
     )
     if ring.size == 1:  # the shard is the whole sequence: attention of it, in the inputs' dtype
         with torch.autocast(q.device.type, enabled=False):
-            return functional.attention(q, k, v, return_lse=return_lse, backend="tiled", **options)
+            return functional.attention(
+                q, k, v, return_lse=return_lse, sinks=sinks, backend="tiled", **options
+            )
     plan = RingPlan.of(ring, t, s, layout, shard_call, causal, window, mask_mod)
     piece = plan.k_pieces[ring.rank][0]  # any pair: the tiled kernel's refusals
     qc, kc = plan.q_pieces[0], piece.parts[0]
@@ -132,6 +141,8 @@ def ring_attention(
     mod_tensors = shard_call.mod_tensors
     function = passes.RingAttentionWithMods if mod_tensors else passes.RingAttention
     out, lse = function.apply(q, k, v, alibi_slopes, key_mask, plan, *mod_tensors)
+    if sinks is not None:  # once, after the ring: one more piece of every row, with output 0
+        out, lse, _ = join_sinks(AttentionOutput(out, lse), sinks, True)
     return (out, lse) if return_lse else out
 
 

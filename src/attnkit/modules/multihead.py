@@ -55,6 +55,8 @@ class MultiHeadAttention(ProjectedAttention):
             [`RotaryEmbedding`][attnkit.positions.RotaryEmbedding] with base 10000 and ``max_len = context_length``
             (4096 when that is None), or a ``RotaryEmbedding`` of your own.
         softcap: cap the scores smoothly to ``(-softcap, softcap)`` (Gemma 2 uses 50).
+        sinks: a learnable logit per head, zero at first, that joins every query's softmax
+            denominator and brings no value (GPT-OSS's attention sinks), as ``self.sinks``.
         out_bias: add a bias to the output projection.
         device: where the parameters live.
         dtype: the parameters' dtype.
@@ -94,6 +96,7 @@ class MultiHeadAttention(ProjectedAttention):
         alibi: bool = False,
         rope: bool | RotaryEmbedding = False,
         softcap: float | None = None,
+        sinks: bool = False,
         out_bias: bool = True,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
@@ -119,6 +122,9 @@ class MultiHeadAttention(ProjectedAttention):
         self.softcap = module_softcap(softcap)
         slopes = alibi_slopes(num_heads).to(device) if alibi else None
         self.register_buffer("alibi_slopes", slopes, persistent=False)
+        _checks.check_flag(sinks, "sinks")
+        zeros = torch.zeros(num_heads, device=device, dtype=dtype) if sinks else None
+        self.sinks = None if zeros is None else nn.Parameter(zeros)
         if rope is True:
             rope = RotaryEmbedding(self.head_dim, max_len=context_length or 4096, device=device)
         elif isinstance(rope, RotaryEmbedding):
@@ -220,6 +226,7 @@ class MultiHeadAttention(ProjectedAttention):
             average_weights=average_weights,
             window=window,
             alibi_slopes=slopes,
+            sinks=self.sinks,
             softcap=self.softcap,
             attend=attention if context_parallel is None else context_parallel.attention,
             **mods,
@@ -296,7 +303,7 @@ class MultiHeadAttention(ProjectedAttention):
             f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
             f"head_dim={self.head_dim}, causal={self.causal}, window={self.window}, "
             f"alibi={self.alibi_slopes is not None}, rope={self.rope is not None}, "
-            f"softcap={self.softcap}, "
+            f"softcap={self.softcap}, sinks={self.sinks is not None}, "
             f"context_length={self.context_length}, dropout={self.dropout}"
         )
 

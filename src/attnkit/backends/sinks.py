@@ -1,0 +1,34 @@
+"""Learned attention sinks (GPT-OSS's ``s_aux``), joined to attention computed without them.
+
+A sink is one logit ``z_h`` per query head that joins the softmax denominator of every query of
+that head and brings no value. Attention over the keys alone gives ``out`` and its log-sum-exp
+``lse``; with the sink the denominator grows from ``exp(lse)`` to ``exp(lse) + exp(z_h)``, so
+
+    lse' = logaddexp(lse, z_h),    out' = out * exp(lse - lse'),    weights' = weights * exp(lse - lse')
+
+exactly, as ring attention merges the pieces of a row: the sink is one more piece, with output 0.
+Gradients follow through ``lse``, whose gradient a kernel's backward takes (``D_i - dlse_i``), so
+a backend that returns a differentiable lse runs sinks with its own kernels at the cost of one pass
+over the output. A query with no visible key has ``lse = -inf`` and keeps output 0.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from attnkit.backends.base import AttentionOutput
+
+
+def join(output: AttentionOutput, sinks: Tensor, return_lse: bool) -> AttentionOutput:
+    """``output`` (of attention over the keys alone, with its lse ``(b, h, t)``) with ``sinks``
+    ``(h,)`` joined to every row's denominator; the lse kept only where ``return_lse``."""
+    out, lse, weights = output
+    # A sink of -inf (none) would make lse' -inf in a row with no key, and lse - lse' NaN.
+    sink = sinks.to(lse.dtype).clamp_min(torch.finfo(lse.dtype).min).view(1, -1, 1)
+    total = torch.logaddexp(lse, sink)
+    keep = torch.exp(lse - total)  # the keys' share of the row: 0 for a row with no key
+    out = (out * keep.unsqueeze(-1)).to(out.dtype)
+    if weights is not None:
+        weights = (weights * keep.unsqueeze(-1)).to(weights.dtype)
+    return AttentionOutput(out, total if return_lse else None, weights)
