@@ -138,10 +138,12 @@ class TiledBackend(Backend):
             visible = (left if left >= 0 else s) + (right if right >= 0 else s) + 1
             if 4 * visible <= s:  # SDPA computes every score, the tiled kernel about visible / s
                 return f"the window shows each query at most {visible} of {s} keys"
+        padded = call.masks.key_mask is not None and window is not None  # with the positions
         dense = limited or call.alibi_slopes is not None or (window == (-1, 0) and t != s)
-        if not dense:
+        if not (dense or padded):
             return None
-        mask_elements = t * s * (h if call.alibi_slopes is not None else 1)
+        b = q.shape[0] if padded else 1
+        mask_elements = b * t * s * (h if call.alibi_slopes is not None else 1)
         if mask_elements > DENSE_MASK_LIMIT:
             return f"SDPA would need a dense mask of {mask_elements} elements"
         if t * s >= NATIVE_MIN_SCORES and self.path(call).path == "native":

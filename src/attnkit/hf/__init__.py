@@ -1,0 +1,164 @@
+"""attnkit inside Hugging Face transformers models: ``attn_implementation="attnkit"``.
+
+[`register`][attnkit.hf.register] adds an attention function and a mask builder to transformers'
+``AttentionInterface`` and ``AttentionMaskInterface``. Every model that calls attention through
+that interface (Llama, Qwen, Mistral, Gemma, GPT-OSS, Phi, OLMo, SmolLM, GPT-2, BERT, ModernBERT,
+...) then runs it on [`attention`][attnkit.functional.attention]: its C++ kernels with soft-capping,
+sliding windows and learned sinks, with a backward in O(N) memory, and no dense mask.
+
+Example:
+    >>> import attnkit.hf
+    >>> from transformers import LlamaConfig, LlamaForCausalLM
+    >>> name = attnkit.hf.register()
+    >>> config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+    ...                      num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
+    >>> model = LlamaForCausalLM(config)
+    >>> model.set_attn_implementation(name)
+    >>> model(torch.tensor([[1, 2, 3]])).logits.shape
+    torch.Size([1, 3, 64])
+
+transformers is an optional extra (``pip install attnkit[hf]``); ``import attnkit`` does not
+import it, this module does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.nn.attention.flex_attention import BlockMask
+
+from attnkit.functional import attention
+from attnkit.hf.masks import HFMask, mask_builder
+from attnkit.varlen import document_mask
+
+
+def register(name: str = "attnkit") -> str:
+    """Register attnkit in transformers under ``name`` (again: the same); returns ``name``, for
+    ``from_pretrained(..., attn_implementation=name)``, ``from_config`` or
+    ``model.set_attn_implementation(name)``."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"name must be a non-empty string, got {name!r}")
+    AttentionInterface.register(name, attention_function)
+    AttentionMaskInterface.register(name, mask_builder)
+    return name
+
+
+def attention_function(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: HFMask | Tensor | BlockMask | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    s_aux: Tensor | None = None,
+    position_bias: Tensor | None = None,
+    **kwargs: Any,
+) -> tuple[Tensor, Tensor | None]:
+    """transformers' attention interface on attnkit: ``query`` ``(b, h, t, d)``, ``key`` and
+    ``value`` ``(b, h_kv, s, d)`` (grouped heads are not repeated) -> ``(out (b, t, h, d)
+    contiguous, weights (b, h, t, s) or None)``.
+
+    The mask is what [`mask_builder`][attnkit.hf.masks.mask_builder] kept (or a 4-D mask or
+    ``BlockMask`` of the user's, honoured as given; a float mask's minimum of its dtype counts as
+    masked). Without one, ``is_causal`` (else ``module.is_causal``) and ``sliding_window`` (HF's:
+    the query and the ``w - 1`` keys before it) say which keys a query sees. Packed sequences
+    come from ``cu_seq_lens_q``/``cu_seq_lens_k``, or else from ``position_ids`` that restart,
+    when the mask says nothing of them. ``s_aux`` are learned sinks; ``softcap``, ``scaling``
+    and ``dropout`` as named. Weights are returned, exact and differentiable, where
+    ``output_attentions`` asks for them (before dropout).
+    """
+    options: dict[str, Any] = {"scale": scaling, "softcap": softcap, "sinks": s_aux}
+    if is_causal is None:
+        is_causal = getattr(module, "is_causal", True)
+    if isinstance(attention_mask, HFMask):
+        keys, masks = attention_mask.options(key.shape[2])
+        key, value = key[:, :, :keys], value[:, :, :keys]
+    else:
+        masks = _given(attention_mask, is_causal, sliding_window)
+    masks = _packed(masks, query, key, kwargs)
+    if position_bias is not None:  # an additive bias of the model's (T5-like)
+        masks["attn_mask"] = _sum(masks.get("attn_mask"), position_bias.to(query.dtype))
+    weights = _wants_weights(module, kwargs)
+    result = attention(
+        query, key, value, **masks, **options, dropout_p=dropout, return_weights=weights
+    )
+    out, attn_weights = result if weights else (result, None)
+    return out.transpose(1, 2).contiguous(), attn_weights
+
+
+def _wants_weights(module: nn.Module, kwargs: dict) -> bool:
+    """Whether the model returns this layer's weights: ``output_attentions`` passed down, or
+    transformers' output recorder collecting attentions (models that do not pass it down)."""
+    config = getattr(module, "config", None)
+    if kwargs.get("output_attentions", getattr(config, "output_attentions", False)):
+        return True
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:  # a transformers without the recorder passes output_attentions down
+        return False
+    collected = _active_collector.get()
+    return bool(collected) and any(key.endswith("attentions") for key in collected)
+
+
+def _given(mask, is_causal: bool, sliding_window: int | None) -> dict[str, Any]:
+    """The options for a mask that the model or the user built, or none."""
+    if mask is None:
+        window = None if sliding_window is None else (sliding_window - 1, 0 if is_causal else -1)
+        return {"causal": bool(is_causal), "window": window}
+    if isinstance(mask, BlockMask):
+        return {"block_mask": mask}
+    if not isinstance(mask, Tensor):
+        raise TypeError(
+            "attention_mask must be a tensor, a BlockMask or what attnkit's mask builder makes, "
+            f"got {type(mask).__name__}"
+        )
+    if mask.dtype != torch.bool and mask.is_floating_point():  # the dtype's minimum: masked
+        mask = mask.masked_fill(mask == torch.finfo(mask.dtype).min, float("-inf"))
+    return {"attn_mask": mask}
+
+
+def _packed(masks: dict[str, Any], query: Tensor, key: Tensor, kwargs: dict) -> dict[str, Any]:
+    """``masks`` with packed sequences, where the mask says nothing of them: from flash
+    attention's ``cu_seq_lens_q``/``cu_seq_lens_k``, or from ``position_ids`` that restart, in a
+    batch of one row whose queries are its keys (as transformers' flash path reads them)."""
+    if query.shape[0] != 1 or {"block_mask", "mask_mod", "attn_mask"} & masks.keys():
+        return masks
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    positions = kwargs.get("position_ids")
+    if cu_q is None and positions is not None and query.shape[2] == key.shape[2] > 1:
+        positions = positions.reshape(-1)
+        starts = (positions[1:] != positions[:-1] + 1).nonzero().flatten() + 1
+        if positions.numel() == query.shape[2] and starts.numel():
+            cu_q = torch.cat([starts.new_zeros(1), starts, starts.new_tensor([query.shape[2]])])
+    if cu_q is None:
+        return masks
+    masks = dict(masks)
+    causal, window = masks.pop("causal", False), masks.pop("window", None)
+    masks["block_mask"] = document_mask(
+        cu_seqlens=cu_q.to(query.device),
+        cu_seqlens_k=None if cu_k is None else cu_k.to(query.device),
+        causal=causal,
+        window=window,
+        device=query.device,
+    )
+    return masks
+
+
+def _sum(a: Tensor | None, b: Tensor) -> Tensor:
+    if a is None:
+        return b
+    if a.dtype == torch.bool:
+        a = torch.zeros_like(b).masked_fill(~a, float("-inf"))
+    return a + b
+
+
+__all__ = ["HFMask", "attention_function", "mask_builder", "register"]

@@ -1,0 +1,215 @@
+"""The masks of a Hugging Face model, kept compact: what transformers asks its mask builder for,
+read back as attnkit's masks (``causal``, ``window``, ``key_mask``, documents), never a ``t x s``
+tensor.
+
+transformers composes a mask as a function of ``(batch, head, q_idx, kv_idx)`` from small
+pieces (causal, a sliding window, a padding mask, packed sequences, joined by ``and_masks``) and
+hands it to the registered mask builder with the lengths and offsets that a cache implies.
+[`mask_builder`][attnkit.hf.masks.mask_builder] keeps all of that in a
+[`HFMask`][attnkit.hf.masks.HFMask]; [`HFMask.options`][attnkit.hf.masks.HFMask.options] reads
+the pieces it knows back as attnkit's options and evaluates any other function block by block,
+as a ``mask_mod``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+from transformers import masking_utils as hf
+
+from attnkit._tracing import traced
+from attnkit.varlen import document_mask
+
+
+def _cells(fn: Callable) -> dict[str, Any]:
+    """The variables a closure holds, by name."""
+    cells = fn.__closure__ or ()
+    return dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in cells)))
+
+
+def _code(factory: Callable, *args) -> Any:
+    return factory(*args).__code__
+
+
+# The code of each piece transformers composes masks from, to recognise the closures it makes.
+_AND = _code(hf.and_masks, hf.causal_mask_function)
+_SLIDING = _code(hf.sliding_window_overlay, 1)
+_SLIDING_BOTH = _code(hf.sliding_window_bidirectional_overlay, 1)
+_PADDING = _code(hf.padding_mask_function, torch.ones(1, 1, dtype=torch.bool))
+_PACKED = _code(hf.packed_sequence_mask_function, torch.zeros(1, 1))
+_REMAPPED = _code(hf.remap_positions_for_packed_sequence, hf.causal_mask_function, None)
+
+
+class Pattern(NamedTuple):
+    """A mask function read as attnkit's options (positions relative to the queries' own)."""
+
+    causal: bool = False
+    window: tuple[int, int] | None = None  # (left, right), -1 unbounded
+    documents: Tensor | None = None  # (b, t) ids of packed sequences
+    padding: Tensor | None = None  # (b, kv) True for a real token
+
+
+def read_pattern(fn: Callable) -> Pattern | None:
+    """``fn`` as a [`Pattern`][attnkit.hf.masks.Pattern], or None where it holds a piece that
+    is not known here (it is then evaluated as it is)."""
+    if fn is hf.causal_mask_function:
+        return Pattern(causal=True)
+    if fn is hf.bidirectional_mask_function:
+        return Pattern()
+    code = getattr(fn, "__code__", None)
+    cells = _cells(fn) if code is not None else {}
+    if code is _SLIDING:  # kv_idx > q_idx - w: the query and the w - 1 keys before it
+        return Pattern(window=(cells["sliding_window"] - 1, -1))
+    if code is _SLIDING_BOTH:  # |q_idx - kv_idx| <= w
+        return Pattern(window=(cells["sliding_window"], cells["sliding_window"]))
+    if code is _PADDING:
+        return Pattern(padding=cells["padding_mask"])
+    if code is _PACKED:
+        return Pattern(documents=cells["packed_sequence_mask"])
+    if code is _REMAPPED:  # positions restart in each document: the same as indices within it
+        return read_pattern(cells["mask_function"])
+    if code is _AND:
+        joined = Pattern()
+        for part in cells["mask_functions"]:
+            pattern = read_pattern(part)
+            if pattern is None:
+                return None
+            joined = _both(joined, pattern)
+        return joined
+    return None
+
+
+def _both(a: Pattern, b: Pattern) -> Pattern:
+    window = a.window or b.window
+    if a.window is not None and b.window is not None:
+        window = tuple(_tighter(x, y) for x, y in zip(a.window, b.window))
+    documents, padding = a.documents, a.padding
+    if b.documents is not None:
+        documents = b.documents if documents is None else None  # two: not known here
+    if b.padding is not None:
+        padding = b.padding if padding is None else padding & b.padding
+    return Pattern(a.causal or b.causal, window, documents, padding)
+
+
+def _tighter(x: int, y: int) -> int:
+    return y if x < 0 else x if y < 0 else min(x, y)
+
+
+class HFMask(NamedTuple):
+    """What transformers asked the mask builder for, as it asked: the model's attention layers
+    pass it to the attention function unchanged.
+
+    Attributes:
+        batch_size: the batch.
+        q_length: the queries of the call.
+        kv_length: the keys the layer holds (with a static cache, its whole buffer).
+        q_offset: the position of the first query (a tensor under ``torch.compile``).
+        kv_offset: the position of the first key.
+        mask_function: transformers' composed ``(batch, head, q_idx, kv_idx) -> bool``.
+        padding: the 2-D mask ``(b, positions)``, True for a real token, or None.
+    """
+
+    batch_size: int
+    q_length: int
+    kv_length: int
+    q_offset: int | Tensor
+    kv_offset: int
+    mask_function: Callable
+    padding: Tensor | None
+
+    def options(self, s: int) -> tuple[int, dict[str, Any]]:
+        """How many of the ``s`` keys given to attend to (a static cache's buffer is cut where
+        the queries end), and attnkit's mask options for them."""
+        keys = s
+        q_end = self.q_offset + self.q_length
+        if isinstance(q_end, int) and self.kv_offset + s > q_end:  # empty slots after the queries
+            keys = max(q_end - self.kv_offset, 0)
+        pattern = read_pattern(self.mask_function)
+        aligned = isinstance(q_end, int) and q_end == self.kv_offset + keys
+        options: dict[str, Any] = {}
+        padding = _keys_of(self.padding, self.kv_offset, keys)
+        if pattern is not None and pattern.padding is not None:
+            more = _keys_of(pattern.padding, self.kv_offset, keys)
+            padding = more if padding is None else padding & more
+        if padding is not None and not bool(padding.all()):
+            options["key_mask"] = padding
+        if (
+            pattern is None
+            or not aligned
+            or (pattern.documents is not None and (self.batch_size != 1 or keys != self.q_length))
+        ):
+            options["mask_mod"] = self._mask_mod()
+            return keys, options
+        window = _with_causal(pattern.window, pattern.causal)
+        if pattern.documents is not None:  # packed sequences of one row, no cache
+            options["block_mask"] = document_mask(
+                pattern.documents[0], causal=pattern.causal, window=window
+            )
+        else:
+            options["causal"] = pattern.causal
+            options["window"] = window
+        return keys, options
+
+    def _mask_mod(self) -> Callable:
+        """transformers' function at the call's positions, evaluated by attnkit block by block."""
+        fn, q_offset, kv_offset, padding = (
+            self.mask_function,
+            self.q_offset,
+            self.kv_offset,
+            self.padding,
+        )
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            allowed = fn(b, h, q_idx + q_offset, kv_idx + kv_offset)
+            if padding is not None:
+                allowed = allowed & padding[b, kv_idx + kv_offset]
+            return allowed
+
+        return mask_mod
+
+
+def _keys_of(padding: Tensor | None, offset: int, n: int) -> Tensor | None:
+    """Columns ``offset .. offset + n`` of a 2-D mask, padded with False (a static cache's empty
+    slots) where it is shorter."""
+    if padding is None:
+        return None
+    padding = padding[:, offset : offset + n].to(torch.bool)
+    if padding.shape[1] < n:
+        padding = torch.nn.functional.pad(padding, (0, n - padding.shape[1]), value=False)
+    return padding
+
+
+def _with_causal(window: tuple[int, int] | None, causal: bool) -> tuple[int, int] | None:
+    """attnkit's window for a pattern: a causal sliding window looks back only."""
+    if window is None:
+        return None
+    return (window[0], 0) if causal else window
+
+
+def mask_builder(
+    batch_size: int,
+    q_length: int | None = None,
+    kv_length: int | None = None,
+    q_offset: int | Tensor = 0,
+    kv_offset: int = 0,
+    mask_function: Callable = hf.causal_mask_function,
+    attention_mask: Tensor | None = None,
+    cache_position: Tensor | None = None,
+    **kwargs: Any,
+) -> HFMask:
+    """transformers' mask interface, for ``attn_implementation="attnkit"``: the request itself,
+    as an [`HFMask`][attnkit.hf.masks.HFMask], with no mask tensor built (older versions of
+    transformers give ``cache_position`` instead of ``q_length`` and ``q_offset``)."""
+    if q_length is None:
+        q_length = cache_position.shape[0]
+        q_offset = cache_position[0] if cache_position.numel() else 0
+    if isinstance(q_offset, Tensor) and not traced():
+        q_offset = int(q_offset)
+    if attention_mask is not None and attention_mask.dim() == 2:
+        attention_mask = attention_mask.to(torch.bool)
+    return HFMask(
+        batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask
+    )

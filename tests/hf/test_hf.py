@@ -1,0 +1,203 @@
+"""attnkit inside Hugging Face models (attn_implementation="attnkit") against transformers' own
+eager attention on the same tiny random models and inputs: logits, returned weights, every
+parameter's gradient, greedy generation with the model's cache, and packed sequences."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import attnkit.hf  # noqa: E402
+
+NAME = attnkit.hf.register()
+SMALL = {"vocab_size": 64, "num_hidden_layers": 2}
+DECODER = {
+    **SMALL,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
+FAMILIES = {  # name: (config class, model class, config options)
+    "llama": ("LlamaConfig", "LlamaForCausalLM", DECODER),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", DECODER),
+    "mistral, sliding window": ("MistralConfig", "MistralForCausalLM", {**DECODER, "sliding_window": 4}),
+    "gemma2, softcap, sliding window": (
+        "Gemma2Config", "Gemma2ForCausalLM",
+        {**DECODER, "head_dim": 8, "sliding_window": 4, "attn_logit_softcapping": 5.0},
+    ),
+    "gpt-oss, sinks, sliding window": (
+        "GptOssConfig", "GptOssForCausalLM",
+        {**DECODER, "head_dim": 8, "sliding_window": 4, "num_local_experts": 2,
+         "num_experts_per_tok": 1, "layer_types": ["sliding_attention", "full_attention"]},
+    ),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", {**SMALL, "n_embd": 32, "n_head": 4, "n_layer": 2}),
+    "bert": (
+        "BertConfig", "BertModel",
+        {**SMALL, "hidden_size": 32, "intermediate_size": 48, "num_attention_heads": 4},
+    ),
+    "modernbert, sliding window": (
+        "ModernBertConfig", "ModernBertModel",
+        {**SMALL, "hidden_size": 32, "intermediate_size": 48, "num_attention_heads": 4,
+         "local_attention": 4, "global_attn_every_n_layers": 2, "pad_token_id": 0,
+         "bos_token_id": 1, "eos_token_id": 2, "cls_token_id": 1, "sep_token_id": 2},
+    ),
+}  # fmt: skip
+CAUSAL = [name for name in FAMILIES if name.split(",")[0] not in ("bert", "modernbert")]
+PACKS = [name for name in CAUSAL if name.split(",")[0] not in ("gpt2", "gpt-oss")]
+
+
+def model_of(name: str) -> torch.nn.Module:
+    config_class, model_class, options = FAMILIES[name]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_class)(**options)
+    for dropout in ("attention_dropout", "attn_pdrop", "resid_pdrop", "embd_pdrop",
+                    "hidden_dropout_prob", "attention_probs_dropout_prob"):  # fmt: skip
+        if hasattr(config, dropout):
+            setattr(config, dropout, 0.0)
+    model = getattr(transformers, model_class)(config).eval()
+    with torch.no_grad():  # learned sinks away from their initial value
+        for module in model.modules():
+            if isinstance(getattr(module, "sinks", None), torch.nn.Parameter):
+                module.sinks.normal_(0.0, 1.0)
+    return model
+
+
+def padded_batch():
+    ids = torch.randint(1, 64, (2, 11))
+    mask = torch.ones(2, 11, dtype=torch.long)
+    mask[1, :4] = 0  # left padding
+    return ids, mask
+
+
+def run(model, implementation, **inputs):
+    model.set_attn_implementation(implementation)
+    return model(**inputs)
+
+
+def output_of(result):
+    return result.logits if hasattr(result, "logits") else result.last_hidden_state
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_logits_weights_and_gradients_match_eager_on_a_padded_batch(name):
+    model = model_of(name)
+    ids, mask = padded_batch()
+    real = mask.bool()
+    found = {}
+    for implementation in ("eager", NAME):
+        model.zero_grad()
+        result = run(
+            model, implementation, input_ids=ids, attention_mask=mask, output_attentions=True
+        )
+        out = output_of(result)
+        (out[real] * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        found[implementation] = out.detach(), result.attentions, grads
+    (out, weights, grads), (out_e, weights_e, grads_e) = found[NAME], found["eager"]
+    torch.testing.assert_close(out[real], out_e[real])
+    assert len(weights) == len(weights_e) == 2
+    for w, w_e in zip(weights, weights_e):
+        # rows of real queries (a padding query's row is empty here, uniform in eager)
+        torch.testing.assert_close(w.detach()[0], w_e.detach()[0])
+        torch.testing.assert_close(w.detach()[1][:, 4:], w_e.detach()[1][:, 4:])
+    assert grads.keys() == grads_e.keys() and grads
+    for n in grads:
+        torch.testing.assert_close(grads[n], grads_e[n], msg=lambda m, n=n: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("name", CAUSAL)
+def test_greedy_generation_with_the_models_cache_matches_eager(name):
+    model = model_of(name)
+    ids, mask = padded_batch()
+    generated = {}
+    for implementation in ("eager", NAME):
+        model.set_attn_implementation(implementation)
+        generated[implementation] = model.generate(
+            ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0
+        )
+    assert torch.equal(generated[NAME], generated["eager"])
+
+
+@pytest.mark.parametrize("name", PACKS)
+@pytest.mark.parametrize("use_cache", [False, True])
+def test_a_packed_row_equals_its_sequences_run_alone(name, use_cache):
+    model = model_of(name)
+    model.set_attn_implementation(NAME)
+    lengths = (5, 3, 6)
+    ids = torch.randint(1, 64, (1, sum(lengths)))
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    packed = model(input_ids=ids, position_ids=positions, use_cache=use_cache).logits
+    alone, start = [], 0
+    for n in lengths:
+        alone.append(model(input_ids=ids[:, start : start + n]).logits)
+        start += n
+    torch.testing.assert_close(packed, torch.cat(alone, 1))
+
+
+def test_packed_sequences_from_flash_attentions_cu_seq_lens():
+    model = model_of("llama")
+    model.set_attn_implementation(NAME)
+    lengths = (4, 7)
+    ids = torch.randint(1, 64, (1, 11))
+    cu = torch.tensor([0, 4, 11], dtype=torch.int32)
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    packed = model(
+        input_ids=ids, position_ids=positions, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+        max_length_q=7, max_length_k=7, use_cache=True,
+    ).logits  # fmt: skip
+    alone = torch.cat([model(input_ids=ids[:, :4]).logits, model(input_ids=ids[:, 4:]).logits], 1)
+    torch.testing.assert_close(packed, alone)
+
+
+def test_a_padded_long_batch_builds_no_dense_mask():
+    """No tensor of t x s elements (a (b, 1, t, s) bool mask is b times that) is made on the way:
+    every operation's output is watched, and the attention runs in the tiled kernel."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    config = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.set_attn_implementation(NAME)
+    t = 4096
+    ids = torch.randint(0, 128, (2, t))
+    mask = torch.ones(2, t, dtype=torch.long)
+    mask[1, :100] = 0
+    largest = []
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for x in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(x, torch.Tensor):
+                    largest.append((x.numel(), str(func)))
+            return out
+
+    with torch.no_grad(), Watch():
+        logits = model(input_ids=ids, attention_mask=mask).logits
+    assert logits.shape == (2, t, 128)
+    numel, func = max(largest)
+    assert numel < t * t // 8, f"{func} made a tensor of {numel} elements"
+
+
+def test_a_users_4d_float_mask_that_uses_the_dtypes_minimum_is_honoured():
+    model = model_of("llama")
+    ids = torch.randint(1, 64, (1, 6))
+    allowed = torch.ones(6, 6, dtype=torch.bool).tril()
+    allowed[:, 0] = False
+    allowed[0, 0] = True
+    minimum = torch.finfo(torch.float32).min
+    float_mask = torch.zeros(1, 1, 6, 6).masked_fill(~allowed, minimum)
+    out = output_of(run(model, NAME, input_ids=ids, attention_mask=float_mask))
+    out_e = output_of(run(model, "eager", input_ids=ids, attention_mask=float_mask))
+    torch.testing.assert_close(out, out_e)
+
+
+def test_register_is_idempotent_and_checks_the_name():
+    assert attnkit.hf.register() == NAME == attnkit.hf.register("attnkit")
+    with pytest.raises(ValueError, match="name must be a non-empty string"):
+        attnkit.hf.register("")

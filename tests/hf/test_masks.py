@@ -1,0 +1,81 @@
+"""transformers' composed mask functions read back as attnkit's compact masks, and any other
+function evaluated block by block: each against the dense mask transformers itself builds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from transformers import masking_utils as hf
+
+from attnkit import attention
+from attnkit.hf.masks import HFMask, Pattern, mask_builder, read_pattern
+
+
+def test_the_pieces_transformers_composes_are_read_back():
+    assert read_pattern(hf.causal_mask_function) == Pattern(causal=True)
+    assert read_pattern(hf.bidirectional_mask_function) == Pattern()
+    sliding = read_pattern(hf.sliding_window_causal_mask_function(4))
+    assert (sliding.causal, sliding.window) == (True, (3, -1))  # the query and 3 keys before
+    both = read_pattern(hf.sliding_window_bidirectional_mask_function(2))
+    assert (both.causal, both.window) == (False, (2, 2))
+    documents = torch.tensor([[0, 0, 1, 1, 1]])
+    positions = torch.tensor([[0, 1, 0, 1, 2]])
+    packed = read_pattern(  # as transformers composes it (in either order)
+        hf.and_masks(
+            hf.remap_positions_for_packed_sequence(hf.causal_mask_function, positions),
+            hf.packed_sequence_mask_function(documents),
+        )
+    )
+    assert packed.causal and packed.documents is documents
+    assert read_pattern(hf.chunked_causal_mask_function(3, torch.zeros(1))) is None
+    assert read_pattern(lambda b, h, q, kv: q >= kv) is None
+
+
+def dense(batch, q_length, kv_length, q_offset, kv_offset, mask_function, padding):
+    """transformers' own dense bool mask for the same request."""
+    return hf.sdpa_mask(
+        batch_size=batch, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+        kv_offset=kv_offset, mask_function=mask_function, attention_mask=padding,
+        allow_is_causal_skip=False, allow_is_bidirectional_skip=False,
+    )  # fmt: skip
+
+
+CASES = {  # (mask function, q_length, kv_length, q_offset, kv_offset, padded)
+    "causal": (hf.causal_mask_function, 6, 6, 0, 0, False),
+    "causal, a cache": (hf.causal_mask_function, 2, 9, 7, 0, True),
+    "causal, a static cache's buffer": (hf.causal_mask_function, 3, 16, 5, 0, True),
+    "sliding window cache": (hf.sliding_window_causal_mask_function(4), 2, 5, 9, 6, False),
+    "bidirectional, padded": (hf.bidirectional_mask_function, 7, 7, 0, 0, True),
+    "chunked (evaluated as it is)": (
+        hf.chunked_causal_mask_function(3, torch.zeros(2, dtype=torch.long)), 8, 8, 0, 0, True
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_attention_under_the_mask_equals_attention_under_transformers_dense_mask(case):
+    fn, t, kv_length, q_offset, kv_offset, padded = CASES[case]
+    padding = torch.ones(2, kv_offset + kv_length, dtype=torch.bool)
+    if padded:
+        padding[1, :2] = False
+    mask = mask_builder(2, t, kv_length, q_offset, kv_offset, fn, padding)
+    assert isinstance(mask, HFMask)
+    q = torch.randn(2, 4, t, 8)
+    k, v = torch.randn(2, 2, kv_length, 8), torch.randn(2, 2, kv_length, 8)
+    keys, options = mask.options(kv_length)
+    if case.startswith("chunked"):
+        assert "mask_mod" in options
+    else:
+        assert "mask_mod" not in options and "attn_mask" not in options
+    out = attention(q, k[:, :, :keys], v[:, :, :keys], **options)
+    allowed = dense(2, t, kv_length, q_offset, kv_offset, fn, padding)
+    expected = attention(q, k, v, attn_mask=allowed, backend="reference")
+    torch.testing.assert_close(out, expected)
+
+
+def test_older_transformers_cache_position_gives_the_queries():
+    mask = mask_builder(1, kv_length=9, cache_position=torch.arange(7, 9))
+    assert (mask.q_length, mask.q_offset) == (2, 7)
