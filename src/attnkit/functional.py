@@ -243,6 +243,7 @@ def checked_call(
     [`Call`][attnkit.backends.base.Call]: the only place they are checked. ``shift``: the queries sit
     that many positions right of bottom-right alignment ([`Masks`][attnkit.masks.Masks]); ring
     attention's chunks, never a user's call."""
+    q, k, v = _autocast(q, k, v)
     _checks.check_qkv(q, k, v)
     b, h, t, _ = q.shape
     s = k.shape[-2]
@@ -287,6 +288,17 @@ def checked_call(
         return_lse=return_lse,
         return_weights=return_weights,
         **extras,
+    )
+
+
+def _autocast(q, k, v):
+    """q, k and v in autocast's dtype where it is on for their device, as torch's SDPA takes
+    them (a model's rotary embedding may have left q and k in float32 and v in bf16)."""
+    if not isinstance(q, Tensor) or not torch.is_autocast_enabled(q.device.type):
+        return q, k, v
+    dtype = torch.get_autocast_dtype(q.device.type)
+    return tuple(
+        x.to(dtype) if isinstance(x, Tensor) and x.is_floating_point() else x for x in (q, k, v)
     )
 
 

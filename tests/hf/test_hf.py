@@ -201,3 +201,44 @@ def test_register_is_idempotent_and_checks_the_name():
     assert attnkit.hf.register() == NAME == attnkit.hf.register("attnkit")
     with pytest.raises(ValueError, match="name must be a non-empty string"):
         attnkit.hf.register("")
+
+
+@pytest.mark.parametrize("cache", ["static", "sliding_window"])
+def test_greedy_generation_with_a_preallocated_cache_matches_eager(cache):
+    name = "mistral, sliding window"
+    model = model_of(name)
+    ids, mask = padded_batch()
+    generated = {}
+    for implementation in ("eager", NAME):
+        model.set_attn_implementation(implementation)
+        generated[implementation] = model.generate(
+            ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
+            cache_implementation=cache,
+        )  # fmt: skip
+    assert torch.equal(generated[NAME], generated["eager"])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_models_stay_within_twice_eagers_error(dtype):
+    model = model_of("mistral, sliding window")
+    ids = padded_batch()[0]  # unpadded: eager in float64 overflows min + score to -inf, NaN
+    exact = output_of(run(model.double(), "eager", input_ids=ids))
+    model = model.to(dtype)
+    errors = {}
+    for implementation in ("eager", NAME):
+        out = output_of(run(model, implementation, input_ids=ids))
+        errors[implementation] = (out.double() - exact).abs().max().item()
+    assert errors[NAME] <= 2 * errors["eager"] + 1e-6, errors
+
+
+def test_autocast_stays_within_twice_eagers_error():
+    model = model_of("llama")
+    ids = padded_batch()[0]  # unpadded: eager in float64 overflows min + score to -inf, NaN
+    exact = output_of(run(model.double(), "eager", input_ids=ids))
+    model = model.float()
+    errors = {}
+    for implementation in ("eager", NAME):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = output_of(run(model, implementation, input_ids=ids))
+        errors[implementation] = (out.double() - exact).abs().max().item()
+    assert 0 < errors[NAME] <= 2 * errors["eager"] + 1e-6, errors

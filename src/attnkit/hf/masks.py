@@ -120,6 +120,16 @@ class HFMask(NamedTuple):
     mask_function: Callable
     padding: Tensor | None
 
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """The shape of the dense mask it stands for, ``(b, 1, t, s)``: transformers reads it
+        (a mask of 4 dims is one already made, passed on as it is)."""
+        return (self.batch_size, 1, self.q_length, self.kv_length)
+
+    @property
+    def ndim(self) -> int:
+        return 4
+
     def options(self, s: int) -> tuple[int, dict[str, Any]]:
         """How many of the ``s`` keys given to attend to (a static cache's buffer is cut where
         the queries end), and attnkit's mask options for them."""
@@ -203,6 +213,8 @@ def mask_builder(
     """transformers' mask interface, for ``attn_implementation="attnkit"``: the request itself,
     as an [`HFMask`][attnkit.hf.masks.HFMask], with no mask tensor built (older versions of
     transformers give ``cache_position`` instead of ``q_length`` and ``q_offset``)."""
+    if isinstance(attention_mask, HFMask):  # made before, for the same call (generate does)
+        return attention_mask
     if q_length is None:
         q_length = cache_position.shape[0]
         q_offset = cache_position[0] if cache_position.numel() else 0
