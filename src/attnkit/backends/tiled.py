@@ -139,6 +139,10 @@ class TiledBackend(Backend):
             if 4 * visible <= s:  # SDPA computes every score, the tiled kernel about visible / s
                 return f"the window shows each query at most {visible} of {s} keys"
         padded = call.masks.key_mask is not None and window is not None  # with the positions
+        if padded and self.path(call).path == "native":
+            return (  # at any size: no t x s mask is built (docs/bench/choices.md)
+                "SDPA would need a dense (b, 1, t, s) mask for the padding, the kernel none"
+            )
         dense = limited or call.alibi_slopes is not None or (window == (-1, 0) and t != s)
         if not (dense or padded):
             return None
