@@ -16,6 +16,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -41,6 +42,14 @@ class Result:
     @property
     def median_s(self) -> float | None:
         return statistics.median(self.times) if self.times else None
+
+
+def resident_mib() -> float:
+    """This process's resident memory now (Linux; elsewhere its peak so far)."""
+    statm = Path("/proc/self/statm")
+    if statm.exists():
+        return int(statm.read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def probe_memory(case: Case, timeout_s: float) -> Result:

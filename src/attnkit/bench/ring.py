@@ -15,7 +15,6 @@ sends per step, and the peak memory per rank. ``whole`` is
 from __future__ import annotations
 
 import json
-import os
 import resource
 import statistics
 import time
@@ -26,6 +25,7 @@ import torch
 
 from attnkit._progress import Progress
 from attnkit.bench.launch import run_local
+from attnkit.bench.measure import resident_mib
 from attnkit.bench.report import machine
 
 WARM_UP_TOKENS = 1024
@@ -113,7 +113,7 @@ def _rank_main(rank: int, world: int, n: int, layout: str, config: RingConfig) -
 
     step()  # the kernels load, gloo and the BLAS library make their lasting buffers
     q, k, v = (torch.randn(b, h, t, d, requires_grad=True) for _ in range(3))
-    before = _resident_mib()  # now, not the warm-up's peak, which would hide part of the step's
+    before = resident_mib()  # now, not the warm-up's peak, which would hide part of the step's
     step()
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - before
     for _ in range(config.warmups):
@@ -133,14 +133,6 @@ def _rank_main(rank: int, world: int, n: int, layout: str, config: RingConfig) -
         "cpu_s": statistics.median(cpu),
         "sent_bytes": sent[0] // config.repeats,
     }
-
-
-def _resident_mib() -> float:
-    """This process's resident memory now (Linux; elsewhere its peak so far)."""
-    statm = Path("/proc/self/statm")
-    if statm.exists():
-        return int(statm.read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def markdown(record: dict) -> str:

@@ -1,5 +1,5 @@
 """``attnkit bench``: attnkit's backends and modules side by side with their peers, decoding over
-a KV cache, and ring attention over processes."""
+a KV cache, ring attention over processes, and whole Hugging Face models."""
 
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ def add(commands) -> None:
             "median times interleaved in one process, ratios to torch SDPA, GFLOP/s, the share of "
             "this machine's matmul throughput, and peak memory per case (each in a subprocess). "
             "With --decode: one decoding step over a KV cache against the memory bus's limit, "
-            "cache sizes, and generation cached vs recomputed."
+            "cache sizes, and generation cached vs recomputed. With --hf: whole Hugging Face models "
+            "(random weights) on attnkit beside transformers' sdpa and eager attention."
         ),
     )
     be.add_argument(
@@ -35,6 +36,12 @@ def add(commands) -> None:
         "--ring",
         action="store_true",
         help="ring attention over processes joined by gloo (--n: lengths, --ranks: world sizes)",
+    )
+    be.add_argument(
+        "--hf",
+        action="store_true",
+        help="Hugging Face models on attnkit, sdpa and eager: training steps, a padded batch, "
+        "generation (needs transformers)",
     )
     be.add_argument("--ranks", type=int, nargs="+", help="--ring: world sizes")
     be.add_argument("--kv-heads", type=int, nargs="+", help="--decode: key/value heads (GQA)")
@@ -116,6 +123,19 @@ def _run_ring_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_hf_bench(args: argparse.Namespace) -> int:
+
+    from attnkit.bench.hf import HFBenchConfig, run_hf, write_hf
+
+    check_counts(args, ("repeats",))
+    overrides = {"repeats": args.repeats, "warmups": args.warmups, "timeout_s": args.timeout}
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    config = HFBenchConfig.smoke(**overrides) if args.smoke else HFBenchConfig(**overrides)
+    written = write_hf(run_hf(config), Path(args.out))
+    _show(written)
+    return 0
+
+
 def _out(args: argparse.Namespace) -> Path:
     """The results' folder: it may be new, but its parent must exist and take files, as
     ``plot``'s output's folder must (checked before any work)."""
@@ -137,8 +157,8 @@ def run(args: argparse.Namespace) -> int:
     from attnkit.bench import BenchConfig, write
     from attnkit.bench import run as run_cases
 
-    if args.decode and args.ring:
-        raise ValueError("give --decode or --ring, not both")
+    if args.decode + args.ring + args.hf > 1:
+        raise ValueError("give one of --decode, --ring and --hf")
     if args.timeout is not None and not 0 < args.timeout < float("inf"):
         raise ValueError(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
     _out(args)
@@ -146,6 +166,8 @@ def run(args: argparse.Namespace) -> int:
         return _run_decode_bench(args)
     if args.ring:
         return _run_ring_bench(args)
+    if args.hf:
+        return _run_hf_bench(args)
 
     overrides = {
         "ns": None if args.n is None else tuple(args.n),
