@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
 import torch
 
 from attnkit.bench.measure import Result, matmul_gflops, probe_memory, time_interleaved
@@ -28,3 +31,17 @@ def test_a_case_that_raises_is_marked_and_leaves_the_rotation():
 def test_matmul_throughput_is_positive():
     size, gflops = matmul_gflops(torch.float32, max_size=256)
     assert size == 256 and gflops > 0
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="Linux's /proc only")
+def test_the_peak_counts_from_its_reset_not_from_what_came_before():
+    from attnkit.bench.measure import peak_mib, reset_peak, resident_mib
+
+    big = torch.ones(64 * 2**20)  # 256 MiB, touched, then freed
+    del big
+    reset_peak()
+    before = resident_mib()
+    assert peak_mib() - before < 64
+    small = torch.ones(16 * 2**20)  # 64 MiB
+    assert peak_mib() - before >= 60
+    del small

@@ -13,7 +13,6 @@ can run it there, else ``eager``).
 from __future__ import annotations
 
 import json
-import resource
 import statistics
 import subprocess
 import sys
@@ -24,7 +23,7 @@ from pathlib import Path
 import torch
 
 from attnkit._progress import Progress
-from attnkit.bench.measure import resident_mib
+from attnkit.bench.measure import peak_mib, reset_peak, resident_mib
 from attnkit.bench.report import machine
 
 WARM_UP_TOKENS = 64
@@ -186,11 +185,13 @@ def _probe_main(argument: str) -> None:
     run_once(
         model, impl, replace(case, new_tokens=min(case.new_tokens, 2)), inputs(case, WARM_UP_TOKENS)
     )
+    given = inputs(case)
+    reset_peak()
     before = resident_mib()
     start = time.perf_counter()
-    run_once(model, impl, case, inputs(case))
+    run_once(model, impl, case, given)
     seconds = time.perf_counter() - start
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - before
+    peak = peak_mib() - before
     print(json.dumps({"status": "ok", "peak_mib": peak, "first_s": seconds}))
 
 

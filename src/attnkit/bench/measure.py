@@ -52,6 +52,26 @@ def resident_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def reset_peak() -> None:
+    """Count this process's peak resident memory from now on (Linux: the kernel's high-water
+    mark is reset). Without it a process's peak starts at its parent's size when it forked: the
+    kernel keeps that across ``exec``."""
+    clear_refs = Path("/proc/self/clear_refs")
+    if clear_refs.exists():
+        clear_refs.write_text("5")
+
+
+def peak_mib() -> float:
+    """This process's peak resident memory since [`reset_peak`][attnkit.bench.measure.reset_peak]
+    (Linux; elsewhere since it started)."""
+    status = Path("/proc/self/status")
+    if status.exists():
+        for line in status.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def probe_memory(case: Case, timeout_s: float) -> Result:
     """Run ``case`` once in a fresh interpreter; its peak RSS growth over the set-up is the peak
     extra memory. The first call includes any compilation, so it is reported apart."""
@@ -78,12 +98,12 @@ def _probe_main(case_json: str) -> None:
     case = Case(**json.loads(case_json))
     try:
         run = prepare(case)
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        reset_peak()
+        before = resident_mib()
         start = time.perf_counter()
         run()
         seconds = time.perf_counter() - start
-        after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        report = {"status": "ok", "peak_mib": (after - before) / 1024, "seconds": seconds}
+        report = {"status": "ok", "peak_mib": peak_mib() - before, "seconds": seconds}
     except (RuntimeError, MemoryError) as err:
         out_of_memory = isinstance(err, MemoryError) or "memory" in str(err).lower()
         status = "oom" if out_of_memory else f"error: {str(err).splitlines()[0][:120]}"
