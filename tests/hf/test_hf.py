@@ -167,21 +167,27 @@ def test_a_padded_long_batch_builds_no_dense_mask():
     ids = torch.randint(0, 128, (2, t))
     mask = torch.ones(2, t, dtype=torch.long)
     mask[1, :100] = 0
-    largest = []
 
-    class Watch(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for x in out if isinstance(out, (tuple, list)) else (out,):
-                if isinstance(x, torch.Tensor):
-                    largest.append((x.numel(), str(func)))
-            return out
+    def largest_tensor(implementation):
+        largest = []
 
-    with torch.no_grad(), Watch():
-        logits = model(input_ids=ids, attention_mask=mask).logits
-    assert logits.shape == (2, t, 128)
-    numel, func = max(largest)
+        class Watch(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                for x in out if isinstance(out, (tuple, list)) else (out,):
+                    if isinstance(x, torch.Tensor):
+                        largest.append((x.numel(), str(func)))
+                return out
+
+        model.set_attn_implementation(implementation)
+        with torch.no_grad(), Watch():
+            logits = model(input_ids=ids, attention_mask=mask).logits
+        assert logits.shape == (2, t, 128)
+        return max(largest)
+
+    numel, func = largest_tensor(NAME)
     assert numel < t * t // 8, f"{func} made a tensor of {numel} elements"
+    assert largest_tensor("sdpa")[0] >= 2 * t * t  # transformers' sdpa: the (b, 1, t, s) mask
 
 
 def test_a_users_4d_float_mask_that_uses_the_dtypes_minimum_is_honoured():
@@ -216,6 +222,19 @@ def test_greedy_generation_with_a_preallocated_cache_matches_eager(cache):
             cache_implementation=cache,
         )  # fmt: skip
     assert torch.equal(generated[NAME], generated["eager"])
+
+
+@pytest.mark.slow
+def test_a_model_compiled_with_a_static_cache_generates_as_eager():
+    torch._dynamo.reset()
+    model = model_of("llama")
+    ids = torch.randint(1, 64, (1, 9))
+    model.set_attn_implementation("eager")
+    expected = model.generate(ids, max_new_tokens=5, do_sample=False, cache_implementation="static")
+    model.set_attn_implementation(NAME)
+    model.forward = torch.compile(model.forward, fullgraph=True)
+    got = model.generate(ids, max_new_tokens=5, do_sample=False, cache_implementation="static")
+    assert torch.equal(got, expected)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

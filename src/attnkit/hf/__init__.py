@@ -29,6 +29,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.attention.flex_attention import BlockMask
 
+from attnkit._tracing import traced
 from attnkit.functional import attention
 from attnkit.hf.masks import HFMask, mask_builder
 from attnkit.varlen import document_mask
@@ -134,7 +135,8 @@ def _packed(masks: dict[str, Any], query: Tensor, key: Tensor, kwargs: dict) -> 
         return masks
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     positions = kwargs.get("position_ids")
-    if cu_q is None and positions is not None and query.shape[2] == key.shape[2] > 1:
+    restart = positions is not None and query.shape[2] == key.shape[2] > 1 and not traced()
+    if cu_q is None and restart:  # reading them back is a branch on data, which a trace cannot
         positions = positions.reshape(-1)
         starts = (positions[1:] != positions[:-1] + 1).nonzero().flatten() + 1
         if positions.numel() == query.shape[2] and starts.numel():
