@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 DEMO_STAMP := $(VENV)/.demo-stamp
 TEST_STAMP := $(VENV)/.test-stamp
 
-.PHONY: demo test test-build kernels docs lint format clean browser
+.PHONY: demo test test-build test-hf-oldest kernels docs lint format clean browser
 
 $(DEMO_STAMP): pyproject.toml setup.py constraints.txt
 	@echo "make: creating $(VENV) with torch 2.13.0 (CPU) and attnkit"
@@ -51,9 +51,17 @@ test: lint browser kernels
 test-build: $(TEST_STAMP) kernels
 	$(BIN)/python -m pytest -m build --durations=5
 
+# attnkit.hf on the oldest transformers it supports, in a venv of its own (CI runs it).
+HF_OLDEST := .venv-hf-oldest
+test-hf-oldest: kernels
+	@echo "make: attnkit.hf's tests on transformers 5.17 (constraints-hf-oldest.txt), in $(HF_OLDEST)"
+	test -x $(HF_OLDEST)/bin/python || $(PYTHON) -m venv $(HF_OLDEST)
+	$(HF_OLDEST)/bin/python -m pip install --quiet -r constraints-hf-oldest.txt
+	PYTHONPATH=src $(HF_OLDEST)/bin/python -m pytest tests/hf
+
 format: $(TEST_STAMP)
 	$(BIN)/ruff format src tests examples setup.py
 	$(BIN)/ruff check --fix src tests examples setup.py
 
 clean:
-	rm -rf $(VENV) site .pytest_cache .ruff_cache .hypothesis build dist src/*.egg-info
+	rm -rf $(VENV) $(HF_OLDEST) site .pytest_cache .ruff_cache .hypothesis build dist src/*.egg-info

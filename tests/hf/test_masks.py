@@ -23,12 +23,9 @@ def test_the_pieces_transformers_composes_are_read_back():
     assert (both.causal, both.window) == (False, (2, 2))
     documents = torch.tensor([[0, 0, 1, 1, 1]])
     positions = torch.tensor([[0, 1, 0, 1, 2]])
-    packed = read_pattern(  # as transformers composes it (in either order)
-        hf.and_masks(
-            hf.remap_positions_for_packed_sequence(hf.causal_mask_function, positions),
-            hf.packed_sequence_mask_function(documents),
-        )
-    )
+    remap = getattr(hf, "remap_positions_for_packed_sequence", None)  # from transformers 5.23
+    causal = hf.causal_mask_function if remap is None else remap(hf.causal_mask_function, positions)
+    packed = read_pattern(hf.and_masks(causal, hf.packed_sequence_mask_function(documents)))
     assert packed.causal and packed.documents is documents
     assert read_pattern(hf.chunked_causal_mask_function(3, torch.zeros(1))) is None
     assert read_pattern(lambda b, h, q, kv: q >= kv) is None

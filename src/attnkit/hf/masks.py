@@ -30,17 +30,20 @@ def _cells(fn: Callable) -> dict[str, Any]:
     return dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in cells)))
 
 
-def _code(factory: Callable, *args) -> Any:
-    return factory(*args).__code__
+def _code(factory: str, *args) -> Any:
+    """The code of the closures ``factory`` makes; a fresh object where this version of
+    transformers has no such factory (it then matches nothing)."""
+    made = getattr(hf, factory, None)
+    return object() if made is None else made(*args).__code__
 
 
 # The code of each piece transformers composes masks from, to recognise the closures it makes.
-_AND = _code(hf.and_masks, hf.causal_mask_function)
-_SLIDING = _code(hf.sliding_window_overlay, 1)
-_SLIDING_BOTH = _code(hf.sliding_window_bidirectional_overlay, 1)
-_PADDING = _code(hf.padding_mask_function, torch.ones(1, 1, dtype=torch.bool))
-_PACKED = _code(hf.packed_sequence_mask_function, torch.zeros(1, 1))
-_REMAPPED = _code(hf.remap_positions_for_packed_sequence, hf.causal_mask_function, None)
+_AND = _code("and_masks", hf.causal_mask_function)
+_SLIDING = _code("sliding_window_overlay", 1)
+_SLIDING_BOTH = _code("sliding_window_bidirectional_overlay", 1)
+_PADDING = _code("padding_mask_function", torch.ones(1, 1, dtype=torch.bool))
+_PACKED = _code("packed_sequence_mask_function", torch.zeros(1, 1))
+_REMAPPED = _code("remap_positions_for_packed_sequence", hf.causal_mask_function, None)
 
 
 class Pattern(NamedTuple):
@@ -144,7 +147,7 @@ class HFMask(NamedTuple):
         if pattern is not None and pattern.padding is not None:
             more = _keys_of(pattern.padding, self.kv_offset, keys)
             padding = more if padding is None else padding & more
-        if padding is not None and not bool(padding.all()):
+        if padding is not None and (traced() or not bool(padding.all())):  # no branch on data
             options["key_mask"] = padding
         if (
             pattern is None
