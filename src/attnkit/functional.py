@@ -59,7 +59,7 @@ def attention(
     scale: float | None = None,
     dropout_p: float = 0.0,
     return_lse: bool = False,
-    return_weights: bool = False,
+    return_weights: bool | str = False,
     score_mod: ScoreMod | None = None,
     block_mask: BlockMask | None = None,
     mask_mod: MaskMod | None = None,
@@ -88,7 +88,9 @@ def attention(
         dropout_p: dropout probability on the weights, applied whenever > 0 (pass 0 in eval).
         return_lse: also return the log-sum-exp of the (modified, masked) scores, ``(b, h, t)``,
             float32 (float64 for float64 inputs), ``-inf`` for a query with no key.
-        return_weights: also return the softmax weights before dropout, ``(b, h, t, s)``, q's dtype.
+        return_weights: also return the softmax weights, ``(b, h, t, s)``, q's dtype: before
+            dropout, or with ``"dropped"`` after it (the weights the values were multiplied by,
+            as torch's ``nn.MultiheadAttention`` and Hugging Face's eager attention return them).
         score_mod: ``score_mod(score, b, h, q_idx, kv_idx) -> score``, torch FlexAttention's
             signature, with ``q_idx`` in ``0..t-1`` and ``kv_idx`` in ``0..s-1``: changes each
             score after ``scale``, ``softcap`` and ALiBi, before the masks; ``-inf`` masks the key.
@@ -173,7 +175,7 @@ def which_backend(
     scale: float | None = None,
     dropout_p: float = 0.0,
     return_lse: bool = False,
-    return_weights: bool = False,
+    return_weights: bool | str = False,
     score_mod: ScoreMod | None = None,
     block_mask: BlockMask | None = None,
     mask_mod: MaskMod | None = None,
@@ -233,7 +235,7 @@ def checked_call(
     scale: float | None = None,
     dropout_p: float = 0.0,
     return_lse: bool = False,
-    return_weights: bool = False,
+    return_weights: bool | str = False,
     score_mod: ScoreMod | None = None,
     block_mask: BlockMask | None = None,
     mask_mod: MaskMod | None = None,
@@ -255,12 +257,13 @@ def checked_call(
         _checks.check_alibi_slopes(alibi_slopes, h, q.device)
     if score_mod is not None and not callable(score_mod):
         raise TypeError(f"score_mod must be a function, got {type(score_mod).__name__}")
-    for flag, name in (
-        (causal, "causal"),
-        (return_lse, "return_lse"),
-        (return_weights, "return_weights"),
-    ):
+    for flag, name in ((causal, "causal"), (return_lse, "return_lse")):
         _checks.check_flag(flag, name)
+    if not (isinstance(return_weights, bool) or return_weights == "dropped"):
+        raise TypeError(
+            "return_weights must be a bool or 'dropped', got "
+            f"{type(return_weights).__name__} {return_weights!r}"
+        )
     masks = Masks(
         merge_window(causal, _checks.check_window(window), t, s, shift), key_mask, attn_mask, shift
     )

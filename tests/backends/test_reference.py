@@ -131,3 +131,25 @@ def test_differentiable_grads_are_the_wanted_gradients_and_can_be_differentiated
     (second,) = torch.autograd.grad(got[0].square().sum(), k)  # through dq to k
     (second_want,) = torch.autograd.grad(want[0].square().sum(), k)
     torch.testing.assert_close(second, second_want)
+
+
+def test_weights_after_dropout_are_those_the_values_were_multiplied_by():
+    from attnkit import attention
+
+    q, k, v = torch.randn(2, 4, 6, 8), torch.randn(2, 2, 9, 8), torch.randn(2, 2, 9, 8)
+    q.requires_grad_()
+    out, dropped = attention(q, k, v, causal=True, dropout_p=0.5, return_weights="dropped")
+    expected = dropped.detach() @ v.repeat_interleave(2, dim=1)  # GQA: 2 query heads a kv head
+    torch.testing.assert_close(out.detach(), expected)
+    kept = dropped != 0
+    assert 0 < kept.float().mean() < 0.5  # about half of the causal half
+    torch.manual_seed(1)
+    _, before = attention(q, k, v, causal=True, dropout_p=0.5, return_weights=True)
+    torch.manual_seed(1)
+    _, after = attention(q, k, v, causal=True, dropout_p=0.5, return_weights="dropped")
+    torch.testing.assert_close(after, torch.where(after != 0, before * 2, 0.0))
+    assert torch.autograd.grad(dropped.sum(), q)[0].abs().sum() > 0
+    no_dropout = attention(q, k, v, return_weights="dropped")[1]
+    torch.testing.assert_close(no_dropout, attention(q, k, v, return_weights=True)[1])
+    with pytest.raises(TypeError, match="return_weights must be a bool or 'dropped', got str 'x'"):
+        attention(q, k, v, return_weights="x")

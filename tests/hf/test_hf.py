@@ -261,3 +261,16 @@ def test_autocast_stays_within_twice_eagers_error():
             out = output_of(run(model, implementation, input_ids=ids))
         errors[implementation] = (out.double() - exact).abs().max().item()
     assert 0 < errors[NAME] <= 2 * errors["eager"] + 1e-6, errors
+
+
+def test_weights_returned_in_training_are_after_dropout_as_eagers():
+    from types import SimpleNamespace
+
+    module = SimpleNamespace(is_causal=True, training=True)
+    q, k, v = torch.randn(1, 4, 6, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
+    out, weights = attnkit.hf.attention_function(
+        module, q, k, v, None, dropout=0.5, scaling=0.3, output_attentions=True
+    )
+    assert out.shape == (1, 6, 4, 8) and out.is_contiguous()
+    assert (weights == 0).any() and weights.max() > 1  # dropped, the rest scaled by 2
+    torch.testing.assert_close(out.transpose(1, 2), weights @ v.repeat_interleave(2, dim=1))

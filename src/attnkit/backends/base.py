@@ -37,7 +37,8 @@ class Call(NamedTuple):
             denominator and bring no value ([`attnkit.backends.sinks`][attnkit.backends.sinks]).
         dropout_p: dropout on the attention weights (0 disables it).
         return_lse: also return the log-sum-exp of the scores, ``(b, h, t)``.
-        return_weights: also return the softmax weights before dropout, ``(b, h, t, s)``.
+        return_weights: also return the softmax weights, ``(b, h, t, s)``: True before dropout,
+            ``"dropped"`` after it.
         score_mod: ``score_mod(score, b, h, q_idx, kv_idx)``, applied after ``scale``, ``softcap``
             and ALiBi, before the masks (see [`attnkit.mods`][attnkit.mods]).
         block_mask: a torch ``BlockMask`` of ``(t, s)``: the blocks it lists, its ``mask_mod``
@@ -58,7 +59,7 @@ class Call(NamedTuple):
     sinks: Tensor | None = None
     dropout_p: float = 0.0
     return_lse: bool = False
-    return_weights: bool = False
+    return_weights: bool | str = False
     score_mod: ScoreMod | None = None
     block_mask: BlockMask | None = None
     mod_tensors: tuple[Tensor, ...] = ()

@@ -120,7 +120,9 @@ def reference(call: Call) -> AttentionOutput:
     return AttentionOutput(
         out=context.to(v.dtype),
         lse=lse.to(stats_dtype) if call.return_lse else None,
-        weights=attn_weights.to(q.dtype) if call.return_weights else None,
+        weights=(dropped if call.return_weights == "dropped" else attn_weights).to(q.dtype)
+        if call.return_weights
+        else None,
     )
 
 

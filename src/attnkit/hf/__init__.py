@@ -75,7 +75,7 @@ def attention_function(
     come from ``cu_seq_lens_q``/``cu_seq_lens_k``, or else from ``position_ids`` that restart,
     when the mask says nothing of them. ``s_aux`` are learned sinks; ``softcap``, ``scaling``
     and ``dropout`` as named. Weights are returned, exact and differentiable, where
-    ``output_attentions`` asks for them (before dropout).
+    ``output_attentions`` asks for them (after dropout, as eager's).
     """
     options: dict[str, Any] = {"scale": scaling, "softcap": softcap, "sinks": s_aux}
     if is_causal is None:
@@ -89,8 +89,14 @@ def attention_function(
     if position_bias is not None:  # an additive bias of the model's (T5-like)
         masks["attn_mask"] = _sum(masks.get("attn_mask"), position_bias.to(query.dtype))
     weights = _wants_weights(module, kwargs)
-    result = attention(
-        query, key, value, **masks, **options, dropout_p=dropout, return_weights=weights
+    result = attention(  # the weights after dropout, as eager returns them
+        query,
+        key,
+        value,
+        **masks,
+        **options,
+        dropout_p=dropout,
+        return_weights=weights and "dropped",
     )
     out, attn_weights = result if weights else (result, None)
     return out.transpose(1, 2).contiguous(), attn_weights
