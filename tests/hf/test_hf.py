@@ -274,3 +274,17 @@ def test_weights_returned_in_training_are_after_dropout_as_eagers():
     assert out.shape == (1, 6, 4, 8) and out.is_contiguous()
     assert (weights == 0).any() and weights.max() > 1  # dropped, the rest scaled by 2
     torch.testing.assert_close(out.transpose(1, 2), weights @ v.repeat_interleave(2, dim=1))
+
+
+def test_a_models_position_bias_is_added_to_the_scores_with_the_mask():
+    from types import SimpleNamespace
+
+    module = SimpleNamespace(is_causal=True, training=False)
+    q, k, v = torch.randn(2, 4, 5, 8), torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8)
+    bias = torch.randn(1, 4, 5, 5)
+    out, _ = attnkit.hf.attention_function(module, q, k, v, None, scaling=1.0, position_bias=bias)
+    causal = torch.ones(5, 5, dtype=torch.bool).tril()
+    expected = attnkit.attention(
+        q, k, v, attn_mask=bias.masked_fill(~causal, float("-inf")), scale=1.0, backend="reference"
+    )
+    torch.testing.assert_close(out, expected.transpose(1, 2))
