@@ -239,3 +239,33 @@ def test_flex_and_varlen_take_sinks():
             *(x[:, :, start:end] for x in (q, k, v)), sinks=sinks, causal=True, backend="reference"
         )
         torch.testing.assert_close(out[start:end], alone[0].transpose(0, 1))
+
+
+@pytest.mark.parametrize("path", [*PATHS, "decode"])
+def test_an_infinite_sink_makes_its_heads_rows_nan_as_an_infinite_score_does(path):
+    (q, k, v, _), _ = inputs((1, 2, 1, 3, 6, 8))
+    sinks = torch.tensor([float("inf"), 0.5])
+    with torch.no_grad(), forced_path(path) as backend:
+        out = attention(q, k, v, sinks=sinks, backend=backend)
+    assert out[0, 0].isnan().all() and not out[0, 1].isnan().any()
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_edge_rows_follow_the_reference(path):
+    """A row with no key and a sink of -inf has lse -inf; in a NaN row, hidden keys keep
+    weight 0."""
+    (q, k, v, _), _ = inputs((1, 2, 1, 3, 6, 8))
+    sinks = torch.tensor([float("-inf"), 0.5])
+    nobody = torch.zeros(1, 6, dtype=torch.bool)
+    with forced_path(path) as backend:
+        _, lse = attention(q, k, v, sinks=sinks, key_mask=nobody, return_lse=True, backend=backend)
+    assert lse[0, 0].eq(float("-inf")).all() and torch.equal(lse[0, 1], torch.full((3,), 0.5))
+    q = q.detach().clone()
+    q[0, 0, 1, 0] = float("nan")
+    some = torch.tensor([[True, True, False, True, False, True]])
+    with forced_path(path) as backend:
+        _, weights = attention(
+            q, k, v, sinks=sinks.abs(), key_mask=some, return_weights=True, backend=backend
+        )
+    row = weights[0, 0, 1]
+    assert row[some[0]].isnan().all() and torch.equal(row[~some[0]], torch.zeros(2))

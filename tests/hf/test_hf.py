@@ -288,3 +288,41 @@ def test_a_models_position_bias_is_added_to_the_scores_with_the_mask():
         q, k, v, attn_mask=bias.masked_fill(~causal, float("-inf")), scale=1.0, backend="reference"
     )
     torch.testing.assert_close(out, expected.transpose(1, 2))
+
+
+SEQ2SEQ = {
+    "bart": (
+        "BartConfig", "BartForConditionalGeneration",
+        {**SMALL, "d_model": 32, "encoder_layers": 1, "decoder_layers": 1,
+         "encoder_attention_heads": 4, "decoder_attention_heads": 4, "encoder_ffn_dim": 48,
+         "decoder_ffn_dim": 48, "max_position_embeddings": 64, "dropout": 0.0,
+         "attention_dropout": 0.0, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+         "decoder_start_token_id": 2},
+    ),
+    "t5, position bias": (
+        "T5Config", "T5ForConditionalGeneration",
+        {"vocab_size": 64, "d_model": 32, "d_kv": 8, "d_ff": 48, "num_layers": 1,
+         "num_decoder_layers": 1, "num_heads": 4, "dropout_rate": 0.0, "pad_token_id": 0,
+         "eos_token_id": 1, "decoder_start_token_id": 0},
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", SEQ2SEQ)
+def test_encoder_decoder_models_with_a_shorter_decoder_match_eager(name):
+    config_class, model_class, options = SEQ2SEQ[name]
+    torch.manual_seed(0)
+    model = getattr(transformers, model_class)(getattr(transformers, config_class)(**options))
+    model = model.eval()
+    ids, mask = padded_batch()  # 11 encoder tokens, one row left-padded
+    decoder_ids = torch.randint(3, 64, (2, 4))
+    found = {}
+    for implementation in ("eager", NAME):
+        model.set_attn_implementation(implementation)
+        logits = model(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder_ids).logits
+        generated = model.generate(
+            ids, attention_mask=mask, max_new_tokens=5, do_sample=False, min_new_tokens=5
+        )
+        found[implementation] = logits, generated
+    torch.testing.assert_close(found[NAME][0], found["eager"][0])
+    assert torch.equal(found[NAME][1], found["eager"][1])

@@ -28,6 +28,10 @@ def test_the_pieces_transformers_composes_are_read_back():
     packed = read_pattern(hf.and_masks(causal, hf.packed_sequence_mask_function(documents)))
     assert packed.causal and packed.documents is documents
     assert read_pattern(hf.chunked_causal_mask_function(3, torch.zeros(1))) is None
+    two = hf.and_masks(
+        hf.packed_sequence_mask_function(documents), hf.packed_sequence_mask_function(documents)
+    )
+    assert read_pattern(two) is None  # two sets of documents: evaluated as it is
     assert read_pattern(lambda b, h, q, kv: q >= kv) is None
 
 
@@ -46,6 +50,17 @@ CASES = {  # (mask function, q_length, kv_length, q_offset, kv_offset, padded)
     "causal, a static cache's buffer": (hf.causal_mask_function, 3, 16, 5, 0, True),
     "sliding window cache": (hf.sliding_window_causal_mask_function(4), 2, 5, 9, 6, False),
     "bidirectional, padded": (hf.bidirectional_mask_function, 7, 7, 0, 0, True),
+    "bidirectional window, padded": (
+        hf.sliding_window_bidirectional_mask_function(2), 7, 7, 0, 0, True
+    ),
+    "cross-attention: 3 queries, 9 keys": (hf.bidirectional_mask_function, 3, 9, 0, 0, True),
+    "packed rows of a batch of 2": (
+        hf.and_masks(
+            hf.causal_mask_function,
+            hf.packed_sequence_mask_function(torch.tensor([[0, 0, 0, 1, 1, 1], [0, 0, 1, 1, 1, 1]])),
+        ),
+        6, 6, 0, 0, False,
+    ),
     "chunked (evaluated as it is)": (
         hf.chunked_causal_mask_function(3, torch.zeros(2, dtype=torch.long)), 8, 8, 0, 0, True
     ),
@@ -63,7 +78,7 @@ def test_attention_under_the_mask_equals_attention_under_transformers_dense_mask
     q = torch.randn(2, 4, t, 8)
     k, v = torch.randn(2, 2, kv_length, 8), torch.randn(2, 2, kv_length, 8)
     keys, options = mask.options(kv_length)
-    if case.startswith("chunked"):
+    if case.startswith(("chunked", "packed")):
         assert "mask_mod" in options
     else:
         assert "mask_mod" not in options and "attn_mask" not in options
@@ -76,3 +91,17 @@ def test_attention_under_the_mask_equals_attention_under_transformers_dense_mask
 def test_older_transformers_cache_position_gives_the_queries():
     mask = mask_builder(1, kv_length=9, cache_position=torch.arange(7, 9))
     assert (mask.q_length, mask.q_offset) == (2, 7)
+
+
+def test_offsets_that_are_tensors_are_evaluated_as_they_are_past_the_padding_given():
+    """Under tracing the offsets are tensors: the keys are not cut, and a 2-D mask shorter than
+    the cache's buffer counts its missing columns as padding."""
+    padding = torch.ones(2, 8, dtype=torch.bool)
+    padding[1, :2] = False
+    mask = HFMask(2, 3, 16, torch.tensor(5), 0, hf.causal_mask_function, padding)
+    keys, options = mask.options(16)
+    assert keys == 16 and "mask_mod" in options
+    q, k, v = torch.randn(2, 4, 3, 8), torch.randn(2, 2, 16, 8), torch.randn(2, 2, 16, 8)
+    out = attention(q, k, v, **options)
+    allowed = dense(2, 3, 16, 5, 0, hf.causal_mask_function, padding)
+    torch.testing.assert_close(out, attention(q, k, v, attn_mask=allowed, backend="reference"))

@@ -328,7 +328,7 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       }
       float total = std::exp(sink - overall);  // 0 without a sink
       float merged[kMaxDim] = {};
-      bool bad = sink != sink;
+      bool bad = sink != sink || sink == INFINITY;  // a NaN or infinite score: a NaN row
       for (int64_t sp = 0; sp < splits; ++sp) {
         const int64_t at = (bh * splits + sp) * rows + r;
         bad = bad || part_sum[at] != part_sum[at];

@@ -24,11 +24,17 @@ def join(output: AttentionOutput, sinks: Tensor, return_lse: bool) -> AttentionO
     """``output`` (of attention over the keys alone, with its lse ``(b, h, t)``) with ``sinks``
     ``(h,)`` joined to every row's denominator; the lse kept only where ``return_lse``."""
     out, lse, weights = output
-    # A sink of -inf (none) would make lse' -inf in a row with no key, and lse - lse' NaN.
-    sink = sinks.to(lse.dtype).clamp_min(torch.finfo(lse.dtype).min).view(1, -1, 1)
-    total = torch.logaddexp(lse, sink)
+    sink = sinks.to(lse.dtype).view(1, -1, 1)
+    # A sink of -inf (none) would make lse' -inf in a row with no key, and lse - lse' NaN: it
+    # joins as the dtype's lowest number, and such a row's lse is -inf again below.
+    finite_sink = sink.clamp_min(torch.finfo(lse.dtype).min)
+    total = torch.logaddexp(lse, finite_sink)
     keep = torch.exp(lse - total)  # the keys' share of the row: 0 for a row with no key
+    # A sink of +inf is an infinite score: its rows are NaN, as the reference makes them.
+    keep = keep.masked_fill(sink == float("inf"), float("nan"))
     out = (out * keep.unsqueeze(-1)).to(out.dtype)
-    if weights is not None:
-        weights = (weights * keep.unsqueeze(-1)).to(weights.dtype)
+    if weights is not None:  # a hidden key keeps weight 0, in a NaN row too
+        weights = (weights * keep.unsqueeze(-1)).masked_fill(weights == 0, 0.0).to(weights.dtype)
+    if return_lse:
+        total = total.masked_fill((lse == float("-inf")) & (sink == float("-inf")), float("-inf"))
     return AttentionOutput(out, total if return_lse else None, weights)

@@ -78,20 +78,22 @@ def read_pattern(fn: Callable) -> Pattern | None:
         joined = Pattern()
         for part in cells["mask_functions"]:
             pattern = read_pattern(part)
-            if pattern is None:
+            joined = None if pattern is None else _both(joined, pattern)
+            if joined is None:
                 return None
-            joined = _both(joined, pattern)
         return joined
     return None
 
 
-def _both(a: Pattern, b: Pattern) -> Pattern:
+def _both(a: Pattern, b: Pattern) -> Pattern | None:
+    """Both patterns at once, or None where that is not one pattern (two sets of documents)."""
+    if a.documents is not None and b.documents is not None:
+        return None
     window = a.window or b.window
     if a.window is not None and b.window is not None:
         window = tuple(_tighter(x, y) for x, y in zip(a.window, b.window))
-    documents, padding = a.documents, a.padding
-    if b.documents is not None:
-        documents = b.documents if documents is None else None  # two: not known here
+    documents = a.documents if b.documents is None else b.documents
+    padding = a.padding
     if b.padding is not None:
         padding = b.padding if padding is None else padding & b.padding
     return Pattern(a.causal or b.causal, window, documents, padding)
@@ -134,14 +136,14 @@ class HFMask(NamedTuple):
         return 4
 
     def options(self, s: int) -> tuple[int, dict[str, Any]]:
-        """How many of the ``s`` keys given to attend to (a static cache's buffer is cut where
-        the queries end), and attnkit's mask options for them."""
-        keys = s
-        q_end = self.q_offset + self.q_length
-        if isinstance(q_end, int) and self.kv_offset + s > q_end:  # empty slots after the queries
-            keys = max(q_end - self.kv_offset, 0)
+        """How many of the ``s`` keys given to attend to, and attnkit's mask options for them.
+        Under a causal mask a static cache's empty slots after the last query are cut off;
+        other masks (cross-attention to an encoder, say) keep every key."""
         pattern = read_pattern(self.mask_function)
-        aligned = isinstance(q_end, int) and q_end == self.kv_offset + keys
+        q_end = self.q_offset + self.q_length
+        keys = s
+        if pattern is not None and pattern.causal and isinstance(q_end, int):
+            keys = max(min(s, q_end - self.kv_offset), 0)
         options: dict[str, Any] = {}
         padding = _keys_of(self.padding, self.kv_offset, keys)
         if pattern is not None and pattern.padding is not None:
@@ -149,11 +151,7 @@ class HFMask(NamedTuple):
             padding = more if padding is None else padding & more
         if padding is not None and (traced() or not bool(padding.all())):  # no branch on data
             options["key_mask"] = padding
-        if (
-            pattern is None
-            or not aligned
-            or (pattern.documents is not None and (self.batch_size != 1 or keys != self.q_length))
-        ):
+        if not self._compact(pattern, keys):
             options["mask_mod"] = self._mask_mod()
             return keys, options
         window = _with_causal(pattern.window, pattern.causal)
@@ -166,20 +164,27 @@ class HFMask(NamedTuple):
             options["window"] = window
         return keys, options
 
+    def _compact(self, pattern: Pattern | None, keys: int) -> bool:
+        """Whether ``pattern`` holds as attnkit's compact masks over ``keys`` keys: positions
+        (causal, a window) need the last query to sit at the last key, as attnkit aligns them;
+        documents, a row of queries that are its keys."""
+        if pattern is None:
+            return False
+        q_end = self.q_offset + self.q_length
+        aligned = isinstance(q_end, int) and q_end == self.kv_offset + keys
+        if (pattern.causal or pattern.window is not None) and not aligned:
+            return False
+        if pattern.documents is not None:
+            return aligned and self.batch_size == 1 and keys == self.q_length
+        return True
+
     def _mask_mod(self) -> Callable:
-        """transformers' function at the call's positions, evaluated by attnkit block by block."""
-        fn, q_offset, kv_offset, padding = (
-            self.mask_function,
-            self.q_offset,
-            self.kv_offset,
-            self.padding,
-        )
+        """transformers' function at the call's positions, evaluated by attnkit block by block
+        (the padding goes as ``key_mask``)."""
+        fn, q_offset, kv_offset = self.mask_function, self.q_offset, self.kv_offset
 
         def mask_mod(b, h, q_idx, kv_idx):
-            allowed = fn(b, h, q_idx + q_offset, kv_idx + kv_offset)
-            if padding is not None:
-                allowed = allowed & padding[b, kv_idx + kv_offset]
-            return allowed
+            return fn(b, h, q_idx + q_offset, kv_idx + kv_offset)
 
         return mask_mod
 
