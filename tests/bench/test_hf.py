@@ -18,6 +18,7 @@ def test_hf_smoke_runs_every_implementation_of_its_cases(tmp_path, capsys):
     assert [(r["case"], r["impl"]) for r in rows] == [
         ("gemma2 fp32", "eager"),
         ("gemma2 fp32", "attnkit"),
+        ("gemma2 fp32", "none"),
         ("padded tiny llama fp32", "sdpa"),
         ("padded tiny llama fp32", "eager"),
         ("padded tiny llama fp32", "attnkit"),

@@ -7,7 +7,8 @@ a tiny Llama on a long padded batch, and generation with a Llama-shaped model. F
 attention implementation runs once in a fresh process, which measures its peak memory above a
 64-token warm-up; then the implementations are timed in turns in this process (A B C A B C ...),
 median after warm-ups, and reported as ratios to the first of them (``sdpa`` where transformers
-can run it there, else ``eager``).
+can run it there, else ``eager``). ``none`` is an attention that does nothing: the rest of the
+model's time and memory.
 """
 
 from __future__ import annotations
@@ -69,13 +70,13 @@ CASES = (
         "gemma2 fp32", "Gemma2Config", "Gemma2ForCausalLM",
         {**DECODER, "num_key_value_heads": 4, "intermediate_size": 2048,
          "attn_logit_softcapping": 50.0, "sliding_window": 1024, "layer_types": ALTERNATE},
-        4096, impls=("eager", "attnkit"),
+        4096, impls=("eager", "attnkit", "none"),
     ),
     ModelCase(
         "gpt-oss fp32", "GptOssConfig", "GptOssForCausalLM",
         {**DECODER, "num_key_value_heads": 2, "intermediate_size": 512, "num_local_experts": 2,
          "num_experts_per_tok": 1, "sliding_window": 128, "layer_types": ALTERNATE},
-        4096, impls=("eager", "attnkit"),
+        4096, impls=("eager", "attnkit", "none"),
     ),
     ModelCase(
         "padded tiny llama fp32", "LlamaConfig", "LlamaForCausalLM",
@@ -124,12 +125,21 @@ def shrunk(case: ModelCase, shrink: int) -> ModelCase:
     )
 
 
+def no_attention(module, query, key, value, attention_mask, **kwargs):
+    """An attention that does nothing (it returns its queries): what the rest of the model
+    costs, in time and memory, registered as ``"none"``."""
+    return query.transpose(1, 2).contiguous(), None
+
+
 def build(case: ModelCase) -> torch.nn.Module:
     import transformers
+    from transformers.masking_utils import AttentionMaskInterface
 
     from attnkit import hf
 
     hf.register()
+    transformers.AttentionInterface.register("none", no_attention)
+    AttentionMaskInterface.register("none", hf.mask_builder)
     torch.manual_seed(0)
     config = getattr(transformers, case.config)(**case.options)
     model = getattr(transformers, case.model)(config)
