@@ -297,9 +297,12 @@ def checked_call(
 def _autocast(q, k, v):
     """q, k and v in autocast's dtype where it is on for their device, as torch's SDPA takes
     them (a model's rotary embedding may have left q and k in float32 and v in bf16)."""
-    if not isinstance(q, Tensor) or not torch.is_autocast_enabled(q.device.type):
+    if not isinstance(q, Tensor):  # the checks that follow name it
         return q, k, v
-    dtype = torch.get_autocast_dtype(q.device.type)
+    device = q.device.type
+    if not (torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)):
+        return q, k, v  # meta tensors, say, have no autocast
+    dtype = torch.get_autocast_dtype(device)
     return tuple(
         x.to(dtype) if isinstance(x, Tensor) and x.is_floating_point() else x for x in (q, k, v)
     )
