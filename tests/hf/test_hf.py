@@ -326,3 +326,13 @@ def test_encoder_decoder_models_with_a_shorter_decoder_match_eager(name):
         found[implementation] = logits, generated
     torch.testing.assert_close(found[NAME][0], found["eager"][0])
     assert torch.equal(found[NAME][1], found["eager"][1])
+
+
+def test_an_attention_mask_of_another_kind_is_refused_naming_it():
+    from types import SimpleNamespace
+
+    q = torch.randn(1, 2, 3, 8)
+    with pytest.raises(
+        TypeError, match=r"attention_mask must be a tensor, a BlockMask or .* got list"
+    ):
+        attnkit.hf.attention_function(SimpleNamespace(is_causal=True), q, q, q, [[1, 1, 1]])
