@@ -140,19 +140,22 @@ def _packed(masks: dict[str, Any], query: Tensor, key: Tensor, kwargs: dict) -> 
     if query.shape[0] != 1 or {"block_mask", "mask_mod", "attn_mask"} & masks.keys():
         return masks
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    documents = None
     positions = kwargs.get("position_ids")
     restart = positions is not None and query.shape[2] == key.shape[2] > 1 and not traced()
-    if cu_q is None and restart:  # reading them back is a branch on data, which a trace cannot
+    if cu_q is None and restart and positions.numel() == query.shape[2]:
         positions = positions.reshape(-1)
-        starts = (positions[1:] != positions[:-1] + 1).nonzero().flatten() + 1
-        if positions.numel() == query.shape[2] and starts.numel():
-            cu_q = torch.cat([starts.new_zeros(1), starts, starts.new_tensor([query.shape[2]])])
-    if cu_q is None:
+        documents = torch.cat([positions.new_zeros(1), positions[1:] != positions[:-1] + 1])
+        if not bool(documents.any()):  # one sequence (reading it back: not under a trace)
+            return masks
+        documents = documents.cumsum(0)
+    if cu_q is None and documents is None:
         return masks
     masks = dict(masks)
     causal, window = masks.pop("causal", False), masks.pop("window", None)
     masks["block_mask"] = document_mask(
-        cu_seqlens=cu_q.to(query.device),
+        None if documents is None else documents.to(query.device),
+        cu_seqlens=None if cu_q is None else cu_q.to(query.device),
         cu_seqlens_k=None if cu_k is None else cu_k.to(query.device),
         causal=causal,
         window=window,
