@@ -30,6 +30,8 @@ def expected(case: Case, q, k, v):
         options["softcap"] = 30.0
     if case.variant == "window":
         options["window"] = (255, 0) if case.causal else (128, 127)
+    if case.variant == "sinks" and case.impl != "torch-sdpa":  # SDPA: plain, the baseline
+        options["sinks"] = torch.linspace(-1.0, 1.0, case.h, dtype=torch.float64)
     out, _, _ = naive_attention(*(x.double() for x in (q, k, v)), **options)
     return out.float()
 

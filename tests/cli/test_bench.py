@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from attnkit.cli import main
 
@@ -36,3 +37,13 @@ def test_ring_bench_rejects_lengths_the_ranks_cannot_split(capsys):
 def test_decode_bench_rejects_kv_heads_that_do_not_divide_h(capsys):
     assert main(["bench", "--decode", "--smoke", "--h", "6", "--kv-heads", "4"]) == 2
     assert "--h (6) must be a multiple of every --kv-heads, got 4" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="checks the message of a machine without CUDA"
+)
+def test_a_gpu_bench_without_a_gpu_says_so(capsys):
+    assert main(["bench", "--device", "cuda", "--smoke"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "attnkit: error: --device cuda: torch sees no CUDA device here"
+    )

@@ -47,6 +47,7 @@ class BenchConfig:
     timeout_s: float = 600.0  # per case, for its memory probe; longer counts as "timeout"
     slow_s: float = 60.0  # a case whose single run takes longer is timed once, not repeated
     matmul_max: int = 4096  # the largest size^3 product that measures the matmul throughput
+    device: str = "cpu"  # or "cuda"
 
     PRESETS: ClassVar[dict[str, dict]] = {
         # tiny shapes that exercise every path in seconds (the test suite runs it)
@@ -65,6 +66,17 @@ class BenchConfig:
             "warmups": 1,
             "matmul_max": 512,
         },
+        # a lent GPU: SDPA's shapes of the goals (b=4, h=16, d=128, bf16), attnkit's choice beside
+        "gpu": {
+            "ns": (4096, 16384),
+            "dtypes": ("bf16",),
+            "impls": ("torch-sdpa", "flex-compiled", "attnkit-auto"),
+            "b": 4,
+            "h": 16,
+            "d": 128,
+            "matmul_max": 8192,
+            "device": "cuda",
+        },
     }
 
     @classmethod
@@ -72,7 +84,7 @@ class BenchConfig:
         return cls(**{**cls.PRESETS[name], **overrides})
 
     def cases(self) -> list[Case]:
-        shape = {"b": self.b, "h": self.h, "d": self.d}
+        shape = {"b": self.b, "h": self.h, "d": self.d, "device": self.device}
         cases = []
         for variant, n, dtype, causal, mode, impl in product(
             self.variants, self.ns, self.dtypes, self.causal, self.modes, self.impls
@@ -86,7 +98,7 @@ class BenchConfig:
                 continue  # the modifier rows compare naive, SDPA (dense mask), flex and tiled
             cases.append(Case(impl, n, dtype, causal, mode, variant, **shape))
         if self.module:
-            module_shape = {"b": self.module_b, "h": self.h, "d": self.d}
+            module_shape = {"b": self.module_b, "h": self.h, "d": self.d, "device": self.device}
             for dtype, causal, impl in product(self.dtypes, self.causal, MODULE_IMPLS):
                 cases.append(
                     Case(impl, self.module_n, dtype, causal, "fwd", group="module", **module_shape)
@@ -115,7 +127,8 @@ def run(config: BenchConfig, progress_stream: TextIO | None = None) -> tuple[lis
     """Probe every case's memory, then time the cases of each report row interleaved."""
     cases = config.cases()
     stream = progress_stream or sys.stderr
-    native = native_kernels()  # built here, once: no probe or timing below includes a build
+    # built here, once: no probe or timing below includes a build (none runs on a GPU)
+    native = native_kernels() if config.device == "cpu" else {}
     progress = Progress(len(cases) * (1 + config.warmups + config.repeats), stream)
 
     results: list[Result] = []
@@ -146,11 +159,13 @@ def run(config: BenchConfig, progress_stream: TextIO | None = None) -> tuple[lis
     progress.step("done")
 
     matmul = {
-        dtype: matmul_gflops(Case("", 0, dtype, False, "").torch_dtype, config.matmul_max)
+        dtype: matmul_gflops(
+            Case("", 0, dtype, False, "").torch_dtype, config.matmul_max, device=config.device
+        )
         for dtype in config.dtypes
     }
     info = {
-        "machine": machine(),
+        "machine": machine(config.device),
         "matmul": matmul,
         "repeats": config.repeats,
         "warmups": config.warmups,

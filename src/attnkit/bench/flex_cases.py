@@ -37,13 +37,15 @@ class Mods:
     causal: bool  # the causal part, which attnkit takes as causal=True
     dense_bias: Callable[[Tensor], Tensor] | None = None  # positions (n,) -> the (h, n, n) bias
 
-    def bias(self, n: int, dtype: torch.dtype) -> Tensor | None:
+    def bias(self, n: int, dtype: torch.dtype, device: str = "cpu") -> Tensor | None:
         """The score_mod as a dense ``(h, n, n)`` bias, built from the table as a user would."""
-        return None if self.dense_bias is None else self.dense_bias(torch.arange(n)).to(dtype)
+        if self.dense_bias is None:
+            return None
+        return self.dense_bias(torch.arange(n, device=device)).to(dtype)
 
-    def allowed(self, n: int) -> Tensor | None:
+    def allowed(self, n: int, device: str = "cpu") -> Tensor | None:
         """The mask as a dense ``(n, n)`` bool, causal folded in."""
-        position = torch.arange(n)
+        position = torch.arange(n, device=device)
         allowed = position[:, None] >= position if self.causal else None
         if self.mask_mod is not None:
             by_mod = self.mask_mod(None, None, position[:, None], position)
@@ -51,11 +53,13 @@ class Mods:
         return allowed
 
 
-def build(variant: str, n: int, h: int, grad: bool) -> Mods:
-    """The functions of ``variant`` for sequences of ``n`` and ``h`` heads."""
+def build(variant: str, n: int, h: int, grad: bool, device: str = "cpu") -> Mods:
+    """The functions of ``variant`` for sequences of ``n`` and ``h`` heads, their tensors on
+    ``device``."""
     if variant == "relbias":
         same = torch.Generator().manual_seed(0)  # every peer gets the same table
-        table = (torch.randn(h, 2 * n - 1, generator=same) * 0.1).requires_grad_(grad)
+        table = torch.randn(h, 2 * n - 1, generator=same) * 0.1
+        table = table.to(device).requires_grad_(grad)
 
         def relative_bias(score, b, head, q_idx, kv_idx):
             return score + table[head, q_idx - kv_idx + n - 1]
@@ -65,7 +69,7 @@ def build(variant: str, n: int, h: int, grad: bool) -> Mods:
 
         return Mods(relative_bias, None, table, causal=True, dense_bias=dense)
     if variant == "alibi-mod":
-        slopes = attnkit.alibi_slopes(h)
+        slopes = attnkit.alibi_slopes(h).to(device)
 
         def alibi(score, b, head, q_idx, kv_idx):
             return score - slopes[head] * (q_idx - kv_idx).abs()
@@ -75,7 +79,7 @@ def build(variant: str, n: int, h: int, grad: bool) -> Mods:
 
         return Mods(alibi, None, slopes, causal=True, dense_bias=dense_alibi)
     if variant == "document":
-        documents = torch.arange(n) * DOCUMENTS // n
+        documents = torch.arange(n, device=device) * DOCUMENTS // n
 
         def same_document(b, head, q_idx, kv_idx):
             return documents[q_idx] == documents[kv_idx]
@@ -99,16 +103,18 @@ def _with_causal(mask_mod: Callable | None, causal: bool) -> Callable | None:
     return lambda b, h, q_idx, kv_idx: mask_mod(b, h, q_idx, kv_idx) & (q_idx >= kv_idx)
 
 
-def kernel_fn(impl: str, variant: str, n: int, h: int, grad: bool) -> tuple[Callable, list[Tensor]]:
+def kernel_fn(
+    impl: str, variant: str, n: int, h: int, grad: bool, device: str = "cpu"
+) -> tuple[Callable, list[Tensor]]:
     """The call that ``impl`` makes for ``variant``, and the tensors besides q, k, v that a
     backward trains (whose gradients are reset between runs)."""
-    mods = build(variant, n, h, grad)
+    mods = build(variant, n, h, grad, device)
     trained = [mods.table] if mods.table is not None and mods.table.requires_grad else []
     if impl in ("naive", "torch-sdpa"):
-        allowed = mods.allowed(n)
+        allowed = mods.allowed(n, device)
 
         def dense(q, k, v):
-            bias = mods.bias(n, q.dtype)
+            bias = mods.bias(n, q.dtype, device)
             if impl == "torch-sdpa":
                 mask = allowed if bias is None else bias.masked_fill(~allowed, -math.inf)
                 return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
@@ -121,7 +127,7 @@ def kernel_fn(impl: str, variant: str, n: int, h: int, grad: bool) -> tuple[Call
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
         mask_mod = _with_causal(mods.mask_mod, mods.causal)
-        block_mask = create_block_mask(mask_mod, None, None, n, n, device="cpu")
+        block_mask = create_block_mask(mask_mod, None, None, n, n, device=device)
         compiled = torch.compile(flex_attention, dynamic=False)
         return lambda q, k, v: compiled(q, k, v, mods.score_mod, block_mask), trained
     if impl == "attnkit-builtin":  # the built-in option that says the same, where there is one
@@ -130,17 +136,17 @@ def kernel_fn(impl: str, variant: str, n: int, h: int, grad: bool) -> tuple[Call
             trained,
         )
     backend = impl.removeprefix("attnkit-")
-    options = attention_options(mods, n)
+    options = attention_options(mods, n, device)
     return lambda q, k, v: attention(q, k, v, backend=backend, **options), trained
 
 
-def attention_options(mods: Mods, n: int) -> dict:
+def attention_options(mods: Mods, n: int, device: str = "cpu") -> dict:
     """What attnkit's ``attention`` takes for these functions: the causal part as ``causal=True``
     where no mask_mod is given, else in the block mask."""
     if mods.mask_mod is None:
         return {"causal": mods.causal, "score_mod": mods.score_mod}
     mask_mod = _with_causal(mods.mask_mod, mods.causal)
-    block_mask = attnkit.create_block_mask(mask_mod, None, None, n, n, device="cpu")
+    block_mask = attnkit.create_block_mask(mask_mod, None, None, n, n, device=device)
     return {"score_mod": mods.score_mod, "block_mask": block_mask}
 
 

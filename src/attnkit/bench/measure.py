@@ -1,5 +1,6 @@
-"""How ``attnkit bench`` measures: peak memory of each case in a fresh subprocess, then the times of
-all cases that ran, interleaved in this process (A B C A B C ...), median after warm-ups.
+"""How ``attnkit bench`` measures: peak memory of each case in a fresh subprocess (on a GPU, in this
+process, by torch's allocator statistics), then the times of all cases that ran, interleaved in
+this process (A B C A B C ...), median after warm-ups.
 
 Run as ``python -m attnkit.bench.measure '<case json>'`` it is the memory probe: it runs one case
 once and prints ``{"status", "peak_mib", "seconds"}`` as JSON.
@@ -74,7 +75,11 @@ def peak_mib() -> float:
 
 def probe_memory(case: Case, timeout_s: float) -> Result:
     """Run ``case`` once in a fresh interpreter; its peak RSS growth over the set-up is the peak
-    extra memory. The first call includes any compilation, so it is reported apart."""
+    extra memory. The first call includes any compilation, so it is reported apart. A GPU case runs
+    here instead: torch's allocator counts its peak exactly, and a fresh process would spend
+    seconds starting the GPU."""
+    if case.device != "cpu":
+        return _probe_gpu(case)
     command = [sys.executable, "-m", "attnkit.bench.measure", json.dumps(case.to_json())]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
@@ -90,6 +95,27 @@ def probe_memory(case: Case, timeout_s: float) -> Result:
     return Result(
         case, status=report["status"], peak_mib=report["peak_mib"], first_call_s=report["seconds"]
     )
+
+
+def _probe_gpu(case: Case) -> Result:
+    """``case`` run once on its GPU: the peak of torch's allocator above what the set-up holds."""
+    torch.manual_seed(0)
+    try:
+        run = prepare(case)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        run()
+        seconds = time.perf_counter() - start
+        peak = (torch.cuda.max_memory_allocated() - before) / 2**20
+    except torch.OutOfMemoryError:
+        return Result(case, status="oom")
+    except RuntimeError as err:
+        return Result(case, status=f"error: {str(err).splitlines()[0][:120]}")
+    finally:
+        torch.cuda.empty_cache()
+    return Result(case, peak_mib=peak, first_call_s=seconds)
 
 
 def _probe_main(case_json: str) -> None:
@@ -140,27 +166,47 @@ def time_interleaved(
 
 
 def matmul_gflops(
-    dtype: torch.dtype, max_size: int = 4096, budget_s: float = 2.0
+    dtype: torch.dtype, max_size: int = 4096, budget_s: float = 2.0, device: str = "cpu"
 ) -> tuple[int, float]:
     """This machine's matmul throughput in ``dtype``: ``size^3`` products, ``size`` doubled up to
     ``max_size`` while one product takes under ``budget_s`` (half-precision products without
     hardware support can be ~400x slower than float32). Returns ``(size, GFLOP/s)``, median of 3."""
     size, best = 256, (256, 0.0)
+    wait = torch.cuda.synchronize if device != "cpu" else lambda: None
     while size <= max_size:
-        a = torch.randn(size, size, dtype=dtype)
+        a = torch.randn(size, size, dtype=dtype, device=device)
         start = time.perf_counter()
         a @ a
+        wait()
         first = time.perf_counter() - start
         timings = []
         for _ in range(3):
             start = time.perf_counter()
             a @ a
+            wait()
             timings.append(time.perf_counter() - start)
         best = (size, 2 * size**3 / statistics.median(timings) / 1e9)
         if first * 8 > budget_s:  # the next size takes 8x longer
             break
         size *= 2
     return best
+
+
+def copy_gbps(device: str, nbytes: int = 2**31, repeats: int = 10) -> float:
+    """The memory bandwidth of ``device`` in GB/s, by one device-to-device copy of ``nbytes``
+    (bytes read plus bytes written, per second; median of ``repeats``): the bound that a kernel
+    reading its inputs once is measured against."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    torch.cuda.synchronize()
+    timings = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        torch.cuda.synchronize()
+        timings.append(time.perf_counter() - start)
+    return 2 * nbytes / statistics.median(timings) / 1e9
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ and [`prepare`][attnkit.bench.peers.prepare], which allocates a case's inputs an
 Kernel cases take ``q, k, v`` ``(b, h, n, d)``; module cases take ``x`` ``(b, n, e)`` with
 ``e = h * d`` and include the projections. The peers are what a PyTorch user would otherwise run:
 the naive materialised formula, torch SDPA (its default CPU kernel and its math kernel),
-``torch.nn.MultiheadAttention`` and FlexAttention compiled (forward only: it has no CPU backward).
+``torch.nn.MultiheadAttention`` and FlexAttention compiled (forward only on a CPU: it has no CPU
+backward). A case runs on the CPU or, with ``device="cuda"``, on the GPU.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ KERNEL_IMPLS = (
 )
 MODULE_IMPLS = ("torch-mha", "torch-proj+sdpa", "attnkit-mha")
 # score modifiers ("plain" has none), then user-written functions (bench/flex_cases.py)
-VARIANTS = ("plain", "alibi", "softcap", "window", *flex_cases.FLEX_VARIANTS)
+VARIANTS = ("plain", "alibi", "softcap", "window", "sinks", *flex_cases.FLEX_VARIANTS)
 WINDOW = 256  # the sliding window of the "window" variant
 SOFTCAP = 30.0
 
@@ -53,6 +54,7 @@ class Case:
     b: int = 1
     h: int = 12
     d: int = 64
+    device: str = "cpu"
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -83,8 +85,10 @@ class Case:
 
 def supported(case: Case) -> str | None:
     """Why a case cannot run at all (reported, not dropped), or None."""
-    if case.impl == "flex-compiled" and case.mode == "fwd+bwd":
+    if case.impl == "flex-compiled" and case.mode == "fwd+bwd" and case.device == "cpu":
         return "n/a: FlexAttention has no backward on CPU"
+    if case.variant == "sinks" and case.impl not in ("torch-sdpa", "attnkit-auto"):
+        return "n/a: measured against plain SDPA (torch has no sinks)"
     if case.variant in flex_cases.FLEX_VARIANTS or case.impl == "attnkit-builtin":
         return flex_cases.supported(case.impl, case.variant)
     if (
@@ -97,7 +101,9 @@ def supported(case: Case) -> str | None:
 
 def _score_options(case: Case) -> dict:
     if case.variant == "alibi":
-        return {"alibi_slopes": attnkit.alibi_slopes(case.h)}
+        return {"alibi_slopes": attnkit.alibi_slopes(case.h).to(case.device)}
+    if case.variant == "sinks":
+        return {"sinks": torch.linspace(-1.0, 1.0, case.h, device=case.device)}
     if case.variant == "softcap":
         return {"softcap": SOFTCAP}
     if case.variant == "window":
@@ -111,11 +117,12 @@ def _naive(q: Tensor, k: Tensor, v: Tensor, case: Case) -> Tensor:
     scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
     if case.variant == "softcap":
         scores = SOFTCAP * torch.tanh(scores / SOFTCAP)
-    distance = torch.arange(n)[:, None] - torch.arange(n)
+    position = torch.arange(n, device=q.device)
+    distance = position[:, None] - position
     if case.variant == "alibi":
-        slopes = attnkit.alibi_slopes(case.h).to(q.dtype)[:, None, None]
+        slopes = attnkit.alibi_slopes(case.h).to(q)[:, None, None]
         scores = scores - slopes * distance.abs().to(q.dtype)
-    allowed = torch.ones(n, n, dtype=torch.bool)
+    allowed = torch.ones(n, n, dtype=torch.bool, device=q.device)
     if case.causal:
         allowed &= distance >= 0
     if case.variant == "window":
@@ -128,15 +135,15 @@ def _naive(q: Tensor, k: Tensor, v: Tensor, case: Case) -> Tensor:
 
 def _sdpa_call(q: Tensor, k: Tensor, v: Tensor, case: Case) -> Tensor:
     options = _score_options(case)
-    if not options:
+    if not options or case.variant == "sinks":  # torch has no sinks: plain SDPA, the baseline
         return F.scaled_dot_product_attention(q, k, v, is_causal=case.causal)
     # what a user of SDPA does for ALiBi or a window: a dense float mask
     n = q.shape[-2]
-    bias = torch.zeros(case.h, n, n, dtype=q.dtype)
+    bias = torch.zeros(case.h, n, n, dtype=q.dtype, device=q.device)
     if "alibi_slopes" in options:
         bias = attnkit.masks.alibi_bias(options["alibi_slopes"].to(q.dtype), n, n)
     positions = options.get("window", (-1, 0) if case.causal else (-1, -1))
-    allowed = attnkit.window_mask(n, n, positions)
+    allowed = attnkit.window_mask(n, n, positions).to(q.device)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=bias.masked_fill(~allowed, -math.inf))
 
 
@@ -153,9 +160,9 @@ def _flex(case: Case) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
             keep = (distance <= left) if left >= 0 else (distance == distance)
             return keep & (distance >= -right) if right >= 0 else keep
 
-        block_mask = create_block_mask(mask_mod, None, None, case.n, case.n, device="cpu")
+        block_mask = create_block_mask(mask_mod, None, None, case.n, case.n, device=case.device)
     if case.variant == "alibi":
-        slopes = attnkit.alibi_slopes(case.h)
+        slopes = attnkit.alibi_slopes(case.h).to(case.device)
 
         def score_mod(score, b, h, q_idx, kv_idx):
             return score - slopes[h] * (q_idx - kv_idx).abs()
@@ -166,7 +173,8 @@ def _flex(case: Case) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
 def _kernel_fn(case: Case) -> tuple[Callable[[Tensor, Tensor, Tensor], Tensor], list[Tensor]]:
     """The call that runs ``case`` on q, k, v, and the tensors besides them that it trains."""
     if case.variant in flex_cases.FLEX_VARIANTS:
-        return flex_cases.kernel_fn(case.impl, case.variant, case.n, case.h, case.mode == "fwd+bwd")
+        grad = case.mode == "fwd+bwd"
+        return flex_cases.kernel_fn(case.impl, case.variant, case.n, case.h, grad, case.device)
     return _modifier_fn(case), []
 
 
@@ -192,9 +200,13 @@ def _modifier_fn(case: Case) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
 
 def _module_fn(case: Case) -> tuple[Callable[[Tensor], Tensor], torch.nn.Module]:
     e, dtype = case.h * case.d, case.torch_dtype
-    torch_mha = torch.nn.MultiheadAttention(e, case.h, batch_first=True, dtype=dtype).eval()
+    torch_mha = torch.nn.MultiheadAttention(
+        e, case.h, batch_first=True, dtype=dtype, device=case.device
+    ).eval()
     if case.impl == "torch-mha":
-        mask = torch.nn.Transformer.generate_square_subsequent_mask(case.n) if case.causal else None
+        mask = None
+        if case.causal:
+            mask = torch.nn.Transformer.generate_square_subsequent_mask(case.n, device=case.device)
 
         def run(x):
             return torch_mha(x, x, x, need_weights=False, attn_mask=mask, is_causal=case.causal)[0]
@@ -229,44 +241,50 @@ def runs(case: Case) -> str | None:
     if case.group == "module" or not case.impl.startswith("attnkit-"):
         return None
     grad = case.mode == "fwd+bwd"
+    shape = (case.b, case.h, case.n, case.d)
     q, k, v = (
-        torch.empty(case.b, case.h, case.n, case.d, dtype=case.torch_dtype, requires_grad=grad)
+        torch.empty(shape, dtype=case.torch_dtype, device=case.device, requires_grad=grad)
         for _ in range(3)
     )
     backend = case.impl.removeprefix("attnkit-")
     options = {"causal": case.causal, **_score_options(case)}
     if case.variant in flex_cases.FLEX_VARIANTS:
-        options = flex_cases.attention_options(
-            flex_cases.build(case.variant, case.n, case.h, grad), case.n
-        )
+        mods = flex_cases.build(case.variant, case.n, case.h, grad, case.device)
+        options = flex_cases.attention_options(mods, case.n, case.device)
     if case.impl == "attnkit-builtin":
-        backend, options = "auto", {"causal": True, "alibi_slopes": attnkit.alibi_slopes(case.h)}
+        slopes = attnkit.alibi_slopes(case.h).to(case.device)
+        backend, options = "auto", {"causal": True, "alibi_slopes": slopes}
     with torch.set_grad_enabled(grad):
         choice = which_backend(q, k, v, backend=backend, **options)
     return path_of(choice)
 
 
 def prepare(case: Case) -> Callable[[], object]:
-    """Allocate the inputs of ``case`` and return a call that runs it once (untimed set-up)."""
-    dtype, grad = case.torch_dtype, case.mode == "fwd+bwd"
+    """Allocate the inputs of ``case`` and return a call that runs it once (untimed set-up); on a
+    GPU the call waits for the GPU's work to end, so that a clock around it times that work."""
+    factory = {"dtype": case.torch_dtype, "device": case.device}
+    grad = case.mode == "fwd+bwd"
     if case.group == "module":
         fn, module = _module_fn(case)
-        x = torch.randn(case.b, case.n, case.h * case.d, dtype=dtype, requires_grad=grad)
+        x = torch.randn(case.b, case.n, case.h * case.d, **factory, requires_grad=grad)
         inputs = [x, *module.parameters()] if grad else []
         args = (x,)
     else:
         fn, trained = _kernel_fn(case)
         args = tuple(
-            torch.randn(case.b, case.h, case.n, case.d, dtype=dtype, requires_grad=grad)
+            torch.randn(case.b, case.h, case.n, case.d, **factory, requires_grad=grad)
             for _ in range(3)
         )
         inputs = [*args, *trained]
+    wait = torch.cuda.synchronize if case.device.startswith("cuda") else lambda: None
 
     if not grad:
 
         def forward() -> object:
             with torch.inference_mode():
-                return fn(*args)
+                out = fn(*args)
+            wait()
+            return out
 
         return forward
 
@@ -275,6 +293,7 @@ def prepare(case: Case) -> Callable[[], object]:
             x.grad = None
         out = fn(*args)
         out.backward(torch.ones_like(out))
+        wait()
         return out
 
     return forward_backward

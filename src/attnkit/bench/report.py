@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import subprocess
 from collections import defaultdict
 from pathlib import Path
 
@@ -29,8 +30,9 @@ def _kernel_line(item: tuple[str, dict]) -> str:
     return f"{name} for {kernel.get('level')}, {origin}"
 
 
-def machine() -> dict:
-    """The facts a reader needs to compare a table with their own machine."""
+def machine(device: str = "cpu") -> dict:
+    """The facts a reader needs to compare a table with their own machine (and its GPU, for a
+    run on one)."""
     model = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -47,7 +49,22 @@ def machine() -> dict:
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "cpu_features": _cpu.describe(),
         "python": platform.python_version(),
+        **(gpu() if device != "cpu" else {}),
     }
+
+
+def gpu() -> dict:
+    """The GPU of this process, its driver and torch's CUDA."""
+    try:
+        driver = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        driver = "unknown"
+    return {"gpu": torch.cuda.get_device_name(), "driver": driver, "cuda": torch.version.cuda}
 
 
 def _by_key(results: list[Result]) -> dict[tuple, dict[str, Result]]:
@@ -100,8 +117,9 @@ def _fmt(value: float | None, pattern: str) -> str:
 def markdown(records: list[dict], info: dict) -> str:
     """A table per group, one line per measurement; ratios < 1 are faster than the peer."""
     m = info["machine"]
+    where = f"GPU: {m['gpu']} (driver {m['driver']}, CUDA {m['cuda']}); " if "gpu" in m else ""
     lines = [
-        f"Machine: {m['cpu']}, {m['torch_threads']} threads, torch {m['torch']} "
+        f"{where}Machine: {m['cpu']}, {m['torch_threads']} threads, torch {m['torch']} "
         f"({m['cpu_capability']}; CPU features: {m.get('cpu_features', 'not recorded')}); matmul peak in this run: "
         + ", ".join(f"{dt} {g:.0f} GFLOP/s ({n}^3)" for dt, (n, g) in info["matmul"].items())
         + f"; median of {info['repeats']} interleaved runs after {info['warmups']} warm-ups.",

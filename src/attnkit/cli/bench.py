@@ -43,6 +43,13 @@ def add(commands) -> None:
         help="Hugging Face models on attnkit, sdpa and eager: training steps, a padded batch, "
         "generation (needs transformers)",
     )
+    be.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="where the kernel and --decode cases run; cuda: the goals' shapes (b=4, h=16, "
+        "d=128, bf16, N=4096 and 16384) unless given, and a decoding step over a 32k cache",
+    )
     be.add_argument("--ranks", type=int, nargs="+", help="--ring: world sizes")
     be.add_argument("--kv-heads", type=int, nargs="+", help="--decode: key/value heads (GQA)")
     be.add_argument("--prompts", type=int, nargs="+", help="--decode: prompt lengths (generation)")
@@ -70,7 +77,31 @@ def add(commands) -> None:
     be.set_defaults(run=run)
 
 
+def _run_gpu_decode_bench(args: argparse.Namespace) -> int:
+    from attnkit.bench.gpu_decode import GPUDecodeConfig, run_gpu_decode, write_gpu_decode
+
+    check_counts(args, ("n", "b", "h", "d", "kv_heads", "repeats"))
+    if len(args.n or ()) > 1 or len(args.kv_heads or ()) > 1:
+        raise ValueError("--device cuda --decode takes one --n and one --kv-heads")
+    overrides = {
+        "length": args.n and args.n[0],
+        "kv_heads": args.kv_heads and args.kv_heads[0],
+        "b": args.b,
+        "h": args.h,
+        "d": args.d,
+        "repeats": args.repeats,
+        "warmups": args.warmups,
+    }
+    config = GPUDecodeConfig(**{k: v for k, v in overrides.items() if v is not None})
+    if config.h % config.kv_heads:
+        raise ValueError(f"--h ({config.h}) must be a multiple of --kv-heads ({config.kv_heads})")
+    _show(write_gpu_decode(run_gpu_decode(config), Path(args.out)))
+    return 0
+
+
 def _run_decode_bench(args: argparse.Namespace) -> int:
+    if args.device != "cpu":
+        return _run_gpu_decode_bench(args)
 
     from attnkit.bench.decode import DecodeConfig, run_decode, write_decode
 
@@ -162,6 +193,13 @@ def run(args: argparse.Namespace) -> int:
     if args.timeout is not None and not 0 < args.timeout < float("inf"):
         raise ValueError(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
     _out(args)
+    if args.device != "cpu":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda: torch sees no CUDA device here")
+        if args.ring or args.hf:
+            raise ValueError("--device cuda runs the kernel cases and --decode; not --ring or --hf")
     if args.decode:
         return _run_decode_bench(args)
     if args.ring:
@@ -188,7 +226,15 @@ def run(args: argparse.Namespace) -> int:
     }
     check_counts(args, ("n", "b", "h", "d", "module_b", "module_n", "repeats"))
     overrides = {k: v for k, v in overrides.items() if v is not None}
-    config = BenchConfig.from_name("smoke", **overrides) if args.smoke else BenchConfig(**overrides)
+    if args.device != "cpu":
+        preset = "gpu"
+        if args.smoke:  # the smoke preset's tiny shapes, on the GPU
+            overrides = {**BenchConfig.PRESETS["smoke"], "device": args.device, **overrides}
+            preset = "smoke"
+        config = BenchConfig.from_name(preset, **overrides)
+    else:
+        smoke = args.smoke
+        config = BenchConfig.from_name("smoke", **overrides) if smoke else BenchConfig(**overrides)
     results, info = run_cases(config)
     written = write(results, info, Path(args.out))
     _show(written)
