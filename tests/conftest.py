@@ -25,6 +25,22 @@ settings.load_profile(os.environ.get("ATTNKIT_HYPOTHESIS", "quick"))
 DATA = Path(__file__).parent / "data"
 
 
+CUDA = pytest.param(
+    "cuda",
+    marks=[
+        pytest.mark.gpu,
+        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    ],
+)
+"""The CUDA case of a test that takes a device: marked ``gpu`` (``make test-gpu`` runs those)."""
+
+
+@pytest.fixture(params=["cpu", CUDA])
+def device(request) -> torch.device:
+    """The device a test's tensors live on: the CPU always, a CUDA device where one is present."""
+    return torch.device(request.param)
+
+
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)

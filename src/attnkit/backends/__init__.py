@@ -1,23 +1,25 @@
 """The backend registry: the backends by name, and ``auto``, which asks them in order.
 
-| option | reference | sdpa | tiled | decode | notes |
-|---|---|---|---|---|---|
-| causal, window | yes | yes | yes | no | sdpa: a bool mask unless causal with t == s; tiled: skips the blocks they empty |
-| attn_mask, key_mask | yes | yes | yes | key_mask | |
-| attn_mask_grad | yes | yes | no | no | a float attn_mask that requires grad |
-| alibi_slopes | yes | yes | yes | no | sdpa: a float mask of shape (h, t, s) |
-| softcap | yes | no | yes | no | |
-| sinks | yes | no | yes | yes | tiled: joined to the kernel's output through its lse; decode: in the kernel's merge |
-| dropout_p | yes | yes | no | no | |
-| return_lse | yes | no | yes | no | with gradients |
-| return_weights | yes | no | yes | no | tiled: recomputed from the lse |
-| double backward | yes | yes | yes | no | sdpa, tiled: through the reference's recomputation (O(t s) memory for it) |
-| vmap | yes | yes | yes | no | |
-| func.grad, jacrev | yes | yes | no | no | sdpa: one level of gradients |
-| forward-mode AD | yes | no | no | no | jvp, jacfwd |
-| torch.jit.trace | yes | yes | no | no | tiled's block loop would be frozen |
-| torch.compile | yes | yes | loop | no | dynamo cannot trace C++ |
-| memory | O(t s) | O(t s) with a mask | O((t + s) d) | O(h d) | |
+| option | reference | sdpa | flex | tiled | decode | notes |
+|---|---|---|---|---|---|---|
+| causal, window | yes | yes | yes | yes | no | sdpa: a bool mask unless causal with t == s; flex, tiled: skip the blocks they empty |
+| attn_mask, key_mask | yes | yes | yes | yes | key_mask | flex: indexed per score in its mask_mod |
+| attn_mask_grad | yes | yes | no | no | no | a float attn_mask that requires grad |
+| alibi_slopes | yes | yes | yes | yes | no | sdpa: a float mask of shape (h, t, s); flex: in its score_mod |
+| softcap | yes | no | yes | yes | no | |
+| score_mod, block_mask | yes | no | yes | yes | no | flex: torch's own FlexAttention; a block mask alone passes through |
+| sinks | yes | no | yes | yes | yes | flex, tiled: joined to the kernel's output through its lse; decode: in the kernel's merge |
+| dropout_p | yes | yes | no | no | no | |
+| return_lse | yes | no | yes | yes | no | with gradients |
+| return_weights | yes | no | no | yes | no | tiled: recomputed from the lse |
+| double backward | yes | yes | yes | yes | no | sdpa, flex, tiled: through the reference's recomputation (O(t s) memory for it) |
+| vmap | yes | yes | no | yes | no | |
+| func.grad, jacrev | yes | yes | no | no | no | sdpa: one level of gradients |
+| forward-mode AD | yes | no | no | no | no | jvp, jacfwd |
+| torch.jit.trace | yes | yes | no | no | no | tiled's block loop would be frozen |
+| torch.compile | yes | yes | yes | loop | no | dynamo cannot trace C++; flex: masks as -inf scores while traced |
+| devices | any | any | CUDA | any | CPU | flex: torch's FlexAttention has a backward on CUDA only |
+| memory | O(t s) | O(t s) with a mask | O((t + s) d) | O((t + s) d) | O(h d) | flex: plus its block tables |
 
 Each backend ([`Backend`][attnkit.backends.base.Backend]) says which options it supports, why it
 cannot run a call, where it is faster than a backend ``auto`` would take before it, and which path
@@ -25,7 +27,8 @@ inside it runs. ``"auto"`` walks [`AUTO_ORDER`][attnkit.backends.AUTO_ORDER], fa
 takes the first backend that supports every option in use and does not refuse the call, then lets
 a later one take over where that one's own speed rule says it is faster here (the tiled kernel over
 SDPA, for instance, where SDPA would materialise a dense positional mask:
-[`attnkit.backends.tiled`][attnkit.backends.tiled]). Choosing never builds, loads or writes
+[`attnkit.backends.tiled`][attnkit.backends.tiled]; on CUDA, torch's compiled FlexAttention of
+``attnkit.backends.flex``). Choosing never builds, loads or writes
 anything: a C++ kernel is built or loaded at the first call that runs it.
 
 A backend named explicitly that cannot do what was asked raises, naming the option; nothing falls
@@ -42,18 +45,19 @@ from typing import NamedTuple
 
 import torch
 
-from attnkit.backends import _native, decode, reference, sdpa, tiled
+from attnkit.backends import _native, decode, flex, reference, sdpa, tiled
 from attnkit.backends.base import AttentionOutput, Backend, Call, Path
 
 BACKENDS: dict[str, Backend] = {
     backend.name: backend
-    for backend in (reference.BACKEND, sdpa.BACKEND, tiled.BACKEND, decode.BACKEND)
+    for backend in (reference.BACKEND, sdpa.BACKEND, flex.BACKEND, tiled.BACKEND, decode.BACKEND)
 }
 """The backends by name; ``backend=`` takes one of these names or ``"auto"``."""
 
-AUTO_ORDER: tuple[str, ...] = ("decode", "sdpa", "tiled", "reference")
+AUTO_ORDER: tuple[str, ...] = ("decode", "sdpa", "flex", "tiled", "reference")
 """Fastest first: the one-pass decode kernel for a few queries over a cache, SDPA's fused kernel
-when it can do the call, then the O(N)-memory tiled kernel."""
+when it can do the call, torch's compiled FlexAttention on CUDA, then the O(N)-memory tiled
+kernel."""
 
 
 class BackendChoice(NamedTuple):
@@ -63,11 +67,12 @@ class BackendChoice(NamedTuple):
         backend: the name of the backend that runs, a key of [`BACKENDS`][attnkit.backends.BACKENDS].
         path: the code inside it: ``"native"`` (its C++ kernel) or ``"loop"`` (its PyTorch loop)
             for ``tiled``; ``"native"`` for ``decode``; ``"torch"`` for ``sdpa`` (torch's own
-            kernel); ``"float64"`` for ``reference``.
-        reason: why, in a sentence.
+            kernel); ``"compiled"`` for ``flex`` (torch's FlexAttention through
+            ``torch.compile``); ``"float64"`` for ``reference``.
+        reason: why, in a sentence, and what runs where a backend runs torch's code (``flex``).
         products: the dtype of the block products (for tiled's C++ kernel with bf16 products,
-            also how: ``"bf16-avx512_bf16"``); None for sdpa, whose kernel torch chooses, and for
-            tiled under ``torch.compile``, whose compiled loop inductor chooses.
+            also how: ``"bf16-avx512_bf16"``); None for sdpa and flex, whose kernels torch
+            chooses, and for tiled under ``torch.compile``, whose compiled loop inductor chooses.
     """
 
     backend: str
@@ -147,6 +152,9 @@ def choose_backend(name: str, call: Call) -> BackendChoice:
         backend, reason = _auto(call)
     else:
         backend, reason = _named(name, call), "named by the caller"
+    runs = getattr(backend, "runs", None)  # a backend that hands the call to torch says to what
+    if runs is not None:
+        reason += f"; {runs} runs it"
     path, products = backend.path(call)
     return BackendChoice(backend.name, path, reason, products)
 
