@@ -3,6 +3,8 @@
 It shares no code with attnkit: masks are built from explicit position comparisons, the softmax is
 torch's own, and empty rows are handled by zeroing, so a bug in attnkit's masks or softmax cannot
 hide behind the same bug here. Run it in a low precision to get the "naive path" error baseline.
+It runs on the inputs' device (the masks it builds are moved there), so that a test on a GPU
+compares with the oracle there.
 """
 
 from __future__ import annotations
@@ -11,8 +13,11 @@ import torch
 from torch import Tensor
 
 
-def allowed_positions(t: int, s: int, causal: bool, window: tuple[int, int] | None) -> Tensor:
-    """(t, s) bool from the definition: p(i) = i + s - t, causal j <= p(i), window bounds."""
+def allowed_positions(
+    t: int, s: int, causal: bool, window: tuple[int, int] | None, device=None
+) -> Tensor:
+    """(t, s) bool from the definition: p(i) = i + s - t, causal j <= p(i), window bounds; built on
+    the CPU, then moved to ``device`` if one is given."""
     allowed = torch.ones(t, s, dtype=torch.bool)
     for i in range(t):
         p = i + s - t
@@ -25,7 +30,7 @@ def allowed_positions(t: int, s: int, causal: bool, window: tuple[int, int] | No
                     allowed[i, j] = False
                 if right >= 0 and j > p + right:
                     allowed[i, j] = False
-    return allowed
+    return allowed if device is None else allowed.to(device)
 
 
 def naive_attention(
@@ -42,21 +47,23 @@ def naive_attention(
     scale: float | None = None,
     sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Returns (out, lse, weights) in the inputs' dtype; q (b, h, t, d), k/v (b, h_kv, s, d).
-    ``sinks`` (h,): a logit per head, one more column of every row's softmax, dropped after it."""
+    """Returns (out, lse, weights) in the inputs' dtype, on their device; q (b, h, t, d), k/v
+    (b, h_kv, s, d). ``sinks`` (h,): a logit per head, one more column of every row's softmax,
+    dropped after it."""
     b, h, t, d = q.shape
     s = k.shape[-2]
-    kv_head = torch.arange(h) // (h // k.shape[1])
+    device = q.device
+    kv_head = torch.arange(h, device=device) // (h // k.shape[1])
     k, v = k[:, kv_head], v[:, kv_head]
     scale = d**-0.5 if scale is None else scale
     scores = torch.einsum("bhtd,bhsd->bhts", q, k) * scale
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
     if alibi_slopes is not None:
-        pos = torch.arange(t)[:, None] + s - t
-        dist = (pos - torch.arange(s)[None, :]).abs().to(q.dtype)
+        pos = torch.arange(t, device=device)[:, None] + s - t
+        dist = (pos - torch.arange(s, device=device)[None, :]).abs().to(q.dtype)
         scores = scores - alibi_slopes.to(q.dtype)[:, None, None] * dist
-    allowed = allowed_positions(t, s, causal, window).expand(b, h, t, s).clone()
+    allowed = allowed_positions(t, s, causal, window, device).expand(b, h, t, s).clone()
     if key_mask is not None:
         allowed &= key_mask[:, None, None, :]
     if attn_mask is not None:
@@ -122,8 +129,13 @@ def selected_attention(
     a score made infinite or NaN by the inputs is NaN (never a mask); a NaN or +inf in a float mask
     or a slope acts as a NaN score; a row with no key gives output 0, lse -inf and weights 0.
 
-    Returns (out, lse, weights) in float64. Tiny shapes only: it loops over every row."""
-    q, k, v = (x.detach().double() for x in (q, k, v))
+    Returns (out, lse, weights) in float64, on q's device (computed on the CPU). Tiny shapes
+    only: it loops over every row."""
+    device = q.device
+    q, k, v = (x.detach().cpu().double() for x in (q, k, v))
+    key_mask, attn_mask, alibi_slopes = (
+        None if x is None else x.detach().cpu() for x in (key_mask, attn_mask, alibi_slopes)
+    )
     b, h, t, d = q.shape
     s, d_v = k.shape[-2], v.shape[-1]
     groups = h // k.shape[1]
@@ -161,4 +173,4 @@ def selected_attention(
                 out[bi, hi, i] = w @ v[bi, hi // groups, keys]
                 lse[bi, hi, i] = torch.logsumexp(scores, dim=0)
                 weights[bi, hi, i, keys] = w
-    return out, lse, weights
+    return out.to(device), lse.to(device), weights.to(device)

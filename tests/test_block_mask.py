@@ -12,18 +12,26 @@ from torch.nn.attention import flex_attention as torch_flex
 
 import attnkit
 from attnkit import functional as F
-from zoo import BACKENDS, ZOO, H, inputs
+from conftest import CUDA
+from zoo import BACKENDS, ZOO, H, inputs, zoo_on
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
 
-@pytest.mark.parametrize("block_size", [4, (4, 8), 8, 16, 128])
+@pytest.mark.parametrize(
+    ("block_size", "device"),
+    [
+        *(pytest.param(size, torch.device("cpu"), id=f"{size}-cpu") for size in (4, (4, 8), 8, 16)),
+        pytest.param(128, torch.device("cpu"), id="128-cpu"),
+        pytest.param((4, 8), torch.device("cuda"), id="(4, 8)-cuda", marks=CUDA.marks),
+    ],
+)
 @pytest.mark.parametrize("heads", [None, H])
 @pytest.mark.parametrize("mod", [m for m, (_, mask_mod) in ZOO.items() if mask_mod is not None])
-def test_create_block_mask_gives_torch_block_tables(mod, heads, block_size):
-    _, mask_mod = ZOO[mod]
-    ours = attnkit.create_block_mask(mask_mod, 2, heads, 29, 29, "cpu", block_size)
-    theirs = torch_flex.create_block_mask(mask_mod, 2, heads, 29, 29, "cpu", block_size)
+def test_create_block_mask_gives_torch_block_tables(mod, heads, block_size, device):
+    _, mask_mod = zoo_on(device)[mod]
+    ours = attnkit.create_block_mask(mask_mod, 2, heads, 29, 29, device, block_size)
+    theirs = torch_flex.create_block_mask(mask_mod, 2, heads, 29, 29, device, block_size)
     assert type(ours) is torch_flex.BlockMask
     assert (ours.BLOCK_SIZE, ours.seq_lengths) == (theirs.BLOCK_SIZE, theirs.seq_lengths)
     for num, indices in (
@@ -58,15 +66,15 @@ def test_create_block_mask_never_builds_the_dense_mask(tmp_path):
     assert extra_mib < 256, f"{extra_mib} MiB: the dense mask would be 4096 MiB"
 
 
-def test_a_block_mask_for_one_batch_and_head_still_sees_every_batch_and_head():
+def test_a_block_mask_for_one_batch_and_head_still_sees_every_batch_and_head(device):
     """torch evaluates a mask_mod at the call's batches and heads, even in tables built with
     B=None, H=None (for batch 0 and head 0)."""
 
     def depends(b, h, q_idx, kv_idx):
         return (q_idx >= kv_idx) & ((kv_idx % 2 == 0) | (h == 1) | (b == 1))
 
-    q, k, v = inputs(2, H, 29, 29)
-    block_mask = torch_flex.create_block_mask(depends, None, None, 29, 29, "cpu", BLOCK_SIZE=8)
+    q, k, v = inputs(2, H, 29, 29, device=device)
+    block_mask = torch_flex.create_block_mask(depends, None, None, 29, 29, device, BLOCK_SIZE=8)
     want = torch_flex.flex_attention(q, k, v, block_mask=block_mask)
     for backend in BACKENDS:
         out = F.attention(q, k, v, block_mask=block_mask, backend=backend)

@@ -7,11 +7,13 @@ import torch
 
 from attnkit import KVCache
 from attnkit.cache import token_positions
+from conftest import CUDA
 
 
-def chunks(b, h, n, d, start, dtype=torch.float32):
+def chunks(b, h, n, d, start, dtype=torch.float32, device="cpu"):
     """Keys whose every entry is its absolute position, so order is visible; values the negation."""
-    k = torch.arange(start, start + n, dtype=dtype).view(1, 1, n, 1).expand(b, h, n, d).clone()
+    k = torch.arange(start, start + n, dtype=dtype, device=device)
+    k = k.view(1, 1, n, 1).expand(b, h, n, d).clone()
     return k, -k
 
 
@@ -19,11 +21,11 @@ def positions_of(k):
     return k[0, 0, :, 0].tolist()
 
 
-def test_update_returns_every_key_in_position_order_and_counts_tokens():
-    cache = KVCache(2, 3, max_len=20, head_dim=4)
+def test_update_returns_every_key_in_position_order_and_counts_tokens(device):
+    cache = KVCache(2, 3, max_len=20, head_dim=4, device=device)
     seen = 0
     for n in (5, 1, 3, 1, 1):
-        k_all, v_all = cache.update(*chunks(2, 3, n, 4, seen))
+        k_all, v_all = cache.update(*chunks(2, 3, n, 4, seen, device=device))
         seen += n
         assert positions_of(k_all) == list(range(seen))
         assert torch.equal(v_all, -k_all)
@@ -31,17 +33,19 @@ def test_update_returns_every_key_in_position_order_and_counts_tokens():
     assert cache.key_mask is None
     cache.reset()
     assert (cache.size, cache.position) == (0, 0)
-    k_all, _ = cache.update(*chunks(2, 3, 2, 4, 0))
+    k_all, _ = cache.update(*chunks(2, 3, 2, 4, 0, device=device))
     assert positions_of(k_all) == [0, 1]
 
 
 @pytest.mark.parametrize("window,max_chunk", [(4, 1), (4, 3), (5, 5), (1, 2)])
-def test_windowed_cache_returns_the_last_window_minus_one_plus_the_chunk(window, max_chunk):
-    cache = KVCache(1, 2, max_len=100, head_dim=3, window=window, max_chunk=max_chunk)
+def test_windowed_cache_returns_the_last_window_minus_one_plus_the_chunk(window, max_chunk, device):
+    cache = KVCache(
+        1, 2, max_len=100, head_dim=3, window=window, max_chunk=max_chunk, device=device
+    )
     assert cache.capacity == window - 1 + max_chunk
     seen = 0
     for n in [max_chunk, 1, max_chunk, 1, 1, max_chunk, 1, 1, 1, max_chunk, 1]:
-        k_all, v_all = cache.update(*chunks(1, 2, n, 3, seen))
+        k_all, v_all = cache.update(*chunks(1, 2, n, 3, seen, device=device))
         seen += n
         first = max(0, seen - n - (window - 1))
         assert positions_of(k_all) == list(range(first, seen))
@@ -60,90 +64,104 @@ def test_memory_gqa_is_a_third_and_a_window_is_its_share_of_max_len():
     assert nbytes(KVCache(1, 12, 8192, 64, dtype=torch.bfloat16)) * 2 == nbytes(full)
 
 
-def test_buffers_are_preallocated_non_persistent_and_move_with_the_module():
-    cache = KVCache(1, 2, 16, 4, dtype=torch.bfloat16)
+def test_buffers_are_preallocated_non_persistent_and_move_with_the_module(device):
+    cache = KVCache(1, 2, 16, 4, dtype=torch.bfloat16, device=device)
     assert cache.state_dict() == {}
     before = cache.keys.data_ptr()
-    k_all, _ = cache.update(*chunks(1, 2, 3, 4, 0, torch.bfloat16))
+    k_all, _ = cache.update(*chunks(1, 2, 3, 4, 0, torch.bfloat16, device))
     assert cache.keys.data_ptr() == before and k_all.data_ptr() == before  # a view, no copy
     assert cache.to(torch.float32).dtype == torch.float32
 
 
-def test_stored_keys_are_detached():
-    cache = KVCache(1, 1, 4, 2)
-    k = torch.randn(1, 1, 2, 2, requires_grad=True)
+def test_stored_keys_are_detached(device):
+    cache = KVCache(1, 1, 4, 2, device=device)
+    k = torch.randn(1, 1, 2, 2, requires_grad=True, device=device)
     k_all, _ = cache.update(k, k.detach())
     assert not k_all.requires_grad
 
 
-def test_ragged_rows_keep_their_key_mask_and_count_their_own_positions():
-    cache = KVCache(2, 1, 10, 2)
-    key_mask = torch.tensor([[True, True, True], [False, False, True]])
+def test_ragged_rows_keep_their_key_mask_and_count_their_own_positions(device):
+    cache = KVCache(2, 1, 10, 2, device=device)
+    key_mask = torch.tensor([[True, True, True], [False, False, True]], device=device)
     assert cache.next_positions(3, key_mask).tolist() == [[0, 1, 2], [0, 0, 0]]
-    cache.update(*chunks(2, 1, 3, 2, 0), key_mask=key_mask)
+    cache.update(*chunks(2, 1, 3, 2, 0, device=device), key_mask=key_mask)
     assert cache.next_positions(2).tolist() == [[3, 4], [1, 2]]
-    cache.update(*chunks(2, 1, 1, 2, 3))
+    cache.update(*chunks(2, 1, 1, 2, 3, device=device))
     assert cache.key_mask.tolist() == [[True] * 4, [False, False, True, True]]
     assert cache.row_positions.tolist() == [4, 2]
 
 
-def test_token_positions_count_real_tokens_from_each_rows_start():
-    key_mask = torch.tensor([[False, True, True], [True, True, True]])
+def test_token_positions_count_real_tokens_from_each_rows_start(device):
+    key_mask = torch.tensor([[False, True, True], [True, True, True]], device=device)
     assert token_positions(3, key_mask).tolist() == [[0, 0, 1], [0, 1, 2]]
-    assert token_positions(3, key_mask, torch.tensor([2, 5])).tolist() == [[0, 2, 3], [5, 6, 7]]
-    assert token_positions(2, None, 4).tolist() == [4, 5]
+    starts = torch.tensor([2, 5], device=device)
+    assert token_positions(3, key_mask, starts).tolist() == [[0, 2, 3], [5, 6, 7]]
+    assert token_positions(2, None, 4, device).tolist() == [4, 5]
+
+
+BAD_CHUNKS = [
+    (lambda: chunks(3, 2, 1, 4, 0), ValueError, r"batch_size=2, num_kv_heads=2, n, head_dim=4"),
+    (lambda: chunks(2, 3, 1, 4, 0), ValueError, r"got shape \(2, 3, 1, 4\)"),
+    (lambda: chunks(2, 2, 1, 5, 0), ValueError, r"head_dim=4\), got shape \(2, 2, 1, 5\)"),
+    (
+        lambda: (torch.zeros(2, 2, 4), torch.zeros(2, 2, 4)),
+        ValueError,
+        r"got shape \(2, 2, 4\)",
+    ),
+    (
+        lambda: chunks(2, 2, 1, 4, 0, torch.float64),
+        TypeError,
+        "dtype torch.float64 but the cache",
+    ),
+    (lambda: (torch.zeros(2, 2, 1, 4), torch.zeros(2, 2, 2, 4)), ValueError, "same shape"),
+    (  # k fits, v does not: v is named
+        lambda: (torch.zeros(2, 2, 1, 4), torch.zeros(2, 2, 1, 4, dtype=torch.float64)),
+        TypeError,
+        "v has dtype torch.float64 but the cache holds torch.float32",
+    ),
+    (
+        lambda: (torch.zeros(2, 2, 1, 4), torch.zeros(2, 2, 1, 4, device="meta")),
+        ValueError,
+        "v is on meta but the cache is on cpu",
+    ),
+    (  # not "build the cache with dtype=torch.int32", which the constructor refuses
+        lambda: chunks(2, 2, 1, 4, 0, torch.int32),
+        TypeError,
+        r"dtype torch\.int32 but the cache holds torch\.float32; keys and values have a floating",
+    ),
+    (lambda: chunks(2, 2, 0, 4, 0), ValueError, "at least one token, got 0"),
+    (lambda: chunks(2, 2, 7, 4, 0), ValueError, r"7 tokens is longer than max_chunk \(6\)"),
+    (lambda: ("k", torch.zeros(1)), TypeError, "k must be a torch.Tensor, got str"),
+]
 
 
 @pytest.mark.parametrize(
-    "make_chunk,error,message",
+    "make_chunk,error,message,device",
     [
-        (lambda: chunks(3, 2, 1, 4, 0), ValueError, r"batch_size=2, num_kv_heads=2, n, head_dim=4"),
-        (lambda: chunks(2, 3, 1, 4, 0), ValueError, r"got shape \(2, 3, 1, 4\)"),
-        (lambda: chunks(2, 2, 1, 5, 0), ValueError, r"head_dim=4\), got shape \(2, 2, 1, 5\)"),
-        (
-            lambda: (torch.zeros(2, 2, 4), torch.zeros(2, 2, 4)),
+        *(pytest.param(*case, torch.device("cpu")) for case in BAD_CHUNKS),
+        pytest.param(  # a chunk on the CPU for a cache on CUDA: named, never moved
+            lambda: chunks(2, 2, 1, 4, 0),
             ValueError,
-            r"got shape \(2, 2, 4\)",
+            "k is on cpu but the cache is on cuda",
+            torch.device("cuda"),
+            id="cpu chunk-cuda cache",
+            marks=CUDA.marks,
         ),
-        (
-            lambda: chunks(2, 2, 1, 4, 0, torch.float64),
-            TypeError,
-            "dtype torch.float64 but the cache",
-        ),
-        (lambda: (torch.zeros(2, 2, 1, 4), torch.zeros(2, 2, 2, 4)), ValueError, "same shape"),
-        (  # k fits, v does not: v is named
-            lambda: (torch.zeros(2, 2, 1, 4), torch.zeros(2, 2, 1, 4, dtype=torch.float64)),
-            TypeError,
-            "v has dtype torch.float64 but the cache holds torch.float32",
-        ),
-        (
-            lambda: (torch.zeros(2, 2, 1, 4), torch.zeros(2, 2, 1, 4, device="meta")),
-            ValueError,
-            "v is on meta but the cache is on cpu",
-        ),
-        (  # not "build the cache with dtype=torch.int32", which the constructor refuses
-            lambda: chunks(2, 2, 1, 4, 0, torch.int32),
-            TypeError,
-            r"dtype torch\.int32 but the cache holds torch\.float32; keys and values have a floating",
-        ),
-        (lambda: chunks(2, 2, 0, 4, 0), ValueError, "at least one token, got 0"),
-        (lambda: chunks(2, 2, 7, 4, 0), ValueError, r"7 tokens is longer than max_chunk \(6\)"),
-        (lambda: ("k", torch.zeros(1)), TypeError, "k must be a torch.Tensor, got str"),
     ],
 )
-def test_bad_chunks_raise_naming_what_is_wrong(make_chunk, error, message):
-    cache = KVCache(2, 2, max_len=10, head_dim=4, max_chunk=6)
+def test_bad_chunks_raise_naming_what_is_wrong(make_chunk, error, message, device):
+    cache = KVCache(2, 2, max_len=10, head_dim=4, max_chunk=6, device=device)
     with pytest.raises(error, match=message):
         cache.update(*make_chunk())
 
 
-def test_overflow_raises_and_reset_makes_room():
-    cache = KVCache(1, 1, max_len=4, head_dim=2)
-    cache.update(*chunks(1, 1, 3, 2, 0))
+def test_overflow_raises_and_reset_makes_room(device):
+    cache = KVCache(1, 1, max_len=4, head_dim=2, device=device)
+    cache.update(*chunks(1, 1, 3, 2, 0, device=device))
     with pytest.raises(ValueError, match=r"full: 3 tokens seen \+ 2 new > max_len \(4\)"):
-        cache.update(*chunks(1, 1, 2, 2, 3))
+        cache.update(*chunks(1, 1, 2, 2, 3, device=device))
     cache.reset()
-    cache.update(*chunks(1, 1, 4, 2, 0))
+    cache.update(*chunks(1, 1, 4, 2, 0, device=device))
 
 
 def test_a_windowed_cache_also_stops_at_max_len():

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from attnkit import attention
 from attnkit.backends import BACKENDS, tiled_function
 from attnkit.functional import which_backend
-from conftest import expected_products, forced_path
+from conftest import CUDA, expected_products, forced_path
 from oracle import naive_attention
 
 # (b, h, h_kv, t, s, d)
@@ -22,35 +22,49 @@ SHAPES = {
     "odd lengths": (1, 2, 1, 67, 130, 32),  # do not divide any block size
 }
 MASK_KINDS = ["none", "key_mask", "bool", "float"]
-# The backends that take any shape, with gradients; the decode kernel (a few queries over a cache, no
-# gradients) has its own tests in tests/backends/test_decode.py.
+# The backends that take any shape, with gradients, on any device; the decode kernel (a few queries
+# over a cache, no gradients, CPU only) and the flex backend (torch's compiled FlexAttention, CUDA
+# only) have their own tests in tests/backends/test_decode.py and test_flex_backend.py.
 GENERAL = ["reference", "sdpa", "tiled"]
-assert {*GENERAL, "decode"} == set(BACKENDS), "a new backend: add it to GENERAL or give it tests"
+OWN_TESTS = ["decode", "flex"]
+assert {*GENERAL, *OWN_TESTS} == set(BACKENDS), "a new backend: add it to GENERAL or give it tests"
 # The tiled backend runs its C++ kernel where the block products are float32 on a CPU, and its
 # PyTorch loop elsewhere; "tiled:loop" forces the loop on the same inputs, so both paths are checked.
 PATHS = [*GENERAL, "tiled:loop"]
+# On CUDA the tiled backend always runs its loop ("tiled" and "tiled:loop" are one path there); the
+# many-case tests check SDPA and that loop there (the reference backend, plain float64 operations,
+# runs on CUDA in the smaller tests below and in tests/test_gradients.py).
+FUSED = ["sdpa", "tiled"]
 
 
-def make_inputs(shape, dtype=torch.float32, mask_kind="none", requires_grad=True):
+def on_devices(values, cuda):
+    """``(value, device)`` parameters: every value on the CPU, those in ``cuda`` on CUDA too."""
+    return [
+        *(pytest.param(v, torch.device("cpu"), id=f"{v}-cpu") for v in values),
+        *(pytest.param(v, torch.device("cuda"), id=f"{v}-cuda", marks=CUDA.marks) for v in cuda),
+    ]
+
+
+def make_inputs(shape, dtype=torch.float32, mask_kind="none", requires_grad=True, device="cpu"):
     b, h, h_kv, t, s, d = shape
-    q = torch.randn(b, h, t, d, dtype=dtype)
-    k = torch.randn(b, h_kv, s, d, dtype=dtype)
-    v = torch.randn(b, h_kv, s, d, dtype=dtype)
+    q = torch.randn(b, h, t, d, dtype=dtype, device=device)
+    k = torch.randn(b, h_kv, s, d, dtype=dtype, device=device)
+    v = torch.randn(b, h_kv, s, d, dtype=dtype, device=device)
     for x in (q, k, v):
         x.requires_grad_(requires_grad)
     masks = {}
     if mask_kind == "key_mask":
-        key_mask = torch.rand(b, s) > 0.3
+        key_mask = torch.rand(b, s, device=device) > 0.3
         key_mask[0, -1] = True
         if b > 1:
             key_mask[-1] = False  # a whole batch row of padding: every query of it is empty
         masks["key_mask"] = key_mask
     elif mask_kind == "bool":
-        attn_mask = torch.rand(b, 1, t, s) > 0.4
+        attn_mask = torch.rand(b, 1, t, s, device=device) > 0.4
         attn_mask[..., 0, :] = False  # query 0 sees nothing
         masks["attn_mask"] = attn_mask
     elif mask_kind == "float":
-        attn_mask = torch.randn(1, h, t, s, dtype=dtype)
+        attn_mask = torch.randn(1, h, t, s, dtype=dtype, device=device)
         attn_mask[..., -1, :] = float("-inf")  # the last query sees nothing
         attn_mask[..., :, 0] = float("-inf")
         masks["attn_mask"] = attn_mask
@@ -73,12 +87,17 @@ def max_error(x, ref):
     return (x.double() - ref).abs().max().item()
 
 
-@pytest.mark.parametrize("backend", PATHS, indirect=True)
+def on(device, options):
+    """``options`` with their tensors on ``device``."""
+    return {n: x.to(device) if isinstance(x, torch.Tensor) else x for n, x in options.items()}
+
+
+@pytest.mark.parametrize(("backend", "device"), on_devices(PATHS, FUSED), indirect=["backend"])
 @pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("mask_kind", MASK_KINDS)
-def test_fp32_outputs_and_gradients_match_float64_oracle(backend, shape, causal, mask_kind):
-    q, k, v, masks = make_inputs(shape, mask_kind=mask_kind)
+def test_fp32_outputs_and_gradients_match_float64_oracle(backend, device, shape, causal, mask_kind):
+    q, k, v, masks = make_inputs(shape, mask_kind=mask_kind, device=device)
     full = "return_lse" in BACKENDS[backend].supports
     result = attention(
         q, k, v, **masks, causal=causal, backend=backend, return_lse=full, return_weights=full
@@ -104,13 +123,13 @@ MODIFIERS = {
 }
 
 
-@pytest.mark.parametrize("backend", PATHS, indirect=True)
+@pytest.mark.parametrize(("backend", "device"), on_devices(PATHS, FUSED), indirect=["backend"])
 @pytest.mark.parametrize("name", MODIFIERS)
 @pytest.mark.parametrize("causal", [False, True])
-def test_score_modifiers_match_oracle(backend, name, causal):
-    options = MODIFIERS[name]
+def test_score_modifiers_match_oracle(backend, device, name, causal):
+    options = on(device, MODIFIERS[name])
     shape = (2, 4, 2, 9, 13, 16)
-    q, k, v, masks = make_inputs(shape, mask_kind="key_mask")
+    q, k, v, masks = make_inputs(shape, mask_kind="key_mask", device=device)
     if not {k for k in options if k != "scale"} <= BACKENDS[backend].supports:
         with pytest.raises(ValueError, match=f"backend '{backend}' does not support softcap"):
             attention(q, k, v, **masks, causal=causal, backend=backend, **options)
@@ -126,12 +145,15 @@ def test_score_modifiers_match_oracle(backend, name, causal):
 HALF_PATHS = ["tiled:half", "tiled:half-loop", "tiled:portable"]
 
 
-@pytest.mark.parametrize("backend", [*PATHS, *HALF_PATHS], indirect=True)
+@pytest.mark.parametrize(
+    ("backend", "device"), on_devices([*PATHS, *HALF_PATHS], GENERAL), indirect=["backend"]
+)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("causal", [False, True])
-def test_low_precision_within_twice_the_naive_error(backend, dtype, causal):
+def test_low_precision_within_twice_the_naive_error(backend, device, dtype, causal):
+    """On CUDA every path multiplies half precision in half precision, as the naive path does."""
     shape = (2, 4, 2, 33, 47, 40)
-    q, k, v, masks = make_inputs(shape, dtype=dtype, mask_kind="key_mask")
+    q, k, v, masks = make_inputs(shape, dtype=dtype, mask_kind="key_mask", device=device)
     out = attention(q, k, v, **masks, causal=causal, backend=backend)
     inputs64, out64, _, _ = oracle64(q, k, v, masks, causal=causal)
     naive_inputs = [x.detach().clone().requires_grad_() for x in (q, k, v)]
@@ -251,21 +273,21 @@ def test_bf16_block_products_at_the_kernels_own_block_sizes(
     assert torch.isfinite(out).all()
 
 
-@pytest.mark.parametrize("backend", PATHS, indirect=True)
-def test_huge_scores_stay_finite_and_exact(backend):
-    q = torch.randn(1, 2, 8, 16) * 100.0  # scores of magnitude ~1e4
-    k = torch.randn(1, 2, 8, 16) * 100.0
-    v = torch.randn(1, 2, 8, 16)
+@pytest.mark.parametrize(("backend", "device"), on_devices(PATHS, GENERAL), indirect=["backend"])
+def test_huge_scores_stay_finite_and_exact(backend, device):
+    q = torch.randn(1, 2, 8, 16, device=device) * 100.0  # scores of magnitude ~1e4
+    k = torch.randn(1, 2, 8, 16, device=device) * 100.0
+    v = torch.randn(1, 2, 8, 16, device=device)
     out = attention(q, k, v, scale=1.0, backend=backend)
     _, out64, _, _ = oracle64(q, k, v, {}, scale=1.0)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, out64.float(), atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("backend", PATHS, indirect=True)
-def test_fully_masked_rows_give_zeros_and_zero_gradients(backend):
-    q, k, v, _ = make_inputs((2, 2, 2, 4, 6, 8))
-    key_mask = torch.zeros(2, 6, dtype=torch.bool)
+@pytest.mark.parametrize(("backend", "device"), on_devices(PATHS, GENERAL), indirect=["backend"])
+def test_fully_masked_rows_give_zeros_and_zero_gradients(backend, device):
+    q, k, v, _ = make_inputs((2, 2, 2, 4, 6, 8), device=device)
+    key_mask = torch.zeros(2, 6, dtype=torch.bool, device=device)
     key_mask[0, :3] = True  # batch row 1 has no real token at all
     out = attention(q, k, v, key_mask=key_mask, causal=True, backend=backend)
     assert torch.equal(out[1], torch.zeros_like(out[1]))
@@ -277,23 +299,26 @@ def test_fully_masked_rows_give_zeros_and_zero_gradients(backend):
         assert torch.equal(g[1], torch.zeros_like(g[1]))
 
 
-def test_causal_with_more_queries_than_keys_empties_the_first_rows():
-    q, k, v, _ = make_inputs((1, 1, 1, 5, 3, 4), requires_grad=False)
+def test_causal_with_more_queries_than_keys_empties_the_first_rows(device):
+    q, k, v, _ = make_inputs((1, 1, 1, 5, 3, 4), requires_grad=False, device=device)
     out, lse, weights = attention(q, k, v, causal=True, return_lse=True, return_weights=True)
     # p(i) = i + s - t = i - 2: queries 0 and 1 see no key
-    assert torch.equal(out[..., :2, :], torch.zeros(1, 1, 2, 4))
+    assert torch.equal(out[..., :2, :], torch.zeros(1, 1, 2, 4, device=device))
     assert torch.isneginf(lse[..., :2]).all() and torch.isfinite(lse[..., 2:]).all()
     # Query 2 sees key 0 alone: weight 1 up to the last bit of its score. The weights are
     # recomputed from the lse by other matrix products than the kernel's, whose roundings differ
     # on some CPUs (the products' code paths are the CPU's), so that bit may differ.
-    torch.testing.assert_close(weights[0, 0, 2, 0], torch.tensor(1.0), rtol=0, atol=2**-22)
-    assert torch.equal(weights[0, 0, 2, 1:], torch.zeros(2))
+    one = torch.tensor(1.0, device=device)
+    torch.testing.assert_close(weights[0, 0, 2, 0], one, rtol=0, atol=2**-22)
+    assert torch.equal(weights[0, 0, 2, 1:], torch.zeros(2, device=device))
 
 
 @pytest.mark.parametrize("backend", GENERAL)
-def test_gradcheck_in_float64(backend):
-    q, k, v, _masks = make_inputs((1, 2, 1, 3, 4, 3), dtype=torch.float64, mask_kind="key_mask")
-    mask = torch.tensor([[True, False, True, True]])
+def test_gradcheck_in_float64(backend, device):
+    q, k, v, _masks = make_inputs(
+        (1, 2, 1, 3, 4, 3), dtype=torch.float64, mask_kind="key_mask", device=device
+    )
+    mask = torch.tensor([[True, False, True, True]], device=device)
 
     def f(q, k, v):
         return attention(q, k, v, key_mask=mask, causal=True, backend=backend)
@@ -301,12 +326,24 @@ def test_gradcheck_in_float64(backend):
     assert torch.autograd.gradcheck(f, (q, k, v))
 
 
-def test_float64_is_computed_in_float64():
-    q, k, v, _ = make_inputs((1, 2, 2, 5, 5, 8), dtype=torch.float64, requires_grad=False)
+def test_float64_is_computed_in_float64(device):
+    q, k, v, _ = make_inputs(
+        (1, 2, 2, 5, 5, 8), dtype=torch.float64, requires_grad=False, device=device
+    )
     out, lse = attention(q, k, v, return_lse=True)
     _, out64, _lse64, _ = oracle64(q, k, v, {})
     assert out.dtype == lse.dtype == torch.float64
     torch.testing.assert_close(out, out64, rtol=1e-12, atol=1e-12)
+
+
+DEVICE_IS_A_CONSTANT = settings(
+    suppress_health_check=[
+        *settings.default.suppress_health_check,
+        HealthCheck.function_scoped_fixture,
+    ]
+)
+"""For a property test that takes ``device``: a function-scoped fixture, but one value that no
+example changes."""
 
 
 def cases(max_len: int, dims: list[int], max_window: int) -> dict:
@@ -327,14 +364,15 @@ def cases(max_len: int, dims: list[int], max_window: int) -> dict:
 
 
 @given(**cases(max_len=12, dims=[1, 3, 8], max_window=4))
+@DEVICE_IS_A_CONSTANT
 def test_property_every_capable_backend_matches_oracle_in_float64(
-    b, h_kv, groups, t, s, d, causal, window, softcap, alibi, mask_kind
+    device, b, h_kv, groups, t, s, d, causal, window, softcap, alibi, mask_kind
 ):
     h = h_kv * groups
-    q, k, v, masks = make_inputs((b, h, h_kv, t, s, d), torch.float64, mask_kind)
+    q, k, v, masks = make_inputs((b, h, h_kv, t, s, d), torch.float64, mask_kind, device=device)
     options = {"causal": causal, "window": window, "softcap": softcap}
     if alibi:
-        options["alibi_slopes"] = torch.rand(h, dtype=torch.float64)
+        options["alibi_slopes"] = torch.rand(h, dtype=torch.float64, device=device)
     inputs64, out64, lse64, weights64 = oracle64(q, k, v, masks, **options)
     dout = torch.randn_like(out64)
     expected = grads(out64, inputs64, dout)
@@ -386,13 +424,13 @@ def test_property_both_tiled_paths_match_oracle_in_float32(
             torch.testing.assert_close(g, g64.float())
 
 
-@pytest.mark.parametrize("backend", PATHS, indirect=True)
-def test_non_contiguous_inputs_as_modules_produce_them(backend):
+@pytest.mark.parametrize(("backend", "device"), on_devices(PATHS, GENERAL), indirect=["backend"])
+def test_non_contiguous_inputs_as_modules_produce_them(backend, device):
     """Modules hand over (b, t, h, d).transpose(1, 2): strided, not contiguous."""
     b, h, h_kv, t, s, d = 2, 4, 2, 9, 13, 8
-    q = torch.randn(b, t, h, d).transpose(1, 2).requires_grad_()
-    k = torch.randn(b, s, h_kv, d).transpose(1, 2).requires_grad_()
-    v = torch.randn(b, s, h_kv, d).transpose(1, 2).requires_grad_()
+    q = torch.randn(b, t, h, d, device=device).transpose(1, 2).requires_grad_()
+    k = torch.randn(b, s, h_kv, d, device=device).transpose(1, 2).requires_grad_()
+    v = torch.randn(b, s, h_kv, d, device=device).transpose(1, 2).requires_grad_()
     out = attention(q, k, v, causal=True, backend=backend)
     inputs64, out64, _, _ = oracle64(q, k, v, {}, causal=True)
     torch.testing.assert_close(out, out64.float())
@@ -402,31 +440,36 @@ def test_non_contiguous_inputs_as_modules_produce_them(backend):
 
 
 @pytest.mark.parametrize("t, s", [(3, 0), (0, 5), (0, 0)])
-def test_no_key_or_no_query_follows_the_rule_no_key_gives_zero(t, s):
-    """As torch's SDPA with no key: output 0 (lse -inf), and gradients, all zeros, reach q, k, v."""
-    q = torch.randn(2, 4, t, 8, requires_grad=True)
-    k, v = (torch.randn(2, 2, s, 8, requires_grad=True) for _ in "kv")
+def test_no_key_or_no_query_follows_the_rule_no_key_gives_zero(t, s, device):
+    """As torch's SDPA with no key on a CPU: output 0 (lse -inf), and gradients, all zeros, reach
+    q, k, v (on every device)."""
+    q = torch.randn(2, 4, t, 8, requires_grad=True, device=device)
+    k, v = (torch.randn(2, 2, s, 8, requires_grad=True, device=device) for _ in "kv")
     out, lse, weights = attention(q, k, v, causal=True, return_lse=True, return_weights=True)
     assert out.shape == (2, 4, t, 8) and weights.shape == (2, 4, t, s)
     assert torch.equal(out, torch.zeros_like(out)) and bool((lse == float("-inf")).all())
     out.sum().backward()
     for x in (q, k, v):
         assert x.grad is not None and torch.equal(x.grad, torch.zeros_like(x))
-    if s == 0 and t > 0:
+    if s == 0 and t > 0 and device.type == "cpu":  # what torch's CUDA kernels give is theirs
         torch_out = torch.nn.functional.scaled_dot_product_attention(
             q.detach(), k.detach().repeat_interleave(2, 1), v.detach().repeat_interleave(2, 1)
         )
         torch.testing.assert_close(out.detach(), torch_out)
 
 
-def test_a_score_mod_that_returns_a_constant_gives_uniform_weights_on_every_backend(forcing):
-    q = torch.randn(1, 2, 40, 8)
+def test_a_score_mod_that_returns_a_constant_gives_uniform_weights_on_every_backend(
+    forcing, device
+):
+    q = torch.randn(1, 2, 40, 8, device=device)
+
+    def constant(s, b, h, i, j):
+        return torch.tensor(1.0, device=device)
+
     for path in ("tiled", "tiled:loop", "reference"):
         x = q.clone().requires_grad_()
         with forced_path(path) as backend:
-            out = attention(
-                x, x, x, score_mod=lambda s, b, h, i, j: torch.tensor(1.0), backend=backend
-            )
+            out = attention(x, x, x, score_mod=constant, backend=backend)
             out.sum().backward()
         torch.testing.assert_close(out, q.mean(2, keepdim=True).expand_as(q))
         assert torch.isfinite(x.grad).all()

@@ -10,6 +10,7 @@ from torch import nn
 
 from attnkit import MultiHeadAttention, attention
 from attnkit.functional import which_backend
+from conftest import CUDA
 from oracle import naive_attention
 
 # The backends that return lse and weights, on each of their paths
@@ -27,15 +28,32 @@ OPTIONS = {
 }
 
 
-def inputs(dtype=torch.float64, b=1, h=4, h_kv=2, t=5, s=7, d=6, slopes=None):
+CPU, GPU = torch.device("cpu"), torch.device("cuda")
+
+
+def on_devices(cases, cuda):
+    """``(*case, device)`` parameters: every case on the CPU, those in ``cuda`` on CUDA too (on
+    CUDA the tiled backend always runs its loop: "tiled" and "tiled:loop" are one path there)."""
+    return [
+        *(pytest.param(*case, CPU, id="-".join([*case, "cpu"])) for case in cases),
+        *(pytest.param(*c, GPU, id="-".join([*c, "cuda"]), marks=CUDA.marks) for c in cuda),
+    ]
+
+
+def inputs(dtype=torch.float64, b=1, h=4, h_kv=2, t=5, s=7, d=6, slopes=None, device="cpu"):
     tensors = [
-        torch.randn(b, h, t, d, dtype=dtype),
-        torch.randn(b, h_kv, s, d, dtype=dtype),
-        torch.randn(b, h_kv, s, d, dtype=dtype),
+        torch.randn(b, h, t, d, dtype=dtype, device=device),
+        torch.randn(b, h_kv, s, d, dtype=dtype, device=device),
+        torch.randn(b, h_kv, s, d, dtype=dtype, device=device),
     ]
     if slopes is not None:
-        tensors.append(slopes.to(dtype))
+        tensors.append(slopes.to(dtype=dtype, device=device))
     return [x.requires_grad_() for x in tensors]
+
+
+def on(device, options):
+    """``options`` with their tensors on ``device``."""
+    return {n: x.to(device) if isinstance(x, torch.Tensor) else x for n, x in options.items()}
 
 
 def with_masks(options, dtype):
@@ -51,11 +69,15 @@ def with_masks(options, dtype):
     return options
 
 
-@pytest.mark.parametrize("backend", FULL_PATHS, indirect=True)
+@pytest.mark.parametrize(
+    ("backend", "device"),
+    on_devices([(p,) for p in FULL_PATHS], [("reference",), ("tiled",)]),
+    indirect=["backend"],
+)
 @pytest.mark.parametrize("name", OPTIONS)
-def test_output_lse_and_weights_carry_exact_gradients_to_q_k_v_and_slopes(backend, name):
-    options = OPTIONS[name]
-    q, k, v, *slopes = inputs(torch.float32, slopes=options.get("alibi_slopes"))
+def test_output_lse_and_weights_carry_exact_gradients_to_q_k_v_and_slopes(backend, device, name):
+    options = on(device, OPTIONS[name])
+    q, k, v, *slopes = inputs(torch.float32, slopes=options.get("alibi_slopes"), device=device)
     extra = {"alibi_slopes": slopes[0]} if slopes else {}
     opts = with_masks(options, torch.float32)
     out, lse, weights = attention(
@@ -81,20 +103,20 @@ def test_output_lse_and_weights_carry_exact_gradients_to_q_k_v_and_slopes(backen
         torch.testing.assert_close(g, g64.float(), rtol=1e-4, atol=1e-4)
 
 
-def test_a_loss_on_the_weights_alone_has_gradients():
-    q, k, v = inputs(torch.float32)
+def test_a_loss_on_the_weights_alone_has_gradients(device):
+    q, k, v = inputs(torch.float32, device=device)
     _, weights = attention(q, k, v, causal=True, return_weights=True)
     (weights**2).sum().backward()  # raised "does not require grad" when the weights were detached
     assert all(x.grad is not None and x.grad.abs().sum() > 0 for x in (q, k))
 
 
-def test_module_weights_are_differentiable_as_torchs_are():
+def test_module_weights_are_differentiable_as_torchs_are(device):
     """need_weights=True with gradients: attnkit's weights and torch's, from the same parameters,
     give the same gradient for a loss on both outputs."""
-    torch_mha = nn.MultiheadAttention(32, 4, batch_first=True)
+    torch_mha = nn.MultiheadAttention(32, 4, batch_first=True).to(device)
     ours = MultiHeadAttention.from_torch(torch_mha)
-    x = torch.randn(2, 9, 32)
-    target = torch.softmax(torch.randn(2, 9, 9), dim=-1)
+    x = torch.randn(2, 9, 32, device=device)
+    target = torch.softmax(torch.randn(2, 9, 9, device=device), dim=-1)
 
     def query_weight_grad(module, out, weights):
         loss = out.sum() + 100 * ((weights - target) ** 2).sum()
@@ -107,9 +129,14 @@ def test_module_weights_are_differentiable_as_torchs_are():
     torch.testing.assert_close(got, expected[:32], rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("backend", GENERAL_PATHS, indirect=True)
-def test_learnable_alibi_slopes_get_their_gradient(backend):
-    q, k, v, slopes = inputs(torch.float32, h=2, h_kv=1, t=9, s=12, slopes=torch.tensor([0.3, 0.1]))
+@pytest.mark.parametrize(
+    ("backend", "device"),
+    on_devices([(p,) for p in GENERAL_PATHS], [("reference",), ("tiled",), ("sdpa",)]),
+    indirect=["backend"],
+)
+def test_learnable_alibi_slopes_get_their_gradient(backend, device):
+    slopes = torch.tensor([0.3, 0.1])
+    q, k, v, slopes = inputs(torch.float32, h=2, h_kv=1, t=9, s=12, slopes=slopes, device=device)
     out = attention(q, k, v, causal=True, alibi_slopes=slopes, backend=backend)
     (got,) = torch.autograd.grad((out * out).sum(), slopes)
     leaves = [x.detach().double().requires_grad_() for x in (q, k, v, slopes)]
@@ -118,11 +145,19 @@ def test_learnable_alibi_slopes_get_their_gradient(backend):
     torch.testing.assert_close(got, expected.float(), rtol=1e-4, atol=1e-4)
 
 
-def test_auto_gives_learnable_slopes_their_gradient_where_it_picks_the_tiled_kernel():
-    """At 256 x 256 scores the C++ kernel beats SDPA's dense ALiBi mask, so auto picks it (the
-    issue's report: at t = s = 3000, slopes.grad stayed None)."""
+def test_auto_gives_learnable_slopes_their_gradient_where_it_picks_the_tiled_kernel(device):
+    """At 256 x 256 scores the C++ kernel beats SDPA's dense ALiBi mask, so auto picks it on a
+    CPU (the issue's report: at t = s = 3000, slopes.grad stayed None); on CUDA, whatever auto
+    picks gives them their gradient too."""
     q, k, v, slopes = inputs(
-        torch.float32, h=2, h_kv=2, t=256, s=256, d=8, slopes=torch.tensor([0.1, 0.01])
+        torch.float32,
+        h=2,
+        h_kv=2,
+        t=256,
+        s=256,
+        d=8,
+        slopes=torch.tensor([0.1, 0.01]),
+        device=device,
     )
     choice = which_backend(q, k, v, causal=True, alibi_slopes=slopes)
     out = attention(q, k, v, causal=True, alibi_slopes=slopes)
@@ -131,12 +166,13 @@ def test_auto_gives_learnable_slopes_their_gradient_where_it_picks_the_tiled_ker
     reference = attention(q, k, v, causal=True, alibi_slopes=slopes, backend="reference")
     (expected,) = torch.autograd.grad(reference.sum(), slopes)
     torch.testing.assert_close(slopes.grad, expected, rtol=1e-4, atol=1e-3)
-    assert choice.backend == "tiled", choice
+    if device.type == "cpu":
+        assert choice.backend == "tiled", choice
 
 
-def test_a_float_mask_that_needs_a_gradient_gets_it_and_tiled_refuses_it():
-    q, k, v = inputs(torch.float32)
-    bias = torch.randn(1, 4, 5, 7, requires_grad=True)
+def test_a_float_mask_that_needs_a_gradient_gets_it_and_tiled_refuses_it(device):
+    q, k, v = inputs(torch.float32, device=device)
+    bias = torch.randn(1, 4, 5, 7, requires_grad=True, device=device)
     assert which_backend(q, k, v, attn_mask=bias).backend != "tiled"
     out = attention(q, k, v, attn_mask=bias, causal=True)
     (got,) = torch.autograd.grad(out.sum(), bias)
@@ -150,14 +186,22 @@ def test_a_float_mask_that_needs_a_gradient_gets_it_and_tiled_refuses_it():
         attention(q, k, v, attn_mask=bias, backend="tiled")
 
 
-@pytest.mark.parametrize("backend", GENERAL_PATHS, indirect=True)
-@pytest.mark.parametrize("name", OPTIONS)
-def test_gradcheck_and_gradgradcheck_in_float64(backend, name):
+@pytest.mark.parametrize(
+    ("backend", "name", "device"),
+    on_devices(
+        [(p, n) for n in OPTIONS for p in GENERAL_PATHS],
+        [(p, n) for n in ("causal gqa", "alibi") for p in ("reference", "sdpa", "tiled")],
+    ),
+    indirect=["backend"],
+)
+def test_gradcheck_and_gradgradcheck_in_float64(backend, name, device):
     """First and second derivatives of every returned tensor on every backend, numerically
     checked (in float64 the tiled backend runs its loop; its create_graph backward, the reference's
-    recomputation, is the same on both paths)."""
-    options = OPTIONS[name]
-    leaves = inputs(torch.float64, t=3, s=7, d=3, h=4, h_kv=2, slopes=options.get("alibi_slopes"))
+    recomputation, is the same on both paths). Slow: on CUDA two of the options."""
+    options = on(device, OPTIONS[name])
+    leaves = inputs(
+        torch.float64, t=3, s=7, d=3, h=4, h_kv=2, slopes=options.get("alibi_slopes"), device=device
+    )
     opts = with_masks(options, torch.float64)
     if "attn_mask" in opts:
         opts["attn_mask"] = opts["attn_mask"][..., :3, :]
@@ -178,10 +222,10 @@ def test_gradcheck_and_gradgradcheck_in_float64(backend, name):
 
 
 @pytest.mark.parametrize("backend", ["tiled", "sdpa"], indirect=True)
-def test_second_derivatives_in_float32_through_the_fused_kernels(backend):
-    """A gradient penalty through the C++ kernel and SDPA's fused CPU kernel (neither has a
-    double backward of its own): d/dq of |d loss / dk|^2 against the oracle's."""
-    q, k, v = inputs(torch.float32, t=6, s=9)
+def test_second_derivatives_in_float32_through_the_fused_kernels(backend, device):
+    """A gradient penalty through the C++ kernel and SDPA's fused kernels (neither has a double
+    backward of its own): d/dq of |d loss / dk|^2 against the oracle's."""
+    q, k, v = inputs(torch.float32, t=6, s=9, device=device)
 
     def penalty(q, k, v, backend=None):
         if backend is None:

@@ -17,9 +17,10 @@ from oracle import allowed_positions
 
 
 @pytest.mark.parametrize(("t", "s"), [(1, 1), (1, 5), (2, 5), (5, 5), (5, 2), (7, 3)])
-def test_causal_mask_is_bottom_right(t, s):
-    assert torch.equal(causal_mask(t, s), allowed_positions(t, s, causal=True, window=None))
-    assert causal_mask(t, s)[-1].all()  # the last query sees every key
+def test_causal_mask_is_bottom_right(t, s, device):
+    mask = causal_mask(t, s, device=device)
+    assert torch.equal(mask, allowed_positions(t, s, causal=True, window=None, device=device))
+    assert mask[-1].all()  # the last query sees every key
 
 
 def test_causal_mask_drawn_in_the_docstring():
@@ -49,26 +50,27 @@ def test_merge_window_drops_what_masks_nothing_for_this_shape():
     assert merge_window(True, None, 7, 6) == (-1, 0)  # t > s: the first query sees nothing
 
 
-def test_alibi_bias_penalises_distance():
-    bias = alibi_bias(torch.tensor([1.0, 0.5]), 2, 4)  # p = (2, 3)
-    assert bias.shape == (2, 2, 4)
+def test_alibi_bias_penalises_distance(device):
+    bias = alibi_bias(torch.tensor([1.0, 0.5], device=device), 2, 4)  # p = (2, 3)
+    assert bias.shape == (2, 2, 4) and bias.device.type == device.type
     assert bias[0, 0].tolist() == [-2.0, -1.0, 0.0, -1.0]
     assert bias[1, 1].tolist() == [-1.5, -1.0, -0.5, 0.0]
 
 
-def test_masks_combine_and_slice_into_blocks():
-    key_mask = torch.tensor([[True, True, False, True, True]])
-    attn_mask = torch.zeros(1, 1, 3, 5)
+def test_masks_combine_and_slice_into_blocks(device):
+    key_mask = torch.tensor([[True, True, False, True, True]], device=device)
+    attn_mask = torch.zeros(1, 1, 3, 5, device=device)
     attn_mask[..., 1, 0] = float("-inf")
     masks = Masks(window=(-1, 0), key_mask=key_mask, attn_mask=attn_mask)
-    full = masks.allowed(3, 5, torch.device("cpu"))
-    expected = causal_mask(3, 5) & key_mask[:, None, None, :] & (attn_mask > float("-inf"))
+    full = masks.allowed(3, 5, device)
+    causal = causal_mask(3, 5, device=device)
+    expected = causal & key_mask[:, None, None, :] & (attn_mask > float("-inf"))
     assert torch.equal(full.expand(1, 1, 3, 5), expected)
-    block = masks.allowed(3, 5, torch.device("cpu"), rows=slice(1, 3), cols=slice(0, 2))
+    block = masks.allowed(3, 5, device, rows=slice(1, 3), cols=slice(0, 2))
     assert torch.equal(block.expand(1, 1, 2, 2), expected[..., 1:3, 0:2])
     assert torch.equal(masks.bias(), attn_mask)
     assert torch.equal(masks.bias(slice(1, 3), slice(0, 2)), attn_mask[..., 1:3, 0:2])
-    assert Masks().allowed(3, 5, torch.device("cpu")) is None and Masks().bias() is None
+    assert Masks().allowed(3, 5, device) is None and Masks().bias() is None
 
 
 def test_alibi_slopes_are_the_standard_geometric_ones():

@@ -8,25 +8,34 @@ from torch.nn.attention import flex_attention as torch_flex
 
 import attnkit
 from attnkit import functional as F
+from conftest import CUDA
 
 LENGTHS_Q = [5, 1, 12, 9]
 LENGTHS_K = [5, 7, 12, 14]  # a sequence may hold more keys than queries (bottom-right aligned)
 
 
-def cu(lengths):
-    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+def cu(lengths, device="cpu"):
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=device)
 
 
-@pytest.mark.parametrize("block_size", [4, (4, 8), 128])
+@pytest.mark.parametrize(
+    ("block_size", "device"),
+    [
+        *(pytest.param(size, torch.device("cpu"), id=f"{size}-cpu") for size in (4, (4, 8), 128)),
+        pytest.param(128, torch.device("cuda"), id="128-cuda", marks=CUDA.marks),
+    ],
+)
 @pytest.mark.parametrize(
     ("causal", "window"), [(False, None), (True, None), (True, (3, 0)), (False, (2, 1))]
 )
 @pytest.mark.parametrize("h_kv", [4, 2, 1])
-def test_varlen_equals_each_sequence_alone_forward_and_backward(causal, window, h_kv, block_size):
+def test_varlen_equals_each_sequence_alone_forward_and_backward(
+    causal, window, h_kv, block_size, device
+):
     total_q, total_k = sum(LENGTHS_Q), sum(LENGTHS_K)
-    q = torch.randn(total_q, 4, 8, requires_grad=True)
-    k, v = (torch.randn(total_k, h_kv, 8, requires_grad=True) for _ in range(2))
-    cu_q, cu_k = cu(LENGTHS_Q), cu(LENGTHS_K)
+    q = torch.randn(total_q, 4, 8, requires_grad=True, device=device)
+    k, v = (torch.randn(total_k, h_kv, 8, requires_grad=True, device=device) for _ in range(2))
+    cu_q, cu_k = cu(LENGTHS_Q, device), cu(LENGTHS_K, device)
     out, lse = attnkit.varlen_attention(
         q,
         k,
@@ -60,22 +69,22 @@ def test_varlen_equals_each_sequence_alone_forward_and_backward(causal, window, 
         torch.testing.assert_close(g, w)
 
 
-def test_document_mask_equals_torch_block_tables_of_the_same_mask():
-    documents = torch.tensor([0] * 5 + [1] * 1 + [2] * 12 + [3] * 9)
+def test_document_mask_equals_torch_block_tables_of_the_same_mask(device):
+    documents = torch.tensor([0] * 5 + [1] * 1 + [2] * 12 + [3] * 9, device=device)
 
     def mask_mod(b, h, q_idx, kv_idx):
         return (documents[q_idx] == documents[kv_idx]) & (q_idx >= kv_idx)
 
     ours = attnkit.document_mask(documents, causal=True, BLOCK_SIZE=4)
-    theirs = torch_flex.create_block_mask(mask_mod, None, None, 27, 27, "cpu", BLOCK_SIZE=4)
+    theirs = torch_flex.create_block_mask(mask_mod, None, None, 27, 27, device, BLOCK_SIZE=4)
     assert torch.equal(ours.kv_num_blocks, theirs.kv_num_blocks)
     assert torch.equal(ours.full_kv_num_blocks, theirs.full_kv_num_blocks)
-    same = attnkit.document_mask(cu_seqlens=cu([5, 1, 12, 9]), causal=True, BLOCK_SIZE=4)
+    same = attnkit.document_mask(cu_seqlens=cu([5, 1, 12, 9], device), causal=True, BLOCK_SIZE=4)
     assert torch.equal(same.kv_indices, ours.kv_indices)
 
 
-def test_packed_training_through_document_mask_skips_the_blocks_between_documents():
-    documents = torch.arange(64) // 16  # four documents of 16 tokens
+def test_packed_training_through_document_mask_skips_the_blocks_between_documents(device):
+    documents = torch.arange(64, device=device) // 16  # four documents of 16 tokens
     mask = attnkit.document_mask(documents, causal=True, BLOCK_SIZE=8)
     assert int(mask.kv_num_blocks.sum() + mask.full_kv_num_blocks.sum()) == 4 * 3  # of 64 blocks
 

@@ -4,6 +4,7 @@ tests/test_flex.py, tests/test_block_mask.py, tests/mods/ and tests/backends/.""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -67,20 +68,45 @@ def t5_bias(table):
     return score_mod
 
 
+def _zoo(document, alibi, table, t5_table) -> dict:
+    """The zoo, its mods reading these tensors (those of ``document`` and ``alibi`` too)."""
+    return {  # name: (score_mod, mask_mod)
+        "causal": (None, causal),
+        "sliding window": (None, sliding),
+        "prefix-LM": (None, prefix_lm),
+        "document": (None, document),
+        "empty rows": (None, empties_rows),
+        "ALiBi": (alibi, None),
+        "softcap, causal": (softcap, causal),
+        "relative bias, causal": (relative_bias(table), causal),
+        "T5 buckets": (t5_bias(t5_table), None),
+        "relative bias, document": (relative_bias(table), document),
+    }
+
+
 TABLE = torch.randn(H, 2 * 29 - 1)
 T5_TABLE = torch.randn(H, 8)
-ZOO = {  # name: (score_mod, mask_mod)
-    "causal": (None, causal),
-    "sliding window": (None, sliding),
-    "prefix-LM": (None, prefix_lm),
-    "document": (None, document),
-    "empty rows": (None, empties_rows),
-    "ALiBi": (alibi, None),
-    "softcap, causal": (softcap, causal),
-    "relative bias, causal": (relative_bias(TABLE), causal),
-    "T5 buckets": (t5_bias(T5_TABLE), None),
-    "relative bias, document": (relative_bias(TABLE), document),
-}
+ZOO = _zoo(document, alibi, TABLE, T5_TABLE)
+
+
+@functools.cache
+def zoo_on(device: torch.device) -> dict:
+    """ZOO for inputs on ``device``: the same mods, reading copies of their tensors there (a mod
+    indexes them with the call's indices, which live on the inputs' device). ZOO on the CPU."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return ZOO
+    docs, slopes = DOCS.to(device), SLOPES.to(device)
+
+    def document(b, h, q, kv):
+        return docs[q] == docs[kv]
+
+    def alibi(score, b, h, q, kv):
+        return score - slopes[h] * (q - kv).abs()
+
+    return _zoo(document, alibi, TABLE.to(device), T5_TABLE.to(device))
+
+
 SHAPES = {  # name: (b, h_kv, t, s)
     "t = s": (2, H, 29, 29),
     "GQA, t < s": (1, 2, 13, 29),
@@ -100,17 +126,19 @@ def assert_bf16_rule(got, naive, exact):
         assert error(g, e) <= (2 if i == 0 else 3) * error(n, e), i
 
 
-def inputs(b, h_kv, t, s, d=8, dtype=torch.float32):
-    return torch.randn(b, H, t, d, dtype=dtype), *(
-        torch.randn(b, h_kv, s, d, dtype=dtype) for _ in range(2)
+def inputs(b, h_kv, t, s, d=8, dtype=torch.float32, device="cpu"):
+    return torch.randn(b, H, t, d, dtype=dtype, device=device), *(
+        torch.randn(b, h_kv, s, d, dtype=dtype, device=device) for _ in range(2)
     )
 
 
 def oracle(q, k, v, score_mod=None, mask_mod=None, scale=None):
     """Materialised attention in float64 with torch's own semantics for the mods (``torch.vmap``
-    over scalars, ``create_mask``): ``(out, lse)``, 0 and -inf for a query with no key."""
+    over scalars, ``create_mask``): ``(out, lse)``, 0 and -inf for a query with no key. On q's
+    device (the mods read tensors there: ``zoo_on``)."""
     b, h, t, d = q.shape
     s = k.shape[-2]
+    device = q.device
     q, k, v = (x.double() for x in (q, k, v))
     k, v = (x.repeat_interleave(h // x.shape[1], dim=1) for x in (k, v))
     scores = (q @ k.transpose(-2, -1)) * (scale or d**-0.5)
@@ -118,18 +146,20 @@ def oracle(q, k, v, score_mod=None, mask_mod=None, scale=None):
         fn = score_mod
         for dim in reversed(range(4)):
             fn = torch.vmap(fn, in_dims=(0, *(0 if i == dim else None for i in range(4))))
-        scores = fn(scores, torch.arange(b), torch.arange(h), torch.arange(t), torch.arange(s))
+        indices = (torch.arange(n, device=device) for n in (b, h, t, s))
+        scores = fn(scores, *indices)
     if mask_mod is not None:
-        scores = scores.masked_fill(~torch_flex.create_mask(mask_mod, b, h, t, s, "cpu"), -math.inf)
+        allowed = torch_flex.create_mask(mask_mod, b, h, t, s, device)
+        scores = scores.masked_fill(~allowed, -math.inf)
     lse = torch.logsumexp(scores, dim=-1)
     weights = torch.exp(scores - lse.masked_fill(lse.isinf(), 0)[..., None])
     return weights @ v, lse
 
 
-def torch_block_mask(mask_mod, t, s, block_size):
+def torch_block_mask(mask_mod, t, s, block_size, device="cpu"):
     if mask_mod is None:
         return None
-    return torch_flex.create_block_mask(mask_mod, None, None, t, s, "cpu", BLOCK_SIZE=block_size)
+    return torch_flex.create_block_mask(mask_mod, None, None, t, s, device, BLOCK_SIZE=block_size)
 
 
 def fits(shape_name, mod_name):

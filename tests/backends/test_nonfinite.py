@@ -10,13 +10,13 @@ import math
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from attnkit import attention, mods
 from attnkit.backends import BACKENDS, tiled_function
 from attnkit.functional import which_backend
-from conftest import expected_products, forced_path
+from conftest import CUDA, expected_products, forced_path
 from oracle import selected_attention
 
 NAN, INF = float("nan"), float("inf")
@@ -25,6 +25,17 @@ PATHS = ["reference", "sdpa", "tiled", "tiled:loop", "decode"]
 GENERAL = ["reference", "tiled", "tiled:loop", "sdpa"]  # every path with masks and modifiers
 OWN_GENERAL = ["reference", "tiled", "tiled:loop"]  # attnkit's own kernels among them
 HALF_PATHS = ["tiled:half", "tiled:portable"]  # bf16 block products (see conftest.forced_path)
+# On CUDA: no decode kernel, and the tiled backend always runs its loop ("tiled" is "tiled:loop").
+CUDA_GENERAL = ["reference", "tiled", "sdpa"]
+CUDA_OWN = ["reference", "tiled"]
+
+
+def on_devices(values, cuda):
+    """``(value, device)`` parameters: every value on the CPU, those in ``cuda`` on CUDA too."""
+    return [
+        *(pytest.param(v, torch.device("cpu"), id=f"{v}-cpu") for v in values),
+        *(pytest.param(v, torch.device("cuda"), id=f"{v}-cuda", marks=CUDA.marks) for v in cuda),
+    ]
 
 
 def run(path, q, k, v, monkeypatch, **options):
@@ -44,8 +55,12 @@ def assert_same(got, expected):
     torch.testing.assert_close(got[finite], expected[finite])
 
 
-def qkv(b=1, h=2, h_kv=1, t=4, s=6, d=8):
-    return torch.randn(b, h, t, d), torch.randn(b, h_kv, s, d), torch.randn(b, h_kv, s, d)
+def qkv(b=1, h=2, h_kv=1, t=4, s=6, d=8, device="cpu"):
+    return (
+        torch.randn(b, h, t, d, device=device),
+        torch.randn(b, h_kv, s, d, device=device),
+        torch.randn(b, h_kv, s, d, device=device),
+    )
 
 
 def check(path, q, k, v, monkeypatch, **options):
@@ -58,38 +73,40 @@ def check(path, q, k, v, monkeypatch, **options):
     return out
 
 
-@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize(("path", "device"), on_devices(PATHS, CUDA_GENERAL))
 @pytest.mark.parametrize("value", [NAN, INF, -INF])
-def test_a_non_finite_query_makes_its_row_nan_not_zero(path, value, monkeypatch):
-    q, k, v = qkv(t=1)
+def test_a_non_finite_query_makes_its_row_nan_not_zero(path, device, value, monkeypatch):
+    q, k, v = qkv(t=1, device=device)
     q[0, 1, 0, 3] = value
     out = check(path, q, k, v, monkeypatch)
     assert torch.isnan(out[0, 1]).all() and torch.isfinite(out[0, 0]).all()
 
 
-@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize(("path", "device"), on_devices(PATHS, CUDA_GENERAL))
 @pytest.mark.parametrize("value", [NAN, INF, -INF])
-def test_a_non_finite_key_reaches_every_row_that_sees_it(path, value, monkeypatch):
-    q, k, v = qkv(t=1)
+def test_a_non_finite_key_reaches_every_row_that_sees_it(path, device, value, monkeypatch):
+    q, k, v = qkv(t=1, device=device)
     k[0, 0, 2, 5] = value  # -inf too: a computed -inf score is NaN, never a mask
     out = check(path, q, k, v, monkeypatch)
     assert torch.isnan(out).all()
 
 
-@pytest.mark.parametrize("path", PATHS)
-def test_a_non_finite_value_reaches_its_column_of_every_row_that_sees_it(path, monkeypatch):
-    q, k, v = qkv(t=1)
+@pytest.mark.parametrize(("path", "device"), on_devices(PATHS, CUDA_GENERAL))
+def test_a_non_finite_value_reaches_its_column_of_every_row_that_sees_it(path, device, monkeypatch):
+    q, k, v = qkv(t=1, device=device)
     v[0, 0, 4, 2] = INF
     out = check(path, q, k, v, monkeypatch)
     assert (~torch.isfinite(out[..., 2])).all() and torch.isfinite(out[..., [0, 1, 3]]).all()
 
 
-@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize(("path", "device"), on_devices(PATHS, CUDA_GENERAL))
 @pytest.mark.parametrize("value", [NAN, INF, -INF])
-def test_padding_is_inert_on_every_backend(path, value, monkeypatch):
+def test_padding_is_inert_on_every_backend(path, device, value, monkeypatch):
     """Padding may hold anything (torch.empty): it never reaches a result, nor a gradient."""
-    q, k, v = qkv(b=2, t=1, s=70)  # more than one of the decode kernel's 64-key blocks
-    key_mask = torch.ones(2, 70, dtype=torch.bool)
+    q, k, v = qkv(
+        b=2, t=1, s=70, device=device
+    )  # more than one of the decode kernel's 64-key blocks
+    key_mask = torch.ones(2, 70, dtype=torch.bool, device=device)
     key_mask[0, [3, 65]] = False
     key_mask[1, :] = False  # a row of nothing but padding: zeros
     for x in (k, v):
@@ -104,36 +121,37 @@ def test_padding_is_inert_on_every_backend(path, value, monkeypatch):
     out = attention(*inputs, key_mask=key_mask, backend=name)
     grads = torch.autograd.grad(out.sum(), inputs)
     assert all(torch.isfinite(g).all() for g in grads)
-    assert torch.equal(grads[1][0, 0, [3, 65]], torch.zeros(2, 8))  # padding gets no gradient
+    padding_grads = grads[1][0, 0, [3, 65]]
+    assert torch.equal(padding_grads, torch.zeros(2, 8, device=device))  # padding gets none
 
 
-@pytest.mark.parametrize("path", OWN_GENERAL)
+@pytest.mark.parametrize(("path", "device"), on_devices(OWN_GENERAL, CUDA_OWN))
 @pytest.mark.parametrize("value", [NAN, INF])
 def test_keys_hidden_by_causal_or_window_masks_are_inert_in_attnkits_kernels(
-    path, value, monkeypatch
+    path, device, value, monkeypatch
 ):
-    q, k, v = qkv(t=12, s=12)
+    q, k, v = qkv(t=12, s=12, device=device)
     k[0, 0, 9], v[0, 0, 9] = value, value  # seen by queries 9.. (causal), 9..11 (window)
     for options in ({"causal": True}, {"window": (2, 0)}, {"window": (1, 1)}):
         out = check(path, q, k, v, monkeypatch, **options)
         assert torch.isfinite(out[..., :8, :]).all()
 
 
-@pytest.mark.parametrize("path", GENERAL)
-def test_a_row_with_no_key_gives_zeros_whatever_its_query(path, monkeypatch):
-    q, k, v = qkv(t=3, s=5)
+@pytest.mark.parametrize(("path", "device"), on_devices(GENERAL, CUDA_GENERAL))
+def test_a_row_with_no_key_gives_zeros_whatever_its_query(path, device, monkeypatch):
+    q, k, v = qkv(t=3, s=5, device=device)
     q[..., 0, :] = NAN
-    mask = torch.ones(3, 5, dtype=torch.bool)
+    mask = torch.ones(3, 5, dtype=torch.bool, device=device)
     mask[0] = False
     out = check(path, q, k, v, monkeypatch, attn_mask=mask)
-    assert torch.equal(out[..., 0, :], torch.zeros(1, 2, 8))
+    assert torch.equal(out[..., 0, :], torch.zeros(1, 2, 8, device=device))
 
 
-@pytest.mark.parametrize("path", GENERAL)
+@pytest.mark.parametrize(("path", "device"), on_devices(GENERAL, CUDA_GENERAL))
 @pytest.mark.parametrize("value", [NAN, INF])
-def test_nan_or_inf_in_a_float_mask_is_a_nan_score(path, value, monkeypatch):
-    q, k, v = qkv(t=3, s=5)
-    bias = torch.zeros(3, 5)
+def test_nan_or_inf_in_a_float_mask_is_a_nan_score(path, device, value, monkeypatch):
+    q, k, v = qkv(t=3, s=5, device=device)
+    bias = torch.zeros(3, 5, device=device)
     bias[1, 2] = value
     bias[2, :] = -INF  # -inf still masks: row 2 sees nothing
     bias[2, 4] = value  # ...but NaN or +inf is a score, and a NaN one
@@ -142,33 +160,35 @@ def test_nan_or_inf_in_a_float_mask_is_a_nan_score(path, value, monkeypatch):
     assert torch.isnan(out[..., 1:, :]).all()
 
 
-@pytest.mark.parametrize("path", GENERAL)
+@pytest.mark.parametrize(("path", "device"), on_devices(GENERAL, CUDA_GENERAL))
 @pytest.mark.parametrize("value", [NAN, INF, -INF])
-def test_a_non_finite_alibi_slope_makes_its_head_nan(path, value, monkeypatch):
-    q, k, v = qkv(h=2, t=3, s=5)
-    slopes = torch.tensor([0.5, value])
+def test_a_non_finite_alibi_slope_makes_its_head_nan(path, device, value, monkeypatch):
+    q, k, v = qkv(h=2, t=3, s=5, device=device)
+    slopes = torch.tensor([0.5, value], device=device)
     out = check(path, q, k, v, monkeypatch, alibi_slopes=slopes, causal=True)
     assert torch.isfinite(out[0, 0]).all() and torch.isnan(out[0, 1]).all()
 
 
-@pytest.mark.parametrize("path", OWN_GENERAL)
-def test_softcap_does_not_hide_an_infinite_score(path, monkeypatch):
+@pytest.mark.parametrize(("path", "device"), on_devices(OWN_GENERAL, CUDA_OWN))
+def test_softcap_does_not_hide_an_infinite_score(path, device, monkeypatch):
     """tanh(inf) = 1: without the rule an infinite query would pass as a capped score."""
-    q, k, v = qkv(t=2)
+    q, k, v = qkv(t=2, device=device)
     q[0, 0, 1, 0] = INF
     out = check(path, q, k, v, monkeypatch, softcap=5.0)
     assert torch.isnan(out[0, 0, 1]).all() and torch.isfinite(out[0, 0, 0]).all()
 
 
-def test_reference_computes_in_float64_where_fp16_would_overflow():
-    q = torch.full((1, 1, 2, 4), 200.0, dtype=torch.float16)
-    k = torch.full((1, 1, 3, 4), 200.0, dtype=torch.float16)  # q . k = 160000 > 65504
-    v = torch.randn(1, 1, 3, 4, dtype=torch.float16)
+def test_reference_computes_in_float64_where_fp16_would_overflow(device):
+    half = {"dtype": torch.float16, "device": device}
+    q = torch.full((1, 1, 2, 4), 200.0, **half)
+    k = torch.full((1, 1, 3, 4), 200.0, **half)  # q . k = 160000 > 65504
+    v = torch.randn(1, 1, 3, 4, **half)
     out, lse = attention(q, k, v, scale=1.0, return_lse=True, backend="reference")
     assert out.dtype == torch.float16 and lse.dtype == torch.float32
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
     torch.testing.assert_close(out, v.mean(dim=2, keepdim=True).expand(1, 1, 2, 4))
-    torch.testing.assert_close(lse, torch.full((1, 1, 2), 160000 + torch.log(torch.tensor(3.0))))
+    want = torch.full((1, 1, 2), 160000 + torch.log(torch.tensor(3.0)), device=device)
+    torch.testing.assert_close(lse, want)
 
 
 KINDS = ["q", "k", "v", "key_mask padding", "float mask", "slope"]
@@ -191,26 +211,33 @@ KINDS = ["q", "k", "v", "key_mask padding", "float mask", "slope"]
         max_size=3,
     ),
 )
+@settings(  # device is a function-scoped fixture, but one value that no example changes
+    suppress_health_check=[
+        *settings.default.suppress_health_check,
+        HealthCheck.function_scoped_fixture,
+    ]
+)
 def test_property_every_backend_follows_the_one_rule(
-    b, h_kv, groups, t, s, causal, window, softcap, mask_kind, alibi, places
+    device, b, h_kv, groups, t, s, causal, window, softcap, mask_kind, alibi, places
 ):
     """Random options, non-finite values at random places: every path that can run the call gives
     the oracle's finite/non-finite pattern and, where finite, its values. SDPA is held to the rule
     everywhere but one place the rule leaves to attnkit's own kernels: a non-finite key or value
-    that a causal, window or attn_mask hides from some query."""
+    that a causal, window or attn_mask hides from some query. (Paths a device has not, the decode
+    kernel on CUDA, are refused by which_backend and left out.)"""
     h = h_kv * groups
-    q, k, v = qkv(b, h, h_kv, t, s, 8)
+    q, k, v = qkv(b, h, h_kv, t, s, 8, device=device)
     options = {"causal": causal, "window": window, "softcap": softcap}
     if mask_kind == "key_mask":
-        options["key_mask"] = torch.rand(b, s) > 0.3
+        options["key_mask"] = torch.rand(b, s, device=device) > 0.3
     elif mask_kind == "bool":
-        options["attn_mask"] = torch.rand(b, 1, t, s) > 0.3
+        options["attn_mask"] = torch.rand(b, 1, t, s, device=device) > 0.3
     elif mask_kind == "float":
-        bias = torch.randn(1, h, t, s)
-        bias[torch.rand(1, h, t, s) < 0.3] = -INF
+        bias = torch.randn(1, h, t, s, device=device)
+        bias[torch.rand(1, h, t, s, device=device) < 0.3] = -INF
         options["attn_mask"] = bias
     if alibi:
-        options["alibi_slopes"] = torch.rand(h)
+        options["alibi_slopes"] = torch.rand(h, device=device)
     hidden_key_or_value = False
     for kind, value, seed in places:
         if kind in ("q", "k", "v"):
@@ -247,8 +274,11 @@ def test_property_every_backend_follows_the_one_rule(
         monkeypatch.undo()
 
 
-@pytest.mark.parametrize("path", ["tiled", "tiled:loop", "tiled:half", "tiled:portable"])
-def test_a_nan_row_leaves_the_gradients_of_other_rows_finite(path, monkeypatch, forcing):
+@pytest.mark.parametrize(
+    ("path", "device"),
+    on_devices(["tiled", "tiled:loop", "tiled:half", "tiled:portable"], ["tiled"]),
+)
+def test_a_nan_row_leaves_the_gradients_of_other_rows_finite(path, device, monkeypatch, forcing):
     """The backward takes P and dS as exactly 0 at a masked key, even in a row that a NaN made
     NaN: neither a stale soft-cap value (C++) nor exp(-inf - NaN) reaches the other rows, nor
     a thread's buffers from one batch row to the next."""
@@ -256,7 +286,7 @@ def test_a_nan_row_leaves_the_gradients_of_other_rows_finite(path, monkeypatch, 
     monkeypatch.setattr(tiled_function, "BLOCK_Q", 4)
     monkeypatch.setattr(tiled_function, "BLOCK_K", 4)
     dtype = torch.bfloat16 if path in HALF_PATHS else torch.float32
-    q, k, v = (torch.randn(2, 1, 10, 8, dtype=dtype) for _ in range(3))
+    q, k, v = (torch.randn(2, 1, 10, 8, dtype=dtype, device=device) for _ in range(3))
     q[0, 0, 6] = NAN  # batch row 0, one query late in the sequence
     leaves = [x.requires_grad_() for x in (q, k, v)]
     threads = torch.get_num_threads()
@@ -272,30 +302,30 @@ def test_a_nan_row_leaves_the_gradients_of_other_rows_finite(path, monkeypatch, 
     assert torch.isfinite(dv[0, 0, 7:]).all()  # keys the NaN query never saw
 
 
-def test_rows_of_huge_finite_values_are_finite():
+def test_rows_of_huge_finite_values_are_finite(device):
     """A row sum that overflows is not a non-finite value: the exact check decides."""
     from attnkit.backends.nonfinite import nan_rows, nonfinite_rows
 
-    x = torch.full((2, 3, 64), 3e37)  # every row sums past float32's largest value
+    x = torch.full((2, 3, 64), 3e37, device=device)  # every row sums past float32's largest value
     x[1, 2, 5] = NAN
-    expected = torch.tensor([[False, False, False], [False, False, True]])
+    expected = torch.tensor([[False, False, False], [False, False, True]], device=device)
     assert torch.equal(nonfinite_rows(x), expected)
     assert torch.isnan(nan_rows(x)[1, 2]).all() and torch.equal(nan_rows(x)[0], x[0])
-    q = torch.full((1, 1, 1, 64), 3e37)
-    k = torch.full((1, 1, 2, 64), 1e-38)  # q . k is finite though q's row sum is not
-    v = torch.randn(1, 1, 2, 64)
+    q = torch.full((1, 1, 1, 64), 3e37, device=device)
+    k = torch.full((1, 1, 2, 64), 1e-38, device=device)  # q . k is finite, q's row sum is not
+    v = torch.randn(1, 1, 2, 64, device=device)
     for backend in ("reference", "sdpa", "tiled"):
         assert torch.isfinite(attention(q, k, v, scale=1.0, backend=backend)).all(), backend
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
 @pytest.mark.parametrize("bad", [NAN, math.inf, -math.inf, None])
-def test_nonfinite_rows_finds_each_kind_in_each_dtype(dtype, bad):
+def test_nonfinite_rows_finds_each_kind_in_each_dtype(dtype, bad, device):
     from attnkit.backends.nonfinite import nonfinite_rows
 
     biggest = torch.finfo(dtype).max / 2  # finite, but rows of them sum past the largest value
-    x = torch.full((2, 3, 8), biggest, dtype=dtype)
-    expected = torch.zeros(2, 3, dtype=torch.bool)
+    x = torch.full((2, 3, 8), biggest, dtype=dtype, device=device)
+    expected = torch.zeros(2, 3, dtype=torch.bool, device=device)
     if bad is not None:
         x[1, 0, 5] = bad
         expected[1, 0] = True
@@ -303,10 +333,10 @@ def test_nonfinite_rows_finds_each_kind_in_each_dtype(dtype, bad):
     assert nonfinite_rows(x[:, :0]).shape == (2, 0)
 
 
-@pytest.mark.parametrize("path", ["reference", "tiled", "tiled:loop"])
-def test_a_nan_in_the_lse_gradient_stays_in_its_row(path, forcing):
+@pytest.mark.parametrize(("path", "device"), on_devices(OWN_GENERAL, CUDA_OWN))
+def test_a_nan_in_the_lse_gradient_stays_in_its_row(path, device, forcing):
     name = forcing(path)
-    leaves = [x.requires_grad_() for x in qkv(h=1, t=6, s=6)]
+    leaves = [x.requires_grad_() for x in qkv(h=1, t=6, s=6, device=device)]
     _, lse = attention(*leaves, causal=True, return_lse=True, backend=name)
     dlse = torch.zeros_like(lse)
     dlse[0, 0, 1] = NAN  # row 1 sees keys 0 and 1 only
@@ -364,17 +394,17 @@ def test_the_half_precision_products_keep_the_rule(path, monkeypatch):
 MOD_PATHS = ["reference", "tiled:loop"]  # the paths that take score_mod and block masks
 
 
-@pytest.mark.parametrize("path", MOD_PATHS)
+@pytest.mark.parametrize(("path", "device"), on_devices(MOD_PATHS, ["tiled:loop"]))
 @pytest.mark.parametrize(
     ("tensor", "row", "value"),
     [("k", 5, NAN), ("k", 5, INF), ("v", 5, NAN), ("v", 5, -INF), ("q", 0, NAN), ("k", 1, NAN)],
 )
-def test_score_and_mask_functions_keep_the_rule(path, tensor, row, value, monkeypatch):
+def test_score_and_mask_functions_keep_the_rule(path, device, tensor, row, value, monkeypatch):
     """Key 5 is hidden from every query but the last by mask_mod, key 1 is seen by all; a
     relative bias is added by score_mod. The oracle gets the same as a float attn_mask."""
-    q, k, v = qkv(t=4, s=6)
+    q, k, v = qkv(t=4, s=6, device=device)
     {"q": q, "k": k, "v": v}[tensor][0, 0, row, 0] = value
-    table = torch.randn(2, 11)
+    table = torch.randn(2, 11, device=device)
 
     def score_mod(score, b, h, q_idx, kv_idx):
         return score + table[h, q_idx - kv_idx + 5]
@@ -383,8 +413,9 @@ def test_score_and_mask_functions_keep_the_rule(path, tensor, row, value, monkey
         return (kv_idx < 5) | (q_idx == 3)
 
     out, lse, weights = run(path, q, k, v, monkeypatch, score_mod=score_mod, mask_mod=mask_mod)
-    rows, keys = torch.arange(4)[:, None], torch.arange(6)
-    bias = table[torch.arange(2)[:, None, None], rows - keys + 5][None]  # (1, h, t, s)
+    rows, keys = torch.arange(4, device=device)[:, None], torch.arange(6, device=device)
+    heads = torch.arange(2, device=device)[:, None, None]
+    bias = table[heads, rows - keys + 5][None]  # (1, h, t, s)
     as_mask = bias.masked_fill(~mask_mod(None, None, rows, keys), -INF)
     out64, lse64, weights64 = selected_attention(q, k, v, attn_mask=as_mask)
     assert_same(out, out64)
@@ -392,26 +423,28 @@ def test_score_and_mask_functions_keep_the_rule(path, tensor, row, value, monkey
     assert_same(weights, weights64)
 
 
-@pytest.mark.parametrize("path", ["tiled:loop", "tiled"])
+@pytest.mark.parametrize(("path", "device"), on_devices(["tiled:loop", "tiled"], ["tiled"]))
 @pytest.mark.parametrize(
     ("tensor", "row", "value"),
     [("k", 2, NAN), ("k", 4, INF), ("v", 2, NAN), ("v", 4, -INF), ("q", 1, NAN), (None, 0, 0)],
 )
 def test_a_score_mod_that_adds_keeps_the_rule_in_the_kernel_and_the_loop(
-    path, tensor, row, value, monkeypatch
+    path, device, tensor, row, value, monkeypatch
 ):
     """``score + f`` with f = -inf at key 2 runs in the C++ kernel (``tiled``), tile by tile, and
     gives what the reference gives: f's -inf masks a finite score, but a NaN score (key 2's own,
-    here) stays NaN, as torch's ``score + f`` would have it; a hidden NaN value stays out."""
-    q, k, v = qkv(t=4, s=6)
+    here) stays NaN, as torch's ``score + f`` would have it; a hidden NaN value stays out. (On
+    CUDA, in the loop.)"""
+    q, k, v = qkv(t=4, s=6, device=device)
     if tensor is not None:
         {"q": q, "k": k, "v": v}[tensor][0, 0, row, 0] = value
-    table = torch.randn(2, 11)
+    table = torch.randn(2, 11, device=device)
 
     def score_mod(score, b, h, q_idx, kv_idx):
         return score + torch.where(kv_idx == 2, -INF, table[h, q_idx - kv_idx + 5])
 
-    assert mods.adds_to_score(score_mod)
+    if device.type == "cpu":  # what sends it to the C++ kernel (probed on the CPU)
+        assert mods.adds_to_score(score_mod)
     out, lse, weights = run(path, q, k, v, monkeypatch, score_mod=score_mod, causal=True)
     out64, lse64, weights64 = run(
         "reference",
@@ -427,9 +460,9 @@ def test_a_score_mod_that_adds_keeps_the_rule_in_the_kernel_and_the_loop(
     assert_same(weights, weights64)
 
 
-@pytest.mark.parametrize("path", MOD_PATHS)
-def test_a_score_mod_masks_with_minus_infinity_and_spreads_nan(path, monkeypatch):
-    q, k, v = qkv(t=4, s=6)
+@pytest.mark.parametrize(("path", "device"), on_devices(MOD_PATHS, MOD_PATHS))
+def test_a_score_mod_masks_with_minus_infinity_and_spreads_nan(path, device, monkeypatch):
+    q, k, v = qkv(t=4, s=6, device=device)
 
     def score_mod(score, b, h, q_idx, kv_idx):
         score = torch.where(kv_idx == 2, -INF, score)  # masks key 2 for every query

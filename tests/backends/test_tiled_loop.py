@@ -51,9 +51,9 @@ def test_key_blocks_visit_only_the_keys_the_window_allows(t, s, causal, window, 
         assert torch.equal(visited, seen.any(dim=0)), (i0, i1)
 
 
-def test_a_block_mask_groups_its_blocks_into_the_plans():
-    mask = attnkit.create_block_mask(lambda b, h, q, kv: q >= kv, None, None, 64, 64, "cpu", 8)
-    q = torch.randn(1, 2, 64, 4)
+def test_a_block_mask_groups_its_blocks_into_the_plans(device):
+    mask = attnkit.create_block_mask(lambda b, h, q, kv: q >= kv, None, None, 64, 64, device, 8)
+    q = torch.randn(1, 2, 64, 4, device=device)
     p = Plan.of(checked_call(q, q, q, block_mask=mask), torch.float32, 16, 32)
     assert p.blocks is not None and (p.block_q, p.block_k) == p.blocks.block_size
     assert p.block_q % 8 == 0 and p.block_k % 8 == 0 and p.block_q <= 16 and p.block_k <= 32
@@ -68,14 +68,15 @@ def test_long_calls_evaluate_their_mods_compiled(monkeypatch):
     assert plan(8, 8, 4, 4).compile_mods and not plan(8, 7, 4, 4).compile_mods
 
 
-def test_online_softmax_steps_over_key_blocks_give_the_softmax_of_the_whole_row():
-    scores = torch.randn(1, 2, 3, 4, 10, dtype=torch.float64)  # (b, h_kv, g, bq, s)
+def test_online_softmax_steps_over_key_blocks_give_the_softmax_of_the_whole_row(device):
+    f64 = {"dtype": torch.float64, "device": device}
+    scores = torch.randn(1, 2, 3, 4, 10, **f64)  # (b, h_kv, g, bq, s)
     scores[0, 0, 0, 1] = -math.inf  # a row with no key at all
     scores[0, 1, 2, 3, :6] = -math.inf  # a row whose first blocks are masked
-    values = torch.randn(1, 2, 10, 5, dtype=torch.float64)
-    row_max = torch.full((1, 2, 3, 4, 1), -math.inf, dtype=torch.float64)
-    row_sum = torch.zeros(1, 2, 3, 4, 1, dtype=torch.float64)
-    acc = torch.zeros(1, 2, 3, 4, 5, dtype=torch.float64)
+    values = torch.randn(1, 2, 10, 5, **f64)
+    row_max = torch.full((1, 2, 3, 4, 1), -math.inf, **f64)
+    row_sum = torch.zeros(1, 2, 3, 4, 1, **f64)
+    acc = torch.zeros(1, 2, 3, 4, 5, **f64)
     for j0, j1 in ((0, 3), (3, 7), (7, 10)):
         block = scores[..., j0:j1].clone()  # the step overwrites its scores
         row_max = online_softmax_(block, values[:, :, j0:j1], row_max, row_sum, acc)
@@ -90,9 +91,9 @@ def test_online_softmax_steps_over_key_blocks_give_the_softmax_of_the_whole_row(
     torch.testing.assert_close(lse[~empty[..., 0]], want[~empty[..., 0]])
 
 
-def test_the_backward_step_gives_the_weights_and_the_scores_gradient():
-    scores = torch.randn(1, 1, 2, 3, 6, dtype=torch.float64, requires_grad=True)
-    values = torch.randn(1, 1, 6, 4, dtype=torch.float64)
+def test_the_backward_step_gives_the_weights_and_the_scores_gradient(device):
+    scores = torch.randn(1, 1, 2, 3, 6, dtype=torch.float64, requires_grad=True, device=device)
+    values = torch.randn(1, 1, 6, 4, dtype=torch.float64, device=device)
     weights = torch.softmax(scores, dim=-1)
     out = weights @ values[:, :, None]
     dout = torch.randn_like(out)
@@ -109,8 +110,8 @@ def test_the_backward_step_gives_the_weights_and_the_scores_gradient():
     assert bool((probs[..., 0] == 0).all() and (dscores[..., 0] == 0).all())
 
 
-def test_exp_flushes_what_would_be_subnormal_in_float32_only():
-    x = torch.tensor([0.0, -1.0, -87.0, -87.5, -100.0, math.nan, -math.inf])
+def test_exp_flushes_what_would_be_subnormal_in_float32_only(device):
+    x = torch.tensor([0.0, -1.0, -87.0, -87.5, -100.0, math.nan, -math.inf], device=device)
     got = exp_(x.clone())
     assert got[:3].tolist() == torch.exp(x[:3]).tolist()
     assert got[3:5].tolist() == [0.0, 0.0]  # exp(-87.5) is a subnormal float32: exactly 0 instead

@@ -10,6 +10,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import attnkit.hf  # noqa: E402
+from conftest import CUDA  # noqa: E402
 
 NAME = attnkit.hf.register()
 SMALL = {"vocab_size": 64, "num_hidden_layers": 2}
@@ -49,7 +50,7 @@ CAUSAL = [name for name in FAMILIES if name.split(",")[0] not in ("bert", "moder
 PACKS = [name for name in CAUSAL if name.split(",")[0] not in ("gpt2", "gpt-oss")]
 
 
-def model_of(name: str) -> torch.nn.Module:
+def model_of(name: str, device="cpu") -> torch.nn.Module:
     config_class, model_class, options = FAMILIES[name]
     torch.manual_seed(0)
     config = getattr(transformers, config_class)(**options)
@@ -62,14 +63,14 @@ def model_of(name: str) -> torch.nn.Module:
         for module in model.modules():
             if isinstance(getattr(module, "sinks", None), torch.nn.Parameter):
                 module.sinks.normal_(0.0, 1.0)
-    return model
+    return model.to(device)
 
 
-def padded_batch():
+def padded_batch(device="cpu"):
     ids = torch.randint(1, 64, (2, 11))
     mask = torch.ones(2, 11, dtype=torch.long)
     mask[1, :4] = 0  # left padding
-    return ids, mask
+    return ids.to(device), mask.to(device)
 
 
 def run(model, implementation, **inputs):
@@ -82,9 +83,9 @@ def output_of(result):
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-def test_logits_weights_and_gradients_match_eager_on_a_padded_batch(name):
-    model = model_of(name)
-    ids, mask = padded_batch()
+def test_logits_weights_and_gradients_match_eager_on_a_padded_batch(name, device):
+    model = model_of(name, device)
+    ids, mask = padded_batch(device)
     real = mask.bool()
     found = {}
     for implementation in ("eager", NAME):
@@ -93,7 +94,7 @@ def test_logits_weights_and_gradients_match_eager_on_a_padded_batch(name):
             model, implementation, input_ids=ids, attention_mask=mask, output_attentions=True
         )
         out = output_of(result)
-        (out[real] * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
+        (out[real] * torch.linspace(-1, 1, out.shape[-1], device=device)).sum().backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         found[implementation] = out.detach(), result.attentions, grads
     (out, weights, grads), (out_e, weights_e, grads_e) = found[NAME], found["eager"]
@@ -109,9 +110,9 @@ def test_logits_weights_and_gradients_match_eager_on_a_padded_batch(name):
 
 
 @pytest.mark.parametrize("name", CAUSAL)
-def test_greedy_generation_with_the_models_cache_matches_eager(name):
-    model = model_of(name)
-    ids, mask = padded_batch()
+def test_greedy_generation_with_the_models_cache_matches_eager(name, device):
+    model = model_of(name, device)
+    ids, mask = padded_batch(device)
     generated = {}
     for implementation in ("eager", NAME):
         model.set_attn_implementation(implementation)
@@ -122,13 +123,20 @@ def test_greedy_generation_with_the_models_cache_matches_eager(name):
 
 
 @pytest.mark.parametrize("name", PACKS)
-@pytest.mark.parametrize("use_cache", [False, True])
-def test_a_packed_row_equals_its_sequences_run_alone(name, use_cache):
-    model = model_of(name)
+@pytest.mark.parametrize(
+    ("use_cache", "device"),
+    [
+        pytest.param(False, torch.device("cpu"), id="False-cpu"),
+        pytest.param(True, torch.device("cpu"), id="True-cpu"),
+        pytest.param(False, torch.device("cuda"), id="False-cuda", marks=CUDA.marks),
+    ],
+)
+def test_a_packed_row_equals_its_sequences_run_alone(name, use_cache, device):
+    model = model_of(name, device)
     model.set_attn_implementation(NAME)
     lengths = (5, 3, 6)
-    ids = torch.randint(1, 64, (1, sum(lengths)))
-    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    ids = torch.randint(1, 64, (1, sum(lengths))).to(device)
+    positions = torch.cat([torch.arange(n) for n in lengths])[None].to(device)
     packed = model(input_ids=ids, position_ids=positions, use_cache=use_cache).logits
     alone, start = [], 0
     for n in lengths:
@@ -137,13 +145,13 @@ def test_a_packed_row_equals_its_sequences_run_alone(name, use_cache):
     torch.testing.assert_close(packed, torch.cat(alone, 1))
 
 
-def test_packed_sequences_from_flash_attentions_cu_seq_lens():
-    model = model_of("llama")
+def test_packed_sequences_from_flash_attentions_cu_seq_lens(device):
+    model = model_of("llama", device)
     model.set_attn_implementation(NAME)
     lengths = (4, 7)
-    ids = torch.randint(1, 64, (1, 11))
-    cu = torch.tensor([0, 4, 11], dtype=torch.int32)
-    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    ids = torch.randint(1, 64, (1, 11)).to(device)
+    cu = torch.tensor([0, 4, 11], dtype=torch.int32, device=device)
+    positions = torch.cat([torch.arange(n) for n in lengths])[None].to(device)
     packed = model(
         input_ids=ids, position_ids=positions, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
         max_length_q=7, max_length_k=7, use_cache=True,
@@ -190,14 +198,14 @@ def test_a_padded_long_batch_builds_no_dense_mask():
     assert largest_tensor("sdpa")[0] >= 2 * t * t  # transformers' sdpa: the (b, 1, t, s) mask
 
 
-def test_a_users_4d_float_mask_that_uses_the_dtypes_minimum_is_honoured():
-    model = model_of("llama")
-    ids = torch.randint(1, 64, (1, 6))
-    allowed = torch.ones(6, 6, dtype=torch.bool).tril()
+def test_a_users_4d_float_mask_that_uses_the_dtypes_minimum_is_honoured(device):
+    model = model_of("llama", device)
+    ids = torch.randint(1, 64, (1, 6)).to(device)
+    allowed = torch.ones(6, 6, dtype=torch.bool, device=device).tril()
     allowed[:, 0] = False
     allowed[0, 0] = True
     minimum = torch.finfo(torch.float32).min
-    float_mask = torch.zeros(1, 1, 6, 6).masked_fill(~allowed, minimum)
+    float_mask = torch.zeros(1, 1, 6, 6, device=device).masked_fill(~allowed, minimum)
     out = output_of(run(model, NAME, input_ids=ids, attention_mask=float_mask))
     out_e = output_of(run(model, "eager", input_ids=ids, attention_mask=float_mask))
     torch.testing.assert_close(out, out_e)
@@ -210,10 +218,10 @@ def test_register_is_idempotent_and_checks_the_name():
 
 
 @pytest.mark.parametrize("cache", ["static", "sliding_window"])
-def test_greedy_generation_with_a_preallocated_cache_matches_eager(cache):
+def test_greedy_generation_with_a_preallocated_cache_matches_eager(cache, device):
     name = "mistral, sliding window"
-    model = model_of(name)
-    ids, mask = padded_batch()
+    model = model_of(name, device)
+    ids, mask = padded_batch(device)
     generated = {}
     for implementation in ("eager", NAME):
         model.set_attn_implementation(implementation)
@@ -238,9 +246,9 @@ def test_a_model_compiled_with_a_static_cache_generates_as_eager():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision_models_stay_within_twice_eagers_error(dtype):
-    model = model_of("mistral, sliding window")
-    ids = padded_batch()[0]  # unpadded: eager in float64 overflows min + score to -inf, NaN
+def test_half_precision_models_stay_within_twice_eagers_error(dtype, device):
+    model = model_of("mistral, sliding window", device)
+    ids = padded_batch(device)[0]  # unpadded: eager in float64 overflows min + score to -inf, NaN
     exact = output_of(run(model.double(), "eager", input_ids=ids))
     model = model.to(dtype)
     errors = {}
@@ -250,24 +258,24 @@ def test_half_precision_models_stay_within_twice_eagers_error(dtype):
     assert errors[NAME] <= 2 * errors["eager"] + 1e-6, errors
 
 
-def test_autocast_stays_within_twice_eagers_error():
-    model = model_of("llama")
-    ids = padded_batch()[0]  # unpadded: eager in float64 overflows min + score to -inf, NaN
+def test_autocast_stays_within_twice_eagers_error(device):
+    model = model_of("llama", device)
+    ids = padded_batch(device)[0]  # unpadded: eager in float64 overflows min + score to -inf, NaN
     exact = output_of(run(model.double(), "eager", input_ids=ids))
     model = model.float()
     errors = {}
     for implementation in ("eager", NAME):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(device.type, dtype=torch.bfloat16):
             out = output_of(run(model, implementation, input_ids=ids))
         errors[implementation] = (out.double() - exact).abs().max().item()
     assert 0 < errors[NAME] <= 2 * errors["eager"] + 1e-6, errors
 
 
-def test_weights_returned_in_training_are_after_dropout_as_eagers():
+def test_weights_returned_in_training_are_after_dropout_as_eagers(device):
     from types import SimpleNamespace
 
     module = SimpleNamespace(is_causal=True, training=True)
-    q, k, v = torch.randn(1, 4, 6, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
+    q, k, v = (torch.randn(1, h, 6, 8, device=device) for h in (4, 2, 2))
     out, weights = attnkit.hf.attention_function(
         module, q, k, v, None, dropout=0.5, scaling=0.3, output_attentions=True
     )
@@ -276,14 +284,14 @@ def test_weights_returned_in_training_are_after_dropout_as_eagers():
     torch.testing.assert_close(out.transpose(1, 2), weights @ v.repeat_interleave(2, dim=1))
 
 
-def test_a_models_position_bias_is_added_to_the_scores_with_the_mask():
+def test_a_models_position_bias_is_added_to_the_scores_with_the_mask(device):
     from types import SimpleNamespace
 
     module = SimpleNamespace(is_causal=True, training=False)
-    q, k, v = torch.randn(2, 4, 5, 8), torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8)
-    bias = torch.randn(1, 4, 5, 5)
+    q, k, v = (torch.randn(2, h, 5, 8, device=device) for h in (4, 2, 2))
+    bias = torch.randn(1, 4, 5, 5, device=device)
     out, _ = attnkit.hf.attention_function(module, q, k, v, None, scaling=1.0, position_bias=bias)
-    causal = torch.ones(5, 5, dtype=torch.bool).tril()
+    causal = torch.ones(5, 5, dtype=torch.bool, device=device).tril()
     expected = attnkit.attention(
         q, k, v, attn_mask=bias.masked_fill(~causal, float("-inf")), scale=1.0, backend="reference"
     )
@@ -309,13 +317,13 @@ SEQ2SEQ = {
 
 
 @pytest.mark.parametrize("name", SEQ2SEQ)
-def test_encoder_decoder_models_with_a_shorter_decoder_match_eager(name):
+def test_encoder_decoder_models_with_a_shorter_decoder_match_eager(name, device):
     config_class, model_class, options = SEQ2SEQ[name]
     torch.manual_seed(0)
     model = getattr(transformers, model_class)(getattr(transformers, config_class)(**options))
-    model = model.eval()
-    ids, mask = padded_batch()  # 11 encoder tokens, one row left-padded
-    decoder_ids = torch.randint(3, 64, (2, 4))
+    model = model.eval().to(device)
+    ids, mask = padded_batch(device)  # 11 encoder tokens, one row left-padded
+    decoder_ids = torch.randint(3, 64, (2, 4)).to(device)
     found = {}
     for implementation in ("eager", NAME):
         model.set_attn_implementation(implementation)

@@ -8,6 +8,7 @@ import torch
 
 import attnkit
 from attnkit import CrossAttention, KVCache, MultiHeadAttention, RotaryEmbedding
+from conftest import CUDA
 from zoo import H
 
 D_IN, D_OUT, T = 24, 32, 13
@@ -27,17 +28,25 @@ SCHEDULES = {
 }
 
 
-def make(config, **extra):
+def make(config, device="cpu", **extra):
     config = dict(config) | extra
     d_out = config.pop("d_out", D_OUT)
     # Dropout is set but eval mode turns it off: decoding is inference.
-    return MultiHeadAttention(D_IN, d_out, 64, 0.4, causal=True, qkv_bias=True, **config).eval()
+    module = MultiHeadAttention(D_IN, d_out, 64, 0.4, causal=True, qkv_bias=True, **config)
+    return module.eval().to(device)
 
 
 def cache_for(module, batch_size=2, cache_window=False, max_chunk=None):
+    """A cache for ``module``, on its device."""
     window = module.window[0] + 1 if cache_window and module.window is not None else None
     return KVCache(
-        batch_size, module.num_kv_heads, 64, module.head_dim, window=window, max_chunk=max_chunk
+        batch_size,
+        module.num_kv_heads,
+        64,
+        module.head_dim,
+        window=window,
+        max_chunk=max_chunk,
+        device=module.W_query.weight.device,
     )
 
 
@@ -51,11 +60,25 @@ def decode(module, x, schedule, cache, key_mask=None):
 
 
 @pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
-@pytest.mark.parametrize("schedule", SCHEDULES.values(), ids=SCHEDULES.keys())
+@pytest.mark.parametrize(
+    ("schedule", "device"),
+    [
+        *(
+            pytest.param(schedule, torch.device("cpu"), id=f"{name}-cpu")
+            for name, schedule in SCHEDULES.items()
+        ),
+        pytest.param(
+            SCHEDULES["mixed chunks"],
+            torch.device("cuda"),
+            id="mixed chunks-cuda",
+            marks=CUDA.marks,
+        ),
+    ],
+)
 @pytest.mark.parametrize("cache_window", [False, True], ids=["full cache", "window cache"])
-def test_decoding_equals_the_full_forward(config, schedule, cache_window):
-    module = make(config)
-    x = torch.randn(2, T, D_IN)
+def test_decoding_equals_the_full_forward(config, schedule, device, cache_window):
+    module = make(config, device)
+    x = torch.randn(2, T, D_IN, device=device)
     with torch.no_grad():
         full = module(x)
         cache = cache_for(module, cache_window=cache_window, max_chunk=max(schedule))
@@ -64,9 +87,9 @@ def test_decoding_equals_the_full_forward(config, schedule, cache_window):
     assert cache.position == T
 
 
-def test_weights_with_a_cache_are_the_rows_of_the_full_weights():
-    module = make(CONFIGS["gqa"])
-    x = torch.randn(1, 6, D_IN)
+def test_weights_with_a_cache_are_the_rows_of_the_full_weights(device):
+    module = make(CONFIGS["gqa"], device)
+    x = torch.randn(1, 6, D_IN, device=device)
     with torch.no_grad():
         _, full = module(x, need_weights=True)
         cache = cache_for(module, batch_size=1)
@@ -78,14 +101,14 @@ def test_weights_with_a_cache_are_the_rows_of_the_full_weights():
 @pytest.mark.parametrize(
     "config", ["gqa", "rope", "alibi", "window", "rope+window, head_dim 40"], ids=str
 )
-def test_a_ragged_batch_decodes_like_each_prompt_alone(config):
-    module = make(CONFIGS[config])
+def test_a_ragged_batch_decodes_like_each_prompt_alone(config, device):
+    module = make(CONFIGS[config], device)
     lengths, new = [7, 4, 1], 5
     width = max(lengths)
-    prompts = [torch.randn(1, n, D_IN) for n in lengths]
-    tokens = torch.randn(len(lengths), new, D_IN)
-    x = torch.zeros(len(lengths), width, D_IN)
-    key_mask = torch.zeros(len(lengths), width, dtype=torch.bool)
+    prompts = [torch.randn(1, n, D_IN, device=device) for n in lengths]
+    tokens = torch.randn(len(lengths), new, D_IN, device=device)
+    x = torch.zeros(len(lengths), width, D_IN, device=device)
+    key_mask = torch.zeros(len(lengths), width, dtype=torch.bool, device=device)
     for row, prompt in enumerate(prompts):  # left padding
         x[row, width - prompt.shape[1] :] = prompt[0]
         key_mask[row, width - prompt.shape[1] :] = True
@@ -96,7 +119,9 @@ def test_a_ragged_batch_decodes_like_each_prompt_alone(config):
         # The same ragged prompts without a cache: positions come from the key mask too.
         no_cache = module(
             torch.cat([x, tokens], dim=1),
-            key_mask=torch.cat([key_mask, torch.ones(len(lengths), new, dtype=torch.bool)], dim=1),
+            key_mask=torch.cat(
+                [key_mask, torch.ones(len(lengths), new, dtype=torch.bool, device=device)], dim=1
+            ),
         )
         for row, prompt in enumerate(prompts):
             alone = cache_for(module, batch_size=1)
@@ -111,34 +136,35 @@ def test_a_ragged_batch_decodes_like_each_prompt_alone(config):
             )
 
 
-def test_leading_padding_queries_give_zeros_not_nan():
-    module = make(CONFIGS["rope"])
-    key_mask = torch.tensor([[False, False, True]])
+def test_leading_padding_queries_give_zeros_not_nan(device):
+    module = make(CONFIGS["rope"], device)
+    key_mask = torch.tensor([[False, False, True]], device=device)
     with torch.no_grad():
-        out = module(torch.randn(1, 3, D_IN), cache=cache_for(module, 1), key_mask=key_mask)
+        x = torch.randn(1, 3, D_IN, device=device)
+        out = module(x, cache=cache_for(module, 1), key_mask=key_mask)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out[0, 0], module.out_proj.bias)  # zero context -> the bias alone
 
 
-def test_bf16_cache_decodes_close_to_fp32():
-    module = make(CONFIGS["gqa"])
-    x = torch.randn(1, 9, D_IN)
+def test_bf16_cache_decodes_close_to_fp32(device):
+    module = make(CONFIGS["gqa"], device)
+    x = torch.randn(1, 9, D_IN, device=device)
     with torch.no_grad():
         full = module(x)
-        module16 = make(CONFIGS["gqa"]).to(torch.bfloat16)
+        module16 = make(CONFIGS["gqa"], device).to(torch.bfloat16)
         module16.load_state_dict(module.state_dict())
-        cache = KVCache(1, 2, 16, module.head_dim, dtype=torch.bfloat16)
+        cache = KVCache(1, 2, 16, module.head_dim, dtype=torch.bfloat16, device=device)
         decoded = decode(module16, x.bfloat16(), [4, 1, 1, 1, 1, 1], cache)
     torch.testing.assert_close(decoded.float(), full, atol=5e-2, rtol=5e-2)
 
 
-def test_cross_attention_computes_the_memory_once_and_reuses_it():
-    cross = CrossAttention(D_IN, 20, D_OUT, 4, dropout=0.5).eval()
-    x, memory = torch.randn(2, 6, D_IN), torch.randn(2, 9, 20)
-    key_mask = torch.rand(2, 9) > 0.3
+def test_cross_attention_computes_the_memory_once_and_reuses_it(device):
+    cross = CrossAttention(D_IN, 20, D_OUT, 4, dropout=0.5).eval().to(device)
+    x, memory = torch.randn(2, 6, D_IN, device=device), torch.randn(2, 9, 20, device=device)
+    key_mask = torch.rand(2, 9, device=device) > 0.3
     key_mask[:, 0] = True
     full = cross(x, memory, key_mask=key_mask)
-    cache = KVCache(2, 4, 9, cross.head_dim)
+    cache = KVCache(2, 4, 9, cross.head_dim, device=device)
     with torch.no_grad():
         steps = [cross(x[:, :2], memory, cache=cache, key_mask=key_mask)]
         steps += [cross(x[:, i : i + 1], cache=cache) for i in range(2, 6)]
@@ -146,9 +172,9 @@ def test_cross_attention_computes_the_memory_once_and_reuses_it():
     assert cache.size == 9  # the memory's keys, once
     with torch.no_grad():
         with pytest.raises(ValueError, match=r"memory is required \(the first call with an emp"):
-            cross(x, cache=KVCache(2, 4, 9, cross.head_dim))
+            cross(x, cache=KVCache(2, 4, 9, cross.head_dim, device=device))
         with pytest.raises(ValueError, match="cache without window"):
-            cross(x, memory, cache=KVCache(2, 4, 9, cross.head_dim, window=3))
+            cross(x, memory, cache=KVCache(2, 4, 9, cross.head_dim, window=3, device=device))
 
 
 @pytest.mark.parametrize(
@@ -199,9 +225,10 @@ def test_rope_option_errors():
         module(torch.randn(1, 5, D_IN))
 
 
-def test_the_module_decodes_with_a_relative_bias_as_its_full_forward():
-    mha = attnkit.MultiHeadAttention(32, 32, 64, 0.0, H, num_kv_heads=2, rope=True).eval()
-    table = torch.randn(H, 2 * 64 - 1)
+def test_the_module_decodes_with_a_relative_bias_as_its_full_forward(device):
+    mha = attnkit.MultiHeadAttention(32, 32, 64, 0.0, H, num_kv_heads=2, rope=True)
+    mha = mha.eval().to(device)
+    table = torch.randn(H, 2 * 64 - 1, device=device)
 
     def score_mod(score, b, h, q_idx, kv_idx):
         return score + table[h, q_idx - kv_idx + 63]
@@ -209,10 +236,10 @@ def test_the_module_decodes_with_a_relative_bias_as_its_full_forward():
     def local(b, h, q_idx, kv_idx):
         return q_idx - kv_idx < 9
 
-    x = torch.randn(2, 20, 32)
+    x = torch.randn(2, 20, 32, device=device)
     with torch.no_grad():
         full = mha(x, score_mod=score_mod, mask_mod=local)
-        cache = attnkit.KVCache(2, 2, max_len=64, head_dim=8)
+        cache = attnkit.KVCache(2, 2, max_len=64, head_dim=8, device=device)
         steps = [mha(x[:, :7], cache=cache, score_mod=score_mod, mask_mod=local)]
         steps += [
             mha(x[:, i : i + 1], cache=cache, score_mod=score_mod, mask_mod=local)

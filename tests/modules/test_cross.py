@@ -6,7 +6,16 @@ import pytest
 import torch
 
 from attnkit import AdditiveAttention, CrossAttention
+from conftest import CUDA
 from oracle import projected_attention_reference
+
+
+def on_devices(values, cuda):
+    """``(value, device)`` parameters: every value on the CPU, those in ``cuda`` on CUDA too."""
+    return [
+        *(pytest.param(v, torch.device("cpu"), id=f"{v}-cpu") for v in values),
+        *(pytest.param(v, torch.device("cuda"), id=f"{v}-cuda", marks=CUDA.marks) for v in cuda),
+    ]
 
 
 @pytest.mark.parametrize(
@@ -14,11 +23,11 @@ from oracle import projected_attention_reference
     [(2, 5, 9, 16, 24, 32, 4), (1, 1, 7, 8, 8, 8, 1), (3, 12, 3, 10, 6, 80, 2)],  # t<s, t=1, t>s
 )
 @pytest.mark.parametrize("masked", [False, True])
-def test_cross_attention_matches_float64_reference(b, t, s, d_q, d_kv, d_out, h, masked):
-    module = CrossAttention(d_q, d_kv, d_out, h, dropout=0.2, qkv_bias=True).eval()
-    x = torch.randn(b, t, d_q, requires_grad=True)
-    memory = torch.randn(b, s, d_kv, requires_grad=True)
-    key_mask = torch.rand(b, s) > 0.4 if masked else None
+def test_cross_attention_matches_float64_reference(b, t, s, d_q, d_kv, d_out, h, masked, device):
+    module = CrossAttention(d_q, d_kv, d_out, h, dropout=0.2, qkv_bias=True).eval().to(device)
+    x = torch.randn(b, t, d_q, requires_grad=True, device=device)
+    memory = torch.randn(b, s, d_kv, requires_grad=True, device=device)
+    key_mask = torch.rand(b, s, device=device) > 0.4 if masked else None
     out, weights = module(x, memory, key_mask=key_mask, need_weights=True, average_weights=False)
 
     params64 = {n: p.detach().double().requires_grad_() for n, p in module.named_parameters()}
@@ -37,9 +46,9 @@ def test_cross_attention_matches_float64_reference(b, t, s, d_q, d_kv, d_out, h,
         torch.testing.assert_close(g, g64.float())
 
 
-def test_cross_attention_unbatched():
-    module = CrossAttention(4, 6, 8, 2)
-    x, memory = torch.randn(3, 4), torch.randn(5, 6)
+def test_cross_attention_unbatched(device):
+    module = CrossAttention(4, 6, 8, 2).to(device)
+    x, memory = torch.randn(3, 4, device=device), torch.randn(5, 6, device=device)
     out, weights = module(x, memory, need_weights=True)
     torch.testing.assert_close(out, module(x[None], memory[None])[0])
     assert out.shape == (3, 8) and weights.shape == (3, 5)
@@ -66,16 +75,17 @@ def additive_reference(module, query, keys, values, key_mask):
 
 @pytest.mark.parametrize("steps", [None, 4])
 @pytest.mark.parametrize("separate_values", [False, True])
-@pytest.mark.parametrize("masked", [False, True])
-def test_additive_attention_matches_float64_reference(steps, separate_values, masked):
-    module = AdditiveAttention(6, 5, 7)
+@pytest.mark.parametrize(("masked", "device"), on_devices([False, True], [True]))
+def test_additive_attention_matches_float64_reference(steps, separate_values, masked, device):
+    module = AdditiveAttention(6, 5, 7).to(device)
     b, s = 3, 8
     query = torch.randn(b, 6) if steps is None else torch.randn(b, steps, 6)
-    keys = torch.randn(b, s, 5)
-    values = torch.randn(b, s, 3) if separate_values else None
+    query = query.to(device)
+    keys = torch.randn(b, s, 5, device=device)
+    values = torch.randn(b, s, 3, device=device) if separate_values else None
     key_mask = None
     if masked:
-        key_mask = torch.rand(b, s) > 0.5
+        key_mask = torch.rand(b, s, device=device) > 0.5
         key_mask[:, 0] = True
     context, weights = module(query, keys, values, key_mask=key_mask)
     expected, expected_weights = additive_reference(
@@ -83,7 +93,7 @@ def test_additive_attention_matches_float64_reference(steps, separate_values, ma
     )
     torch.testing.assert_close(context, expected.float())
     torch.testing.assert_close(weights, expected_weights.float())
-    torch.testing.assert_close(weights.sum(-1), torch.ones(weights.shape[:-1]))
+    torch.testing.assert_close(weights.sum(-1), torch.ones(weights.shape[:-1], device=device))
 
 
 @pytest.mark.parametrize(
@@ -103,16 +113,22 @@ def test_bad_input(call, error, message):
         call()
 
 
-def test_inputs_must_match_the_parameters():
-    module = CrossAttention(4, 6, 8, 2)
+def test_inputs_must_match_the_parameters(device):
+    module = CrossAttention(4, 6, 8, 2).to(device)
     with pytest.raises(
-        ValueError, match="memory is on meta but the module's parameters are on cpu"
+        ValueError, match=f"memory is on meta but the module's parameters are on {device.type}"
     ):
-        module(torch.randn(2, 3, 4), torch.randn(2, 5, 6, device="meta"))
+        module(torch.randn(2, 3, 4, device=device), torch.randn(2, 5, 6, device="meta"))
+    if device.type != "cpu":  # an input left on the CPU: named, never moved
+        with pytest.raises(ValueError, match=r"x is on cpu but the module's parameters are on"):
+            module(torch.randn(2, 3, 4), torch.randn(2, 5, 6, device=device))
     with pytest.raises(
         TypeError, match=r"x has dtype torch.float64 but the module's parameters are torch.float32"
     ):
-        module(torch.randn(2, 3, 4, dtype=torch.float64), torch.randn(2, 5, 6))
+        module(
+            torch.randn(2, 3, 4, dtype=torch.float64, device=device),
+            torch.randn(2, 5, 6, device=device),
+        )
     with pytest.raises(
         ValueError, match=r"values must be \(batch, keys, d_v\), got shape \(7, 5\)"
     ):

@@ -8,6 +8,7 @@ import torch
 import attnkit
 from attnkit import KVCache, MultiHeadAttention, alibi_slopes
 from attnkit.backends import tiled_function
+from conftest import CUDA
 from oracle import projected_attention_reference
 from zoo import H
 
@@ -26,16 +27,25 @@ def float64_leaves(module):
     return {name: p.detach().double().requires_grad_() for name, p in module.named_parameters()}
 
 
+def on_devices(values, cuda):
+    """``(value, device)`` parameters: every value on the CPU, those in ``cuda`` on CUDA too."""
+    return [
+        *(pytest.param(v, torch.device("cpu"), id=f"{v}-cpu") for v in values),
+        *(pytest.param(v, torch.device("cuda"), id=f"{v}-cuda", marks=CUDA.marks) for v in cuda),
+    ]
+
+
 @pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("masked", [False, True])
-def test_matches_float64_reference_outputs_weights_gradients(config, causal, masked):
+@pytest.mark.parametrize(("masked", "device"), on_devices([False, True], [True]))
+def test_matches_float64_reference_outputs_weights_gradients(config, causal, masked, device):
     b, t, d_in, d_out, h, h_kv = config
     module = MultiHeadAttention(
         d_in, d_out, 32, 0.3, h, num_kv_heads=h_kv, causal=causal, qkv_bias=True
-    ).eval()
-    x = torch.randn(b, t, d_in, requires_grad=True)
-    key_mask = torch.rand(b, t) > 0.3 if masked else None
+    )
+    module = module.eval().to(device)
+    x = torch.randn(b, t, d_in, requires_grad=True, device=device)
+    key_mask = torch.rand(b, t, device=device) > 0.3 if masked else None
     out, weights = module(x, key_mask=key_mask, need_weights=True, average_weights=False)
 
     params64 = float64_leaves(module)
@@ -55,35 +65,35 @@ def test_matches_float64_reference_outputs_weights_gradients(config, causal, mas
         torch.testing.assert_close(g, g64.float())
 
 
-def test_average_weights_is_the_mean_over_heads():
-    module = MultiHeadAttention(8, 8, None, 0.0, 2).eval()
-    x = torch.randn(2, 5, 8)
+def test_average_weights_is_the_mean_over_heads(device):
+    module = MultiHeadAttention(8, 8, None, 0.0, 2).eval().to(device)
+    x = torch.randn(2, 5, 8, device=device)
     _, per_head = module(x, need_weights=True, average_weights=False)
     _, averaged = module(x, need_weights=True)
     torch.testing.assert_close(averaged, per_head.mean(1))
 
 
-def test_bool_and_float_attn_masks_agree():
-    module = MultiHeadAttention(8, 8, None, 0.0, 2, causal=False).eval()
-    x = torch.randn(2, 5, 8)
-    allowed = torch.rand(5, 5) > 0.3
+def test_bool_and_float_attn_masks_agree(device):
+    module = MultiHeadAttention(8, 8, None, 0.0, 2, causal=False).eval().to(device)
+    x = torch.randn(2, 5, 8, device=device)
+    allowed = torch.rand(5, 5, device=device) > 0.3
     allowed.fill_diagonal_(True)
-    as_float = torch.zeros(5, 5).masked_fill(~allowed, float("-inf"))
+    as_float = torch.zeros(5, 5, device=device).masked_fill(~allowed, float("-inf"))
     torch.testing.assert_close(module(x, attn_mask=allowed), module(x, attn_mask=as_float))
 
 
-def test_causal_output_ignores_future_tokens():
-    module = MultiHeadAttention(8, 8, 16, 0.0, 2, num_kv_heads=1).eval()
-    x = torch.randn(1, 9, 8)
+def test_causal_output_ignores_future_tokens(device):
+    module = MultiHeadAttention(8, 8, 16, 0.0, 2, num_kv_heads=1).eval().to(device)
+    x = torch.randn(1, 9, 8, device=device)
     changed = x.clone()
-    changed[:, 6:] = torch.randn(1, 3, 8)
+    changed[:, 6:] = torch.randn(1, 3, 8, device=device)
     torch.testing.assert_close(module(x)[:, :6], module(changed)[:, :6], rtol=0, atol=0)
 
 
-def test_fully_masked_row_gives_bias_only_and_finite_gradients():
-    module = MultiHeadAttention(8, 8, None, 0.0, 2, causal=False).eval()
-    x = torch.randn(2, 4, 8, requires_grad=True)
-    key_mask = torch.tensor([[True, True, False, True], [False, False, False, False]])
+def test_fully_masked_row_gives_bias_only_and_finite_gradients(device):
+    module = MultiHeadAttention(8, 8, None, 0.0, 2, causal=False).eval().to(device)
+    x = torch.randn(2, 4, 8, requires_grad=True, device=device)
+    key_mask = torch.tensor([[True, True, False, True], [False] * 4], device=device)
     out = module(x, key_mask=key_mask)
     # batch row 1 attends to nothing: its context is zero, so only the output bias remains
     torch.testing.assert_close(out[1], module.out_proj.bias.expand(4, 8))
@@ -92,9 +102,9 @@ def test_fully_masked_row_gives_bias_only_and_finite_gradients():
     assert torch.isfinite(x.grad).all()
 
 
-def test_dropout_in_training_only():
-    module = MultiHeadAttention(8, 8, None, 0.5, 2)
-    x = torch.randn(2, 6, 8)
+def test_dropout_in_training_only(device):
+    module = MultiHeadAttention(8, 8, None, 0.5, 2).to(device)
+    x = torch.randn(2, 6, 8, device=device)
     assert not torch.equal(module(x), module(x))
     module.eval()
     assert torch.equal(module(x), module(x))
@@ -125,10 +135,11 @@ def test_bad_input(call, error, message):
     [{"window": 4}, {"window": 5}, {"alibi": True}, {"softcap": 2.0}, {"window": 3, "alibi": True, "softcap": 4.0}],
     ids=["window 4", "window 5", "alibi", "softcap", "all"],
 )  # fmt: skip
-def test_window_alibi_softcap_match_float64_reference(causal, options):
+def test_window_alibi_softcap_match_float64_reference(causal, options, device):
     h, h_kv = 6, 2
     module = MultiHeadAttention(12, 24, None, 0.0, h, num_kv_heads=h_kv, causal=causal, **options)
-    x = torch.randn(2, 11, 12, requires_grad=True)
+    module = module.to(device)
+    x = torch.randn(2, 11, 12, requires_grad=True, device=device)
     out = module(x)
     W = options.get("window")
     expected_window = None if W is None else ((W - 1, 0) if causal else (W // 2, (W - 1) // 2))
@@ -139,7 +150,7 @@ def test_window_alibi_softcap_match_float64_reference(causal, options):
         "softcap": options.get("softcap"),
     }
     if options.get("alibi"):
-        reference_options["alibi_slopes"] = alibi_slopes(h).double()
+        reference_options["alibi_slopes"] = alibi_slopes(h).double().to(device)
     params64 = float64_leaves(module)
     x64 = x.detach().double().requires_grad_()
     out64, _ = projected_attention_reference(params64, x64, x64, h, h_kv, **reference_options)
@@ -150,19 +161,30 @@ def test_window_alibi_softcap_match_float64_reference(causal, options):
     torch.testing.assert_close(gx, gx64.float())
 
 
-def test_causal_window_sees_exactly_the_last_w_positions():
-    module = MultiHeadAttention(8, 8, None, 0.0, 2, window=3).eval()
-    _, weights = module(torch.randn(1, 6, 8), need_weights=True)
+def test_causal_window_sees_exactly_the_last_w_positions(device):
+    module = MultiHeadAttention(8, 8, None, 0.0, 2, window=3).eval().to(device)
+    _, weights = module(torch.randn(1, 6, 8, device=device), need_weights=True)
     visible = weights[0] > 0
     for i in range(6):
         assert visible[i].nonzero().flatten().tolist() == list(range(max(0, i - 2), i + 1))
 
 
-@pytest.mark.parametrize("options", [{}, {"softcap": 5.0, "window": 3, "alibi": True}])
-def test_compiles_with_fullgraph(options):
-    module = MultiHeadAttention(16, 16, None, 0.0, 4, num_kv_heads=2, **options).eval()
-    x = torch.randn(2, 7, 16)
-    key_mask = torch.rand(2, 7) > 0.3
+EVERY_OPTION = {"softcap": 5.0, "window": 3, "alibi": True}
+
+
+@pytest.mark.parametrize(
+    ("options", "device"),
+    [
+        pytest.param({}, torch.device("cpu"), id="plain-cpu"),
+        pytest.param(EVERY_OPTION, torch.device("cpu"), id="every option-cpu"),
+        # one compilation on CUDA (minutes of the GPU's short run each): the tiled loop's
+        pytest.param(EVERY_OPTION, torch.device("cuda"), id="every option-cuda", marks=CUDA.marks),
+    ],
+)
+def test_compiles_with_fullgraph(options, device):
+    module = MultiHeadAttention(16, 16, None, 0.0, 4, num_kv_heads=2, **options).eval().to(device)
+    x = torch.randn(2, 7, 16, device=device)
+    key_mask = torch.rand(2, 7, device=device) > 0.3
     compiled = torch.compile(module, fullgraph=True)
     torch.testing.assert_close(compiled(x, key_mask=key_mask), module(x, key_mask=key_mask))
 
@@ -192,13 +214,13 @@ def test_training_compiles_with_fullgraph_where_auto_weighs_the_cpu(dtype, t, mo
 @pytest.mark.filterwarnings("ignore:`torch.jit.trace:DeprecationWarning")
 @pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")
 @pytest.mark.parametrize("num_kv_heads", [4, 2])
-def test_traces_with_jit_trace(num_kv_heads):
+def test_traces_with_jit_trace(num_kv_heads, device):
     # Traced sizes are tensors: every size that reaches torch as an argument must become a Python
     # value first (SDPA's enable_gqa refused a tensor).
-    module = MultiHeadAttention(16, 16, None, 0.0, 4, num_kv_heads=num_kv_heads).eval()
+    module = MultiHeadAttention(16, 16, None, 0.0, 4, num_kv_heads=num_kv_heads).eval().to(device)
     with torch.no_grad():
-        traced = torch.jit.trace(module, torch.randn(1, 5, 16))
-        x = torch.randn(1, 5, 16)
+        traced = torch.jit.trace(module, torch.randn(1, 5, 16, device=device))
+        x = torch.randn(1, 5, 16, device=device)
         torch.testing.assert_close(traced(x), module(x))
 
 
@@ -245,20 +267,20 @@ def test_a_cache_with_gradients_raises_before_backward_would():
         assert module(torch.randn(1, 3, 8), cache=cache).shape == (1, 3, 8)
 
 
-def test_an_empty_sequence_gives_an_empty_result_as_torchs_module_does():
-    module = MultiHeadAttention(16, 16, None, 0.0, 4, causal=False)
-    theirs = torch.nn.MultiheadAttention(16, 4, batch_first=True)
-    x = torch.randn(2, 0, 16)
+def test_an_empty_sequence_gives_an_empty_result_as_torchs_module_does(device):
+    module = MultiHeadAttention(16, 16, None, 0.0, 4, causal=False).to(device)
+    theirs = torch.nn.MultiheadAttention(16, 4, batch_first=True).to(device)
+    x = torch.randn(2, 0, 16, device=device)
     assert module(x).shape == theirs(x, x, x)[0].shape == (2, 0, 16)
     out, weights = module(x, need_weights=True)
     assert out.shape == (2, 0, 16) and weights.shape == (2, 0, 0)
 
 
-def test_a_packed_batch_trains_through_the_module_as_its_documents_alone():
-    mha = attnkit.MultiHeadAttention(32, 32, 64, 0.0, H)
+def test_a_packed_batch_trains_through_the_module_as_its_documents_alone(device):
+    mha = attnkit.MultiHeadAttention(32, 32, 64, 0.0, H).to(device)
     lengths = [7, 12, 5]
-    documents = torch.repeat_interleave(torch.arange(3), torch.tensor(lengths))
-    x = torch.randn(1, 24, 32, requires_grad=True)
+    documents = torch.repeat_interleave(torch.arange(3), torch.tensor(lengths)).to(device)
+    x = torch.randn(1, 24, 32, requires_grad=True, device=device)
     packed = mha(x, documents=documents)
     alone = torch.cat([mha(part) for part in x.split(lengths, dim=1)], dim=1)
     torch.testing.assert_close(packed, alone)
@@ -266,16 +288,17 @@ def test_a_packed_batch_trains_through_the_module_as_its_documents_alone():
     (want,) = torch.autograd.grad(alone.square().sum(), x)
     torch.testing.assert_close(grad, want)
     with pytest.raises(ValueError, match="with a cache, give mask_mod"), torch.no_grad():
-        mha(x[:, :3], cache=attnkit.KVCache(1, H, 64, 8), documents=documents[:3])
+        mha(x[:, :3], cache=attnkit.KVCache(1, H, 64, 8, device=device), documents=documents[:3])
 
 
-def test_learned_sinks_start_at_zero_train_and_decode_as_the_whole_sequence():
-    module = MultiHeadAttention(16, 16, 32, 0.0, 4, num_kv_heads=2, sinks=True)
-    assert torch.equal(module.sinks, torch.zeros(4)) and "sinks" in module.state_dict()
+def test_learned_sinks_start_at_zero_train_and_decode_as_the_whole_sequence(device):
+    module = MultiHeadAttention(16, 16, 32, 0.0, 4, num_kv_heads=2, sinks=True).to(device)
+    assert torch.equal(module.sinks, torch.zeros(4, device=device))
+    assert "sinks" in module.state_dict()
     assert MultiHeadAttention(16, 16, 32, 0.0, 4).sinks is None
     with torch.no_grad():
         module.sinks.copy_(torch.randn(4) * 2)
-    x = torch.randn(2, 9, 16, requires_grad=True)
+    x = torch.randn(2, 9, 16, requires_grad=True, device=device)
     out = module(x)
     q, k, v = (
         w(x).unflatten(-1, (-1, 4)).transpose(1, 2)
@@ -288,7 +311,7 @@ def test_learned_sinks_start_at_zero_train_and_decode_as_the_whole_sequence():
     want = torch.autograd.grad(expected.sum(), (x, module.sinks))
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w)
-    cache = KVCache(2, 2, 32, 4)
+    cache = KVCache(2, 2, 32, 4, device=device)
     with torch.no_grad():
         steps = [module(x[:, :4], cache=cache)]
         steps += [module(x[:, i : i + 1], cache=cache) for i in range(4, 9)]

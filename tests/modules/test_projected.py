@@ -64,13 +64,13 @@ def copy_weights(into, source):
             getattr(into, name).bias.copy_(getattr(source, name).bias)
 
 
-def test_cross_attention_over_its_own_input_is_non_causal_self_attention():
+def test_cross_attention_over_its_own_input_is_non_causal_self_attention(device):
     """The same projections, one call and the output projection: the same numbers, weights too."""
-    mha = MultiHeadAttention(12, 16, None, 0.0, 4, causal=False, qkv_bias=True)
-    cross = CrossAttention(12, 12, 16, 4, qkv_bias=True)
+    mha = MultiHeadAttention(12, 16, None, 0.0, 4, causal=False, qkv_bias=True).to(device)
+    cross = CrossAttention(12, 12, 16, 4, qkv_bias=True).to(device)
     copy_weights(cross, mha)
-    x = torch.randn(2, 7, 12)
-    key_mask = torch.rand(2, 7) > 0.3
+    x = torch.randn(2, 7, 12, device=device)
+    key_mask = torch.rand(2, 7, device=device) > 0.3
     key_mask[:, 0] = True
     out, weights = mha(x, key_mask=key_mask, need_weights=True, average_weights=False)
     cross_out, cross_weights = cross(
@@ -84,13 +84,13 @@ def test_cross_attention_over_its_own_input_is_non_causal_self_attention():
 
 
 @pytest.mark.parametrize("which", ["self", "cross"])
-def test_dropout_applies_in_training_only_in_both_modules(which):
+def test_dropout_applies_in_training_only_in_both_modules(which, device):
     module = (
         MultiHeadAttention(8, 8, None, 0.5, 2)
         if which == "self"
         else CrossAttention(8, 8, 8, 2, dropout=0.5)
-    )
-    x = torch.randn(2, 6, 8)
+    ).to(device)
+    x = torch.randn(2, 6, 8, device=device)
     run = (lambda: module(x)) if which == "self" else (lambda: module(x, x))
     assert not torch.equal(run(), run())
     module.eval()
@@ -98,14 +98,14 @@ def test_dropout_applies_in_training_only_in_both_modules(which):
 
 
 @pytest.mark.parametrize("which", ["self", "cross"])
-def test_a_cache_of_other_sizes_or_type_is_refused_naming_both(which):
+def test_a_cache_of_other_sizes_or_type_is_refused_naming_both(which, device):
     module = (
         MultiHeadAttention(8, 8, None, 0.0, 2, num_kv_heads=1)
         if which == "self"
         else CrossAttention(8, 8, 8, 2)
-    )
+    ).to(device)
     heads = 1 if which == "self" else 2
-    x = torch.randn(2, 3, 8)
+    x = torch.randn(2, 3, 8, device=device)
 
     def call(cache):
         return module(x, cache=cache) if which == "self" else module(x, x, cache=cache)
@@ -118,8 +118,8 @@ def test_a_cache_of_other_sizes_or_type_is_refused_naming_both(which):
             match=rf"cache has \(batch_size, num_kv_heads, head_dim\) = \(2, {heads}, 8\), but "
             rf"this call needs \(2, {heads}, 4\)",
         ):
-            call(KVCache(2, heads, 16, 8))
-        call(KVCache(2, heads, 16, 4))  # the sizes it needs
+            call(KVCache(2, heads, 16, 8, device=device))
+        call(KVCache(2, heads, 16, 4, device=device))  # the sizes it needs
 
 
 @pytest.mark.parametrize("which", ["self", "cross"])

@@ -27,10 +27,10 @@ def single_head_reference(module, x, causal, weights64=None):
     ("b", "t", "d_in", "d_out"),
     [(2, 6, 3, 2), (1, 1, 5, 4), (3, 13, 7, 40)],  # the chapter's sizes; t=1; odd sizes
 )
-def test_single_head_matches_float64_reference(cls, b, t, d_in, d_out):
+def test_single_head_matches_float64_reference(cls, b, t, d_in, d_out, device):
     module = SelfAttention(d_in, d_out) if cls is SelfAttention else cls(d_in, d_out, 16, 0.5)
-    module.eval()  # dropout off
-    x = torch.randn(b, t, d_in, requires_grad=True)
+    module.eval().to(device)  # dropout off
+    x = torch.randn(b, t, d_in, requires_grad=True, device=device)
     out, weights = module(x, need_weights=True)
     x64 = x.detach().double().requires_grad_()
     params = [module.W_query.weight, module.W_key.weight, module.W_value.weight]
@@ -47,9 +47,9 @@ def test_single_head_matches_float64_reference(cls, b, t, d_in, d_out):
         torch.testing.assert_close(g, g64.float())
 
 
-def test_unbatched_input_matches_batched():
-    module = SelfAttention(3, 2)
-    x = torch.randn(6, 3)
+def test_unbatched_input_matches_batched(device):
+    module = SelfAttention(3, 2).to(device)
+    x = torch.randn(6, 3, device=device)
     out, weights = module(x, need_weights=True)
     batched_out, batched_weights = module(x[None], need_weights=True)
     torch.testing.assert_close(out, batched_out[0])
@@ -62,9 +62,9 @@ def test_from_matrices_default_scale_is_inverse_sqrt_d_out():
     assert SelfAttention.from_matrices(W, W, W, scale=1.0).scale == 1.0
 
 
-def test_causal_output_ignores_future_tokens():
-    module = CausalAttention(5, 4, 10).eval()
-    x = torch.randn(2, 8, 5)
+def test_causal_output_ignores_future_tokens(device):
+    module = CausalAttention(5, 4, 10).eval().to(device)
+    x = torch.randn(2, 8, 5, device=device)
     changed = x.clone()
     changed[:, 5] += 10.0  # perturb token 5
     out, out_changed = module(x), module(changed)
@@ -72,30 +72,31 @@ def test_causal_output_ignores_future_tokens():
     assert not torch.allclose(out[:, 5:], out_changed[:, 5:])
 
 
-def test_dropout_acts_in_training_only():
-    module = CausalAttention(4, 4, 10, dropout=0.5)
-    x = torch.randn(2, 6, 4)
+def test_dropout_acts_in_training_only(device):
+    module = CausalAttention(4, 4, 10, dropout=0.5).to(device)
+    x = torch.randn(2, 6, 4, device=device)
     module.train()
     assert not torch.equal(module(x), module(x))
     _, weights = module(x, need_weights=True)
-    torch.testing.assert_close(weights.sum(-1), torch.ones(2, 6))  # weights are before dropout
+    ones = torch.ones(2, 6, device=device)
+    torch.testing.assert_close(weights.sum(-1), ones)  # weights are before dropout
     module.eval()
     torch.testing.assert_close(module(x), module(x), rtol=0, atol=0)
 
 
-def test_trace_keeps_every_step():
-    module = CausalAttention(3, 2, 6).eval()
-    x = torch.randn(6, 3)
+def test_trace_keeps_every_step(device):
+    module = CausalAttention(3, 2, 6).eval().to(device)
+    x = torch.randn(6, 3, device=device)
     trace = module.trace(x)
     torch.testing.assert_close(trace.scores, trace.queries @ trace.keys.T)
     torch.testing.assert_close(trace.context, module(x))
     torch.testing.assert_close(trace.context, trace.weights @ trace.values)
-    assert torch.equal(trace.weights.triu(1), torch.zeros(6, 6))
+    assert torch.equal(trace.weights.triu(1), torch.zeros(6, 6, device=device))
 
 
-def test_wrapper_concatenates_independent_causal_heads():
-    wrapper = MultiHeadAttentionWrapper(3, 2, 6, 0.0, num_heads=3).eval()
-    x = torch.randn(2, 6, 3)
+def test_wrapper_concatenates_independent_causal_heads(device):
+    wrapper = MultiHeadAttentionWrapper(3, 2, 6, 0.0, num_heads=3).eval().to(device)
+    x = torch.randn(2, 6, 3, device=device)
     out, weights = wrapper(x, need_weights=True, average_weights=False)
     assert out.shape == (2, 6, 6) and weights.shape == (2, 3, 6, 6)
     for i, head in enumerate(wrapper.heads):
@@ -106,10 +107,12 @@ def test_wrapper_concatenates_independent_causal_heads():
     torch.testing.assert_close(averaged, weights.mean(1))
 
 
-def test_device_and_dtype_keywords():
-    module = CausalAttention(3, 2, 6, dtype=torch.float64, device="cpu")
+def test_device_and_dtype_keywords(device):
+    module = CausalAttention(3, 2, 6, dtype=torch.float64, device=device.type)
     assert module.W_query.weight.dtype == torch.float64
-    assert module(torch.randn(1, 4, 3, dtype=torch.float64)).dtype == torch.float64
+    assert module.W_query.weight.device.type == device.type
+    out = module(torch.randn(1, 4, 3, dtype=torch.float64, device=device))
+    assert out.dtype == torch.float64 and out.device.type == device.type
 
 
 @pytest.mark.parametrize(
@@ -131,18 +134,18 @@ def test_bad_input(call, error, message):
         call()
 
 
-def test_single_head_options_reach_the_kernel():
-    module = CausalAttention(4, 3, 12, window=2, alibi=True, softcap=3.0).eval()
-    x = torch.randn(2, 7, 4)
+def test_single_head_options_reach_the_kernel(device):
+    module = CausalAttention(4, 3, 12, window=2, alibi=True, softcap=3.0).eval().to(device)
+    x = torch.randn(2, 7, 4, device=device)
     out, weights = module(x, need_weights=True)
     assert module.window == (1, 0)
-    assert torch.equal(
-        weights[0] > 0, torch.ones(7, 7).tril().bool() & torch.ones(7, 7).triu(-1).bool()
-    )
+    ones = torch.ones(7, 7, device=device)
+    assert torch.equal(weights[0] > 0, ones.tril().bool() & ones.triu(-1).bool())
     W = [w.weight.double() for w in (module.W_query, module.W_key, module.W_value)]
     q, k, v = (x.double() @ w.T for w in W)
     expected, _, _ = naive_attention(
         q[:, None], k[:, None], v[:, None], causal=True, window=(1, 0), softcap=3.0,
-        alibi_slopes=torch.tensor([2.0**-8], dtype=torch.float64), scale=module.scale,
+        alibi_slopes=torch.tensor([2.0**-8], dtype=torch.float64, device=device),
+        scale=module.scale,
     )  # fmt: skip
     torch.testing.assert_close(out, expected[:, 0].float())
