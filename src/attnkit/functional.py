@@ -300,8 +300,9 @@ def _autocast(q, k, v):
     if not isinstance(q, Tensor):  # the checks that follow name it
         return q, k, v
     device = q.device.type
-    if not (torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)):
-        return q, k, v  # meta tensors, say, have no autocast
+    available = device in ("cpu", "cuda") or torch.amp.is_autocast_available(device)
+    if not (available and torch.is_autocast_enabled(device)):  # dynamo (2.11) cannot trace the
+        return q, k, v  # availability check, which meta tensors, say, need
     dtype = torch.get_autocast_dtype(device)
     return tuple(
         x.to(dtype) if isinstance(x, Tensor) and x.is_floating_point() else x for x in (q, k, v)

@@ -72,7 +72,15 @@ def nonfinite_rows(x: Tensor) -> Tensor:
     than torch's ``isfinite(x).all(-1)``: docs/bench/choices.md)."""
     if can_branch_on_data(x) and _finite(x):
         return torch.zeros(x.shape[:-1], dtype=torch.bool, device=x.device)
+    if not x.is_cpu and not traced():  # one read of x, no temporary of its size
+        return _nonfinite_by_extremes(x)
     return torch.isnan((x * 0).sum(dim=-1))
+
+
+def _nonfinite_by_extremes(x: Tensor) -> Tensor:
+    """``nonfinite_rows`` from each row's largest magnitude (NaN if the row holds one): exact, and
+    on a GPU one reduction that reads ``x`` once where ``x * 0`` would write a copy of it first."""
+    return ~torch.isfinite(torch.linalg.vector_norm(x.detach(), ord=math.inf, dim=-1))
 
 
 def nan_rows(x: Tensor) -> Tensor:

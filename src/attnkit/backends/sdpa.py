@@ -1,7 +1,9 @@
 """The SDPA backend: torch's fused ``scaled_dot_product_attention``.
 
 torch's ``is_causal=True`` aligns the mask top-left, attnkit bottom-right (see [`attnkit.masks`][attnkit.masks]);
-the two agree only when ``t == s``, so ``is_causal`` is used only then and an explicit mask otherwise.
+the two agree only when ``t == s``, so ``is_causal`` is used only then; a single query sees every key
+(no mask); on CUDA, torch's ``causal_lower_right`` takes ``t < s`` to its fused kernels; otherwise an
+explicit mask.
 ALiBi becomes a float mask added to the scores. SDPA has no soft-capping and returns neither weights
 nor the log-sum-exp: asking for those raises in the dispatcher.
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from attnkit._tracing import traced
 from attnkit.backends.base import (
@@ -48,8 +51,13 @@ def sdpa(call: Call) -> AttentionOutput:
     masks = call.masks
     keys, values = zero_padding(k, masks.key_mask), zero_padding(v, masks.key_mask)
     is_causal = masks.is_causal_only and t == s and call.alibi_slopes is None
-    allowed = None if is_causal else masks.allowed(t, s, q.device)
-    attn_mask = allowed
+    sees_all = masks.is_causal_only and t == 1  # the one query, last, sees every key
+    allowed = None if is_causal or sees_all else masks.allowed(t, s, q.device)
+    attn_mask = lower_right(call) if allowed is not None else None
+    if attn_mask is not None:
+        allowed = None
+    else:
+        attn_mask = allowed
     bias = masks.bias()
     if call.alibi_slopes is not None:
         alibi = alibi_bias(call.alibi_slopes.to(q.dtype), t, s)  # (h, t, s)
@@ -60,7 +68,8 @@ def sdpa(call: Call) -> AttentionOutput:
     nan_rows = None  # rows a query or key row that is not finite, or a NaN or +inf bias, makes NaN
     if bias is not None or not all_finite(q, keys):
         with torch.no_grad():  # which rows attnkit's rules overwrite (no gradient flows there)
-            nan_rows = rows_made_nan(q, keys, allowed, is_causal, masks.bias(), call.alibi_slopes)
+            causal = is_causal or isinstance(attn_mask, CausalBias)
+            nan_rows = rows_made_nan(q, keys, allowed, causal, masks.bias(), call.alibi_slopes)
     empty_rows = None if allowed is None else ~allowed.any(dim=-1, keepdim=True)
     out = F.scaled_dot_product_attention(
         q,
@@ -72,15 +81,29 @@ def sdpa(call: Call) -> AttentionOutput:
         scale=call.scale,
         enable_gqa=bool(q.shape[1] != k.shape[1]),  # bool: under jit.trace the sizes are tensors
     )
-    twice = wants_grad(q, k, v, call.alibi_slopes, masks.attn_mask) and _fused(out)
+    fused = _fused(out) or isinstance(attn_mask, CausalBias)  # the bias calls fused kernels
+    twice = wants_grad(q, k, v, call.alibi_slopes, masks.attn_mask) and fused
     if nan_rows is not None and (not can_branch_on_data(nan_rows) or bool(nan_rows.any())):
-        out = out.masked_fill(nan_rows, _NAN)  # no copy where nothing changes
+        fill = out.masked_fill if out.requires_grad else out.masked_fill_  # in place: no copy
+        out = fill(nan_rows, _NAN)
     if empty_rows is not None:  # rows with no allowed key are 0, whatever the kernel does
         out = out.masked_fill(empty_rows, 0.0)
     if twice:  # torch's fused kernel made it, whose backward cannot run twice
         template = call.with_tensors(*[None] * 6)  # its tensors are saved apart
         out = _TwiceDifferentiable.apply(out, *call.tensors(), template)
     return AttentionOutput(out)
+
+
+def lower_right(call: Call) -> CausalBias | None:
+    """Bottom-right causal alignment for ``t < s`` as torch's ``causal_lower_right``, which its
+    fused CUDA kernels apply without a dense mask; None where a dense mask is needed: on a CPU
+    (whose fused kernel aligns top-left only), with other masks or ALiBi, or with GQA (torch's
+    dispatch of the bias does not pass GQA on to its kernels)."""
+    q, k = call.q, call.k
+    t, s = q.shape[-2], k.shape[-2]
+    if not (call.masks.is_causal_only and t < s and q.is_cuda and call.alibi_slopes is None):
+        return None
+    return causal_lower_right(t, s) if q.shape[1] == k.shape[1] else None
 
 
 def rows_made_nan(
@@ -107,9 +130,10 @@ def rows_made_nan(
     if can_branch_on_data(bad_k) and not bool(bad_k.any()):
         bad = bad_q  # no key to see: the usual case, in which the passes below would find nothing
     else:
-        bad_k = bad_k.repeat_interleave(h // h_kv, dim=1)  # (b, h, s): query head i uses kv i // g
-        if is_causal:  # t == s: query i sees keys 0..i
-            sees_bad = (bad_k.cumsum(dim=-1) > 0)[..., None]
+        b, s = bad_k.shape[0], bad_k.shape[-1]  # (b, h, s): query head i uses kv head i // g
+        bad_k = bad_k[:, :, None].expand(b, h_kv, h // h_kv, s).reshape(b, h, s)
+        if is_causal:  # bottom-right: query i sees keys 0..i + s - t
+            sees_bad = (bad_k.cumsum(dim=-1) > 0)[..., k.shape[-2] - q.shape[-2] :, None]
         elif allowed is None:
             sees_bad = bad_k.any(dim=-1)[:, :, None, None]
         else:  # (.., t, s) x (b, h, s, 1): the number of bad keys a row sees

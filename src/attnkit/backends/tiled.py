@@ -44,7 +44,7 @@ import torch
 
 from attnkit import _cpu
 from attnkit._tracing import traced
-from attnkit.backends import tiled_function, tiled_native
+from attnkit.backends import sdpa, tiled_function, tiled_native
 from attnkit.backends.base import (
     AttentionOutput,
     Backend,
@@ -143,7 +143,8 @@ class TiledBackend(Backend):
             return (  # at any size: no t x s mask is built (docs/bench/choices.md)
                 "SDPA would need a dense (b, 1, t, s) mask for the padding, the kernel none"
             )
-        dense = limited or call.alibi_slopes is not None or (window == (-1, 0) and t != s)
+        causal_offset = window == (-1, 0) and 1 < t != s and sdpa.lower_right(call) is None
+        dense = limited or call.alibi_slopes is not None or causal_offset
         if not (dense or padded):
             return None
         b = q.shape[0] if padded else 1
