@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 DEMO_STAMP := $(VENV)/.demo-stamp
 TEST_STAMP := $(VENV)/.test-stamp
 
-.PHONY: demo test test-build test-hf-oldest kernels docs lint format clean browser
+.PHONY: demo test test-build test-hf-oldest test-gpu kernels docs lint format clean browser
 
 $(DEMO_STAMP): pyproject.toml setup.py constraints.txt
 	@echo "make: creating $(VENV) with torch 2.13.0 (CPU) and attnkit"
@@ -58,6 +58,13 @@ test-hf-oldest: kernels
 	test -x $(HF_OLDEST)/bin/python || $(PYTHON) -m venv $(HF_OLDEST)
 	$(HF_OLDEST)/bin/python -m pip install --quiet -r constraints-hf-oldest.txt
 	PYTHONPATH=src $(HF_OLDEST)/bin/python -m pytest tests/hf
+
+# The tests of CUDA paths (the `gpu` marker), with the Python at hand and nothing installed: on a
+# machine with a GPU (scripts/gpu-check.sh runs it on a lent one); without one they all skip.
+GPU_WORKERS ?= $(shell $(PYTHON) -c 'import xdist' 2>/dev/null && echo "-n 12")
+test-gpu:
+	PYTHONPATH=src$${PYTHONPATH:+:$$PYTHONPATH} $(PYTHON) -m pytest -m gpu -p no:cacheprovider \
+	  $(GPU_WORKERS) --durations=10 $(PYTEST_ARGS) tests
 
 format: $(TEST_STAMP)
 	$(BIN)/ruff format src tests examples setup.py

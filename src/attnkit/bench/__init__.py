@@ -93,7 +93,7 @@ class BenchConfig:
                 if not causal or mods_supported(impl, variant):
                     continue  # causal cases (prefix-LM: its own mask), the peers that apply
             elif impl == "attnkit-builtin" or (
-                variant != "plain" and impl in ("attnkit-auto", "torch-sdpa-math")
+                variant not in ("plain", "sinks") and impl in ("attnkit-auto", "torch-sdpa-math")
             ):
                 continue  # the modifier rows compare naive, SDPA (dense mask), flex and tiled
             cases.append(Case(impl, n, dtype, causal, mode, variant, **shape))
