@@ -1,0 +1,161 @@
+"""``MultiheadAttention``: torch's ``nn.MultiheadAttention`` whose attention runs on attnkit.
+
+It is torch's class with one method replaced: the constructor, the parameters and buffers (their
+names and shapes: a ``state_dict`` loads strictly both ways), ``merge_masks`` and every attribute
+torch's Transformer layers read are torch's own; ``forward`` keeps torch 2.13's semantics and
+computes the attention with [`attnkit.functional.attention`][attnkit.functional.attention].
+
+One difference: a query whose every key is masked gets 0 here (attnkit's rule), where torch's gives
+NaN when it returns weights and 0 when it does not.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from attnkit.functional import attention
+
+__all__ = ["MultiheadAttention"]
+
+
+class MultiheadAttention(torch.nn.MultiheadAttention):
+    """A drop-in for ``torch.nn.MultiheadAttention``: the same constructor, parameters and
+    ``forward``, computed by attnkit.
+
+    Example:
+        >>> import torch
+        >>> mha = MultiheadAttention(64, 4, batch_first=True)
+        >>> x = torch.randn(2, 10, 64)
+        >>> out, weights = mha(x, x, x)
+        >>> out.shape, weights.shape
+        (torch.Size([2, 10, 64]), torch.Size([2, 10, 10]))
+    """
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        key_padding_mask: Tensor | None = None,
+        need_weights: bool = True,
+        attn_mask: Tensor | None = None,
+        average_attn_weights: bool = True,
+        is_causal: bool = False,
+    ) -> tuple[Tensor, Tensor | None]:
+        """torch's ``nn.MultiheadAttention.forward``: inputs ``(L, N, E)`` (``(N, L, E)`` with
+        ``batch_first``) or unbatched ``(L, E)``; ``key_padding_mask`` ``(N, S)``, True (or
+        ``-inf``) where a key is padding; ``attn_mask`` ``(L, S)`` or ``(N * num_heads, L, S)``,
+        True (or ``-inf``) where a query may not look, a float one added to the scores;
+        ``is_causal`` a hint that needs ``attn_mask``, except that with ``need_weights=False`` and
+        no ``key_padding_mask`` the mask is dropped for the top-left causal one. Returns the output
+        and the weights after dropout (averaged over the heads unless ``average_attn_weights`` is
+        False), or None without ``need_weights``."""
+        batched = query.dim() == 3
+        if not batched:
+            query, key, value = (x.unsqueeze(0) for x in (query, key, value))
+            if key_padding_mask is not None:
+                key_padding_mask = key_padding_mask.unsqueeze(0)
+        elif not self.batch_first:
+            query, key, value = (x.transpose(0, 1) for x in (query, key, value))
+        if is_causal and attn_mask is None:
+            raise ValueError(
+                "is_causal=True is a hint that needs attn_mask too (torch's rule); "
+                "torch.nn.Transformer.generate_square_subsequent_mask(L) makes one"
+            )
+        top_left = is_causal and key_padding_mask is None and not need_weights
+        q, k, v = self._heads(query, key, value)  # (N, H, L or S, d)
+        mask, key_mask = self._masks(attn_mask if not top_left else None, key_padding_mask, q)
+        t, s = q.shape[2], k.shape[2]
+        causal = top_left and t == s
+        if top_left and t != s:  # top-left, as torch's SDPA aligns it
+            mask = torch.ones(t, s, dtype=torch.bool, device=q.device).tril()
+        dropout = self.dropout if self.training else 0.0
+        result = attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            key_mask=key_mask,
+            causal=causal,
+            dropout_p=dropout,
+            return_weights="dropped" if need_weights else False,
+        )
+        out, weights = result if need_weights else (result, None)
+        n, h, _, d = out.shape
+        out = F.linear(out.transpose(1, 2).reshape(n, t, h * d), *self._out())
+        if weights is not None and average_attn_weights:
+            weights = weights.mean(dim=1)
+        if not batched:
+            return out.squeeze(0), None if weights is None else weights.squeeze(0)
+        if not self.batch_first:
+            out = out.transpose(0, 1)
+        return out, weights
+
+    def _out(self) -> tuple[Tensor, Tensor | None]:
+        return self.out_proj.weight, self.out_proj.bias
+
+    def _heads(self, query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The projections, batch first, split into heads; with ``add_bias_kv`` the learned key
+        and value appended, with ``add_zero_attn`` a key and value of zeros after them."""
+        e, h = self.embed_dim, self.num_heads
+        bias = self.in_proj_bias
+        biases = (None, None, None) if bias is None else bias.chunk(3)
+        if self._qkv_same_embed_dim:
+            weights = self.in_proj_weight.chunk(3)
+        else:
+            weights = (self.q_proj_weight, self.k_proj_weight, self.v_proj_weight)
+        q, k, v = (F.linear(x, w, b) for x, w, b in zip((query, key, value), weights, biases))
+        n = q.shape[0]
+        if self.bias_k is not None:
+            k = torch.cat([k, self.bias_k.reshape(1, 1, e).expand(n, 1, e)], dim=1)
+            v = torch.cat([v, self.bias_v.reshape(1, 1, e).expand(n, 1, e)], dim=1)
+        if self.add_zero_attn:
+            k, v = (torch.cat([x, x.new_zeros(n, 1, e)], dim=1) for x in (k, v))
+        return tuple(x.reshape(n, x.shape[1], h, e // h).transpose(1, 2) for x in (q, k, v))
+
+    def _masks(
+        self, attn_mask: Tensor | None, key_padding_mask: Tensor | None, q: Tensor
+    ) -> tuple[Tensor | None, Tensor | None]:
+        """torch's masks as attnkit's: ``attn_mask`` broadcastable to ``(N, H, L, S)``, True
+        where a query may look, or a float one; a bool ``key_padding_mask`` as ``key_mask`` (True
+        for a real key), a float one added to ``attn_mask``. Both gain the columns of
+        ``add_bias_kv`` and ``add_zero_attn``, which every query sees."""
+        extra = (self.bias_k is not None) + bool(self.add_zero_attn)
+        n, h, t, _ = q.shape
+        mask = None
+        if attn_mask is not None:
+            mask = _attnkit_polarity(attn_mask, q.dtype, "attn_mask")
+            if mask.dim() == 3:
+                mask = mask.reshape(n, h, t, mask.shape[-1])
+            mask = _pad(mask, extra)
+        if key_padding_mask is None:
+            return mask, None
+        padding = _attnkit_polarity(key_padding_mask, q.dtype, "key_padding_mask")
+        padding = _pad(padding, extra)
+        if padding.dtype == torch.bool:
+            if mask is None or mask.dtype == torch.bool:
+                return mask, padding
+            return mask.masked_fill(~padding[:, None, None], float("-inf")), None
+        added = padding[:, None, None]
+        if mask is not None and mask.dtype == torch.bool:
+            mask = torch.zeros_like(mask, dtype=q.dtype).masked_fill(~mask, float("-inf"))
+        return added if mask is None else mask + added, None
+
+
+def _pad(mask: Tensor, extra: int) -> Tensor:
+    """``mask`` with ``extra`` more keys that every query sees."""
+    if not extra:
+        return mask
+    return F.pad(mask, (0, extra), value=True if mask.dtype == torch.bool else 0.0)
+
+
+def _attnkit_polarity(mask: Tensor, dtype: torch.dtype, name: str) -> Tensor:
+    """torch's mask (True: may not look) as attnkit's (True: may look); a float one as it is,
+    in the queries' dtype as torch converts it."""
+    if mask.dtype == torch.bool:
+        return ~mask
+    if not torch.is_floating_point(mask):
+        raise TypeError(f"{name} must be a bool or float tensor, got {mask.dtype}")
+    return mask.to(dtype)

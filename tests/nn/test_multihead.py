@@ -1,0 +1,176 @@
+"""attnkit.nn.MultiheadAttention against torch.nn.MultiheadAttention, same weights and inputs:
+outputs, returned weights and every gradient, for the options and masks torch takes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnkit.nn import MultiheadAttention
+
+E, H, N, L, S = 16, 4, 3, 5, 7
+
+
+def pair(device="cpu", **options):
+    """torch's module and attnkit's, with the same weights (loaded strictly)."""
+    theirs = torch.nn.MultiheadAttention(E, H, device=device, **options)
+    with torch.no_grad():  # bias_k/bias_v and the biases away from their initial values
+        for p in theirs.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    ours = MultiheadAttention(E, H, device=device, **options)
+    ours.load_state_dict(theirs.state_dict(), strict=True)
+    return ours, theirs
+
+
+def inputs(batch_first, device, kdim=E, vdim=E, batched=True):
+    def seq(n, e):
+        if not batched:
+            return torch.randn(n, e, device=device)
+        return (
+            torch.randn(N, n, e, device=device)
+            if batch_first
+            else torch.randn(n, N, e, device=device)
+        )
+
+    return seq(L, E), seq(S, kdim), seq(S, vdim)
+
+
+def compare(ours, theirs, args, **kwargs):
+    results = []
+    for module in (ours, theirs):
+        module.zero_grad()
+        leaves = [x.detach().clone().requires_grad_() for x in args]
+        out, weights = module(*leaves, **kwargs)
+        loss = (out * torch.linspace(-1, 1, out.numel(), device=out.device).view_as(out)).sum()
+        if weights is not None:
+            loss = (
+                loss
+                + (weights * torch.linspace(0, 1, weights.numel()).view_as(weights).to(out)).sum()
+            )
+        loss.backward()
+        grads = [x.grad for x in leaves] + [p.grad for p in module.parameters()]
+        results.append((out, weights, grads))
+    (out, weights, grads), (want, want_weights, want_grads) = results
+    torch.testing.assert_close(out, want)
+    if want_weights is None:
+        assert weights is None
+    else:
+        torch.testing.assert_close(weights, want_weights)
+    for g, w in zip(grads, want_grads, strict=True):
+        torch.testing.assert_close(g, w)
+
+
+OPTIONS = {
+    "defaults": {},
+    "batch_first": {"batch_first": True},
+    "no bias": {"bias": False},
+    "add_bias_kv": {"add_bias_kv": True},
+    "add_zero_attn": {"add_zero_attn": True},
+    "both and batch_first": {"add_bias_kv": True, "add_zero_attn": True, "batch_first": True},
+    "kdim and vdim": {"kdim": 6, "vdim": 10},
+}
+
+
+@pytest.mark.parametrize("average", [True, False])
+@pytest.mark.parametrize("need_weights", [True, False])
+@pytest.mark.parametrize("name", OPTIONS)
+def test_outputs_weights_and_gradients_equal_torchs(name, need_weights, average, device):
+    options = OPTIONS[name]
+    ours, theirs = pair(device, **options)
+    args = inputs(
+        options.get("batch_first", False), device, options.get("kdim", E), options.get("vdim", E)
+    )
+    compare(ours, theirs, args, need_weights=need_weights, average_attn_weights=average)
+
+
+def bool_mask(*shape, device):
+    mask = torch.rand(*shape, device=device) > 0.6  # True: may not look
+    mask[..., 0] = False
+    return mask
+
+
+MASKS = {
+    "bool attn_mask (L, S)": lambda d: {"attn_mask": bool_mask(L, S, device=d)},
+    "float attn_mask (N*H, L, S)": lambda d: {"attn_mask": torch.randn(N * H, L, S, device=d)},
+    "bool key_padding_mask": lambda d: {"key_padding_mask": bool_mask(N, S, device=d)},
+    "float key_padding_mask": lambda d: {"key_padding_mask": torch.randn(N, S, device=d)},
+    "bool both": lambda d: {
+        "attn_mask": bool_mask(N * H, L, S, device=d),
+        "key_padding_mask": bool_mask(N, S, device=d),
+    },
+    "float attn_mask, bool padding": lambda d: {
+        "attn_mask": torch.randn(L, S, device=d),
+        "key_padding_mask": bool_mask(N, S, device=d),
+    },
+    "bool attn_mask, float padding": lambda d: {
+        "attn_mask": bool_mask(L, S, device=d),
+        "key_padding_mask": torch.randn(N, S, device=d),
+    },
+}
+
+
+@pytest.mark.parametrize("need_weights", [True, False])
+@pytest.mark.parametrize("options", ["defaults", "add_bias_kv", "both and batch_first"])
+@pytest.mark.parametrize("masks", MASKS)
+def test_masks_in_torchs_polarity(masks, options, need_weights, device):
+    ours, theirs = pair(device, **OPTIONS[options])
+    args = inputs(OPTIONS[options].get("batch_first", False), device)
+    compare(ours, theirs, args, need_weights=need_weights, **MASKS[masks](device))
+
+
+@pytest.mark.parametrize("need_weights", [True, False])
+def test_unbatched_inputs(need_weights, device):
+    ours, theirs = pair(device)
+    args = inputs(False, device, batched=False)
+    mask = bool_mask(S, device=device)
+    compare(ours, theirs, args, need_weights=need_weights, key_padding_mask=mask)
+
+
+@pytest.mark.parametrize("need_weights", [True, False])
+@pytest.mark.parametrize("padding", [False, True])
+def test_is_causal_is_a_hint_as_in_torch(need_weights, padding, device):
+    """Without weights or padding torch drops the mask for SDPA's top-left causal one; otherwise
+    the mask it was given applies (here an unrelated mask, so that the two differ)."""
+    ours, theirs = pair(device, batch_first=True)
+    x = torch.randn(N, L, E, device=device)
+    other = bool_mask(L, L, device=device)
+    kwargs = {"attn_mask": other, "is_causal": True, "need_weights": need_weights}
+    if padding:
+        kwargs["key_padding_mask"] = bool_mask(N, L, device=device)
+    compare(ours, theirs, (x, x, x), **kwargs)
+    with pytest.raises(ValueError, match="is_causal=True is a hint that needs attn_mask"):
+        ours(x, x, x, is_causal=True)
+
+
+def test_dropout_applies_in_training_only_and_weights_are_those_after_it():
+    ours, theirs = pair(dropout=0.5, batch_first=True)
+    x = torch.randn(N, L, E)
+    ours.eval(), theirs.eval()
+    compare(ours, theirs, (x, x, x))
+    ours.train()
+    out, weights = ours(x, x, x, average_attn_weights=False)
+    assert bool((weights == 0).any())  # dropped
+    kept = weights[weights != 0]
+    plain, _ = ours.eval()(x, x, x, average_attn_weights=False)
+    assert kept.min() > 0 and not torch.allclose(out, plain)
+
+
+def test_a_fully_masked_query_gets_zero_not_nan():
+    ours, _ = pair(batch_first=True)
+    x = torch.randn(1, L, E)
+    mask = torch.zeros(L, L, dtype=torch.bool)
+    mask[2] = True  # query 2 may look nowhere
+    out, weights = ours(x, x, x, attn_mask=mask)
+    assert not out.isnan().any() and bool((weights[0, 2] == 0).all())
+    torch.testing.assert_close(out[0, 2], ours.out_proj.bias)
+
+
+def test_state_dicts_load_strictly_both_ways_and_torchs_layers_take_it():
+    ours, theirs = pair(add_bias_kv=True, kdim=6, vdim=10)
+    theirs.load_state_dict(ours.state_dict(), strict=True)
+    assert isinstance(ours, torch.nn.MultiheadAttention)
+    layer = torch.nn.TransformerEncoderLayer(E, H, dim_feedforward=32, dropout=0.0)
+    layer.self_attn = MultiheadAttention(E, H, dropout=0.0)
+    layer.self_attn.load_state_dict(torch.nn.MultiheadAttention(E, H).state_dict())
+    x = torch.randn(L, N, E)
+    assert layer(x).shape == (L, N, E)
