@@ -154,3 +154,24 @@ def test_bad_arguments_are_named():
     five = torch.randn(1, 2, 2, 5, 8)
     with pytest.raises(ValueError, match=r"does not broadcast"):
         scaled_dot_product_attention(five, five, five, attn_mask=torch.ones(3, 5, 5) > 0)
+
+
+def test_dropout_statistics_over_seeds_match_torchs():
+    """Over many seeds, the mean and the variance of each output value with dropout are torch's
+    (whichever generator draws attnkit's mask)."""
+    q, k, v = (torch.randn(1, 2, 4, 8) for _ in range(3))
+    mask = torch.rand(4, 4) > 0.3  # a mask: attnkit may run another kernel than torch's
+    mask[:, 0] = True
+    runs = {"ours": [], "torch": []}
+    for seed in range(400):
+        torch.manual_seed(seed)
+        runs["ours"].append(scaled_dot_product_attention(q, k, v, mask, dropout_p=0.3))
+        torch.manual_seed(10_000 + seed)
+        runs["torch"].append(F.scaled_dot_product_attention(q, k, v, mask, dropout_p=0.3))
+    ours, theirs = (torch.stack(r) for r in runs.values())
+    plain = F.scaled_dot_product_attention(q, k, v, mask)
+    spread = theirs.std(dim=0) / 400**0.5  # the standard error of a mean
+    assert bool(((ours.mean(0) - plain).abs() <= 5 * spread + 1e-6).all())
+    assert bool(((theirs.mean(0) - plain).abs() <= 5 * spread + 1e-6).all())
+    ratio = ours.var(dim=0) / theirs.var(dim=0)
+    assert 0.7 < ratio.median() < 1.4

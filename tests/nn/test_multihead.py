@@ -174,3 +174,45 @@ def test_state_dicts_load_strictly_both_ways_and_torchs_layers_take_it():
     layer.self_attn.load_state_dict(torch.nn.MultiheadAttention(E, H).state_dict())
     x = torch.randn(L, N, E)
     assert layer(x).shape == (L, N, E)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_options_and_masks_equal_torchs_both_ways(seed):
+    """Every constructor option and every forward option drawn at random; the state_dict loaded
+    into attnkit's from torch's, or into torch's from attnkit's."""
+    draw = torch.Generator().manual_seed(seed)
+
+    def coin():
+        return bool(torch.randint(0, 2, (), generator=draw))
+
+    separate = coin()
+    options = {
+        "dropout": 0.3,  # eval: no dropout, but the attribute is there
+        "bias": coin(),
+        "add_bias_kv": coin(),
+        "add_zero_attn": coin(),
+        "kdim": 6 if separate else None,
+        "vdim": 10 if separate else None,
+        "batch_first": coin(),
+    }
+    if coin():
+        ours, theirs = pair(**options)
+    else:  # the reverse load
+        theirs = torch.nn.MultiheadAttention(E, H, **options)
+        ours = MultiheadAttention(E, H, **options)
+        theirs.load_state_dict(ours.state_dict(), strict=True)
+    ours.eval(), theirs.eval()
+    batched = coin()
+    args = inputs(
+        options["batch_first"], "cpu", 6 if separate else E, 10 if separate else E, batched
+    )
+    kwargs = {"need_weights": coin(), "average_attn_weights": coin()}
+    if coin():
+        shape = (L, S) if coin() or not batched else (N * H, L, S)
+        kwargs["attn_mask"] = bool_mask(*shape, device="cpu") if coin() else torch.randn(shape)
+    if coin():
+        shape = (N, S) if batched else (S,)
+        kwargs["key_padding_mask"] = (
+            bool_mask(*shape, device="cpu") if coin() else torch.randn(shape)
+        )
+    compare(ours, theirs, args, **kwargs)

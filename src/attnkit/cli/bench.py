@@ -44,6 +44,11 @@ def add(commands) -> None:
         "generation (needs transformers)",
     )
     be.add_argument(
+        "--torch-nn",
+        action="store_true",
+        help="torch's nn.TransformerEncoder before and after attnkit.nn.swap: a training step",
+    )
+    be.add_argument(
         "--device",
         choices=["cpu", "cuda"],
         default="cpu",
@@ -96,6 +101,20 @@ def _run_gpu_decode_bench(args: argparse.Namespace) -> int:
     if config.h % config.kv_heads:
         raise ValueError(f"--h ({config.h}) must be a multiple of --kv-heads ({config.kv_heads})")
     _show(write_gpu_decode(run_gpu_decode(config), Path(args.out)))
+    return 0
+
+
+def _run_torch_nn_bench(args: argparse.Namespace) -> int:
+    from attnkit.bench.torch_nn import TorchNNConfig, run_torch_nn, write_torch_nn
+
+    check_counts(args, ("repeats",))
+    overrides = {"repeats": args.repeats, "warmups": args.warmups}
+    if args.dtypes:
+        overrides["dtypes"] = tuple(args.dtypes)
+    if args.smoke:
+        overrides = {"repeats": 1, "warmups": 0, "shrink": 16, **overrides}
+    config = TorchNNConfig(**{k: v for k, v in overrides.items() if v is not None})
+    _show(write_torch_nn(run_torch_nn(config), Path(args.out)))
     return 0
 
 
@@ -188,8 +207,8 @@ def run(args: argparse.Namespace) -> int:
     from attnkit.bench import BenchConfig, write
     from attnkit.bench import run as run_cases
 
-    if args.decode + args.ring + args.hf > 1:
-        raise ValueError("give one of --decode, --ring and --hf")
+    if args.decode + args.ring + args.hf + args.torch_nn > 1:
+        raise ValueError("give one of --decode, --ring, --hf and --torch-nn")
     if args.timeout is not None and not 0 < args.timeout < float("inf"):
         raise ValueError(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
     _out(args)
@@ -206,6 +225,8 @@ def run(args: argparse.Namespace) -> int:
         return _run_ring_bench(args)
     if args.hf:
         return _run_hf_bench(args)
+    if args.torch_nn:
+        return _run_torch_nn_bench(args)
 
     overrides = {
         "ns": None if args.n is None else tuple(args.n),
