@@ -22,7 +22,6 @@ Three measurements, in one run:
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import time
@@ -39,7 +38,7 @@ from attnkit import KVCache, MultiHeadAttention, attention
 from attnkit._progress import Progress
 from attnkit.bench.measure import Result, time_interleaved
 from attnkit.bench.peers import Case, path_of
-from attnkit.bench.report import machine
+from attnkit.bench.report import machine, write_record
 from attnkit.functional import which_backend
 
 STEP_IMPLS = ("attnkit", "torch-sdpa", "naive")
@@ -312,8 +311,4 @@ def markdown(record: dict) -> str:
 
 
 def write_decode(record: dict, out_dir: Path) -> dict[str, Path]:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    written = {"json": out_dir / "decode.json", "markdown": out_dir / "decode.md"}
-    written["json"].write_text(json.dumps(record, indent=1))
-    written["markdown"].write_text(markdown(record))
-    return written
+    return write_record(record, out_dir, "decode", markdown(record))

@@ -8,7 +8,6 @@ measured in the same run (bytes read and written per second), for attnkit and to
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -19,7 +18,7 @@ import torch.nn.functional as F
 
 from attnkit.bench.measure import copy_gbps
 from attnkit.bench.peers import path_of
-from attnkit.bench.report import machine
+from attnkit.bench.report import machine, write_record
 from attnkit.cache import KVCache
 from attnkit.functional import attention, which_backend
 
@@ -111,8 +110,4 @@ def markdown(record: dict) -> str:
 
 
 def write_gpu_decode(record: dict, out_dir: Path) -> dict[str, Path]:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    written = {"json": out_dir / "decode.json", "markdown": out_dir / "decode.md"}
-    written["json"].write_text(json.dumps(record, indent=1))
-    written["markdown"].write_text(markdown(record))
-    return written
+    return write_record(record, out_dir, "decode", markdown(record))

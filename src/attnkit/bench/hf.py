@@ -25,7 +25,7 @@ import torch
 
 from attnkit._progress import Progress
 from attnkit.bench.measure import peak_mib, reset_peak, resident_mib
-from attnkit.bench.report import machine
+from attnkit.bench.report import machine, write_record
 
 WARM_UP_TOKENS = 64
 
@@ -276,11 +276,7 @@ def _ratio(x: float | None, base: float | None) -> str:
 
 
 def write_hf(record: dict, out_dir: Path) -> dict[str, Path]:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    written = {"json": out_dir / "hf.json", "markdown": out_dir / "hf.md"}
-    written["json"].write_text(json.dumps(record, indent=1))
-    written["markdown"].write_text(markdown(record))
-    return written
+    return write_record(record, out_dir, "hf", markdown(record))
 
 
 if __name__ == "__main__":

@@ -202,3 +202,13 @@ def write(results: list[Result], info: dict, out_dir: Path) -> dict[str, Path]:
     if plot(records, out_dir / "results.png"):
         written["png"] = out_dir / "results.png"
     return written
+
+
+def write_record(record: dict, out_dir: Path, stem: str, text: str) -> dict[str, Path]:
+    """A bench's record as ``stem.json`` and its table, ``text``, as ``stem.md`` in ``out_dir``
+    (made if need be); returns what was written."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = {"json": out_dir / f"{stem}.json", "markdown": out_dir / f"{stem}.md"}
+    written["json"].write_text(json.dumps(record, indent=1))
+    written["markdown"].write_text(text)
+    return written

@@ -14,7 +14,6 @@ sends per step, and the peak memory per rank. ``whole`` is
 
 from __future__ import annotations
 
-import json
 import resource
 import statistics
 import time
@@ -26,7 +25,7 @@ import torch
 from attnkit._progress import Progress
 from attnkit.bench.launch import run_local
 from attnkit.bench.measure import resident_mib
-from attnkit.bench.report import machine
+from attnkit.bench.report import machine, write_record
 
 WARM_UP_TOKENS = 1024
 """Tokens a rank of the step run before the one whose memory is measured: enough for whole blocks
@@ -165,8 +164,4 @@ def _ratio(x: float, base: float) -> str:
 
 
 def write_ring(record: dict, out_dir: Path) -> dict[str, Path]:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    written = {"json": out_dir / "ring.json", "markdown": out_dir / "ring.md"}
-    written["json"].write_text(json.dumps(record, indent=1))
-    written["markdown"].write_text(markdown(record))
-    return written
+    return write_record(record, out_dir, "ring", markdown(record))

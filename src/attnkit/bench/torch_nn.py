@@ -25,7 +25,7 @@ import torch
 
 from attnkit._progress import Progress
 from attnkit.bench.measure import peak_mib, reset_peak, resident_mib
-from attnkit.bench.report import machine
+from attnkit.bench.report import machine, write_record
 
 IMPLS = ("torch", "attnkit")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -227,11 +227,7 @@ def _shapes(rows: list[dict]) -> str:
 
 
 def write_torch_nn(record: dict, out_dir: Path) -> dict[str, Path]:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    written = {"json": out_dir / "torch-nn.json", "markdown": out_dir / "torch-nn.md"}
-    written["json"].write_text(json.dumps(record, indent=1))
-    written["markdown"].write_text(markdown(record))
-    return written
+    return write_record(record, out_dir, "torch-nn", markdown(record))
 
 
 if __name__ == "__main__":
