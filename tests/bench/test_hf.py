@@ -29,4 +29,4 @@ def test_hf_smoke_runs_every_implementation_of_its_cases(tmp_path, capsys):
 
 def test_hf_takes_no_other_bench_mode(tmp_path, capsys):
     assert main(["bench", "--hf", "--ring", "--out", str(tmp_path)]) == 2
-    assert "give one of --decode, --ring and --hf" in capsys.readouterr().err
+    assert "give one of --decode, --ring, --hf and --torch-nn" in capsys.readouterr().err

@@ -108,12 +108,12 @@ def _run_torch_nn_bench(args: argparse.Namespace) -> int:
     from attnkit.bench.torch_nn import TorchNNConfig, run_torch_nn, write_torch_nn
 
     check_counts(args, ("repeats",))
-    overrides = {"repeats": args.repeats, "warmups": args.warmups}
-    if args.dtypes:
-        overrides["dtypes"] = tuple(args.dtypes)
+    given = {"repeats": args.repeats, "warmups": args.warmups, "dtypes": args.dtypes}
+    overrides = {k: tuple(v) if k == "dtypes" else v for k, v in given.items() if v is not None}
     if args.smoke:
-        overrides = {"repeats": 1, "warmups": 0, "shrink": 16, **overrides}
-    config = TorchNNConfig(**{k: v for k, v in overrides.items() if v is not None})
+        smoke = {"repeats": 1, "warmups": 0, "shrink": 16, "dtypes": ("fp32",), "dropouts": (0.1,)}
+        overrides = {**smoke, **overrides}
+    config = TorchNNConfig(**overrides)
     _show(write_torch_nn(run_torch_nn(config), Path(args.out)))
     return 0
 
