@@ -473,3 +473,15 @@ def test_a_score_mod_masks_with_minus_infinity_and_spreads_nan(path, device, mon
     keep = [0, 2, 3]
     without_key_2 = attention(q[:, :, keep], k[:, :, [0, 1, 3, 4, 5]], v[:, :, [0, 1, 3, 4, 5]])
     torch.testing.assert_close(out[:, :, keep], without_key_2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_the_gpu_row_check_by_extremes_is_exact(dtype):
+    """The one-reduction check that nonfinite_rows runs on a GPU, checked here on the CPU: a row
+    holding NaN, +inf or -inf, and no other (a huge finite row included)."""
+    from attnkit.backends.nonfinite import _nonfinite_by_extremes
+
+    x = torch.randn(5, 7).to(dtype)
+    x[1, 3], x[2, 0], x[3, 6] = float("nan"), float("inf"), float("-inf")
+    x[4] = torch.finfo(dtype).max
+    assert _nonfinite_by_extremes(x).tolist() == [False, True, True, True, False]

@@ -47,3 +47,8 @@ def test_a_gpu_bench_without_a_gpu_says_so(capsys):
     assert capsys.readouterr().err.strip() == (
         "attnkit: error: --device cuda: torch sees no CUDA device here"
     )
+
+
+def test_a_gpu_bench_runs_the_kernel_and_decoding_cases_only(capsys):
+    assert main(["bench", "--device", "cuda", "--ring"]) == 2
+    assert "--device cuda runs the kernel cases and --decode; not --ring" in capsys.readouterr().err

@@ -215,10 +215,12 @@ def run(args: argparse.Namespace) -> int:
     if args.device != "cpu":
         import torch
 
+        if args.ring or args.hf or args.torch_nn:
+            raise ValueError(
+                "--device cuda runs the kernel cases and --decode; not --ring, --hf or --torch-nn"
+            )
         if not torch.cuda.is_available():
             raise ValueError("--device cuda: torch sees no CUDA device here")
-        if args.ring or args.hf:
-            raise ValueError("--device cuda runs the kernel cases and --decode; not --ring or --hf")
     if args.decode:
         return _run_decode_bench(args)
     if args.ring:

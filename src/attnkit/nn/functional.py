@@ -94,18 +94,26 @@ def scaled_dot_product_attention(
     t, s = q.shape[-2], k.shape[-2]
     mask = None if attn_mask is None else _mask(attn_mask, (*query.shape[:-1], s))
     causal = False
-    if is_causal and t == s:
-        causal = True  # attnkit's causal is bottom-right: the same as top-left when t == s
-    elif is_causal:
-        allowed = torch.ones(t, s, dtype=torch.bool, device=q.device).tril()
-        if mask is None:
-            mask = allowed
-        elif mask.dtype == torch.bool:
-            mask = mask & allowed
-        else:
-            mask = mask.masked_fill(~allowed, float("-inf"))
+    if is_causal:
+        mask, causal = top_left_causal(mask, t, s, q.device)
     out = attention(q, k, v, attn_mask=mask, causal=causal, dropout_p=dropout_p, scale=scale)
     return out.reshape((*query.shape[:-1], value.shape[-1]))
+
+
+def top_left_causal(
+    mask: Tensor | None, t: int, s: int, device: torch.device
+) -> tuple[Tensor | None, bool]:
+    """torch's ``is_causal`` (query ``i`` sees keys ``0..i``) joined with ``mask``, as
+    `attention`'s ``(attn_mask, causal)``: ``causal=True`` where ``t == s``, where attnkit's
+    bottom-right alignment is the same; else the triangle, in the mask."""
+    if t == s:
+        return mask, True
+    allowed = torch.ones(t, s, dtype=torch.bool, device=device).tril()
+    if mask is None:
+        return allowed, False
+    if mask.dtype == torch.bool:
+        return mask & allowed, False
+    return mask.masked_fill(~allowed, float("-inf")), False
 
 
 def _heads(x: Tensor) -> int:

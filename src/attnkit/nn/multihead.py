@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnkit.functional import attention
+from attnkit.nn.functional import top_left_causal
 
 __all__ = ["MultiheadAttention"]
 
@@ -67,10 +68,9 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         top_left = is_causal and key_padding_mask is None and not need_weights
         q, k, v = self._heads(query, key, value)  # (N, H, L or S, d)
         mask, key_mask = self._masks(attn_mask if not top_left else None, key_padding_mask, q)
-        t, s = q.shape[2], k.shape[2]
-        causal = top_left and t == s
-        if top_left and t != s:  # top-left, as torch's SDPA aligns it
-            mask = torch.ones(t, s, dtype=torch.bool, device=q.device).tril()
+        t, causal = q.shape[2], False
+        if top_left:  # the given mask gives way to torch's top-left causal one
+            mask, causal = top_left_causal(mask, t, k.shape[2], q.device)
         dropout = self.dropout if self.training else 0.0
         result = attention(
             q,
