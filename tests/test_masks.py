@@ -66,10 +66,10 @@ def test_masks_combine_and_slice_into_blocks(device):
     causal = causal_mask(3, 5, device=device)
     expected = causal & key_mask[:, None, None, :] & (attn_mask > float("-inf"))
     assert torch.equal(full.expand(1, 1, 3, 5), expected)
-    block = masks.allowed(3, 5, device, rows=slice(1, 3), cols=slice(0, 2))
+    block = masks.allowed(3, 5, device, rows=(1, 3), cols=(0, 2))
     assert torch.equal(block.expand(1, 1, 2, 2), expected[..., 1:3, 0:2])
     assert torch.equal(masks.bias(), attn_mask)
-    assert torch.equal(masks.bias(slice(1, 3), slice(0, 2)), attn_mask[..., 1:3, 0:2])
+    assert torch.equal(masks.bias((1, 3), (0, 2)), attn_mask[..., 1:3, 0:2])
     assert Masks().allowed(3, 5, device) is None and Masks().bias() is None
 
 

@@ -27,6 +27,9 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+Span = tuple[int, int] | None
+"""A block's rows or columns, ``(start, stop)``; None for all of them."""
+
 
 def query_positions(t: int, s: int, device: torch.device | None = None) -> Tensor:
     """Absolute positions ``p(i) = i + s - t`` of the ``t`` queries, aligned bottom-right."""
@@ -50,8 +53,8 @@ def window_mask(
     window: tuple[int, int],
     *,
     device: torch.device | None = None,
-    rows: slice = slice(None),
-    cols: slice = slice(None),
+    rows: Span = None,
+    cols: Span = None,
     query_slots: Tensor | None = None,
     shift: int = 0,
 ) -> Tensor:
@@ -66,8 +69,8 @@ def window_mask(
     """
     left, right = window
     q_pos = query_positions(t, s, device) + shift if query_slots is None else query_slots
-    k_pos = torch.arange(s, device=device)[cols]
-    distance = q_pos[rows, None] - k_pos  # p(i) - j, (rows, cols)
+    k_pos = _span(torch.arange(s, device=device), cols)
+    distance = _span(q_pos, rows)[:, None] - k_pos  # p(i) - j, (rows, cols)
     allowed = torch.ones(distance.shape, dtype=torch.bool, device=device)
     if left >= 0:
         allowed &= distance <= left
@@ -166,7 +169,7 @@ class Masks(NamedTuple):
             and self.shift == 0
         )
 
-    def bias(self, rows: slice = slice(None), cols: slice = slice(None)) -> Tensor | None:
+    def bias(self, rows: Span = None, cols: Span = None) -> Tensor | None:
         """The float ``attn_mask`` to add to the scores (or its block ``rows x cols``), or None."""
         m = self.attn_mask
         return _block(m, rows, cols) if m is not None and m.dtype != torch.bool else None
@@ -176,8 +179,8 @@ class Masks(NamedTuple):
         t: int,
         s: int,
         device: torch.device,
-        rows: slice = slice(None),
-        cols: slice = slice(None),
+        rows: Span = None,
+        cols: Span = None,
         *,
         with_window: bool = True,
     ) -> Tensor | None:
@@ -197,7 +200,7 @@ class Masks(NamedTuple):
                 )
             )
         if self.key_mask is not None:
-            combine(self.key_mask[:, None, None, cols])  # (b, s) -> (b, 1, 1, s)
+            combine(_span(self.key_mask, cols)[:, None, None])  # (b, s) -> (b, 1, 1, s)
         if self.attn_mask is not None:
             m = self.attn_mask
             m = m if m.dtype == torch.bool else m != float("-inf")  # NaN: allowed, a NaN score
@@ -205,10 +208,15 @@ class Masks(NamedTuple):
         return allowed
 
 
-def _block(m: Tensor, rows: slice, cols: slice) -> Tensor:
-    """Slice a mask broadcastable to ``(..., t, s)`` to a block; broadcast dims of size 1 stay."""
+def _span(x: Tensor, span: Span, dim: int = -1) -> Tensor:
+    """``x`` cut to ``span`` along ``dim`` (all of it for None)."""
+    return x if span is None else x.narrow(dim, span[0], span[1] - span[0])
+
+
+def _block(m: Tensor, rows: Span, cols: Span) -> Tensor:
+    """Cut a mask broadcastable to ``(..., t, s)`` to a block; broadcast dims of size 1 stay."""
     if m.dim() >= 2 and m.shape[-2] != 1:
-        m = m[..., rows, :]
+        m = _span(m, rows, dim=-2)
     if m.shape[-1] != 1:
-        m = m[..., cols]
+        m = _span(m, cols)
     return m

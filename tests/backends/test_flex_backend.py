@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.nn.attention import flex_attention as torch_flex
 
 from attnkit import attention, create_block_mask
 from attnkit import block_mask as block_tables
-from attnkit.backends import AUTO_ORDER, BACKENDS, flex
+from attnkit.backends import AUTO_ORDER, BACKENDS, flex, flex_masks
 from attnkit.functional import checked_call, which_backend
 from conftest import CUDA
 from oracle import allowed_positions, naive_attention, selected_attention
@@ -378,9 +379,11 @@ def test_combined_block_masks_allow_what_their_parts_allow_and_are_built_once(na
         size = options["block_mask"]
         options["block_mask"] = create_block_mask(document, 2, None, t, s, "cpu", BLOCK_SIZE=size)
     call = checked_call(q, q, q, **options)
-    built = flex._structure(call, all_partial=all_partial)
-    assert flex._structure(call, all_partial=all_partial) is built  # from the cache
-    assert built.BLOCK_SIZE[0] % flex.BLOCK == 0 and built.BLOCK_SIZE[1] % flex.BLOCK == 0
+    built = flex_masks.structure(call, all_partial=all_partial)
+    assert flex_masks.structure(call, all_partial=all_partial) is built  # from the cache
+    assert (
+        built.BLOCK_SIZE[0] % flex_masks.BLOCK == 0 and built.BLOCK_SIZE[1] % flex_masks.BLOCK == 0
+    )
     want = allowed_positions(t, s, options.get("causal", False), options.get("window"))
     if "block_mask" in options:
         want = want & dense
@@ -396,7 +399,7 @@ def test_a_block_mask_alone_passes_as_it_is():
     q = torch.randn(1, 2, 300, 16)
     document, _ = document_of(300, "cpu")
     alone = create_block_mask(document, None, None, 300, 300, "cpu")
-    assert flex._structure(checked_call(q, q, q, block_mask=alone), all_partial=False) is alone
+    assert flex_masks.structure(checked_call(q, q, q, block_mask=alone), all_partial=False) is alone
 
 
 # name: shape and options, forward only on the CPU (torch's CPU kernel returns no lse; torch
@@ -426,3 +429,99 @@ def test_the_mapping_matches_the_oracle_forward_on_a_cpu(name):
     torch.testing.assert_close(out, out64.float())
     if "key_mask" in kwargs:  # a batch row of padding: every query of it sees nothing
         assert bool((out[-1] == 0).all())
+
+
+@pytest.mark.usefixtures("on_cpu")
+def test_kernels_that_do_not_fit_are_compiled_again_with_smaller_blocks(monkeypatch):
+    """Triton can find no configuration of torch's kernels that fits the GPU's shared memory (a
+    score_mod that reads a table, say): such a kind of call runs with smaller blocks from then on."""
+    tried = []
+    run_kernel = flex._run_kernel
+
+    def failing_once(call, small_blocks=False):
+        tried.append(small_blocks)
+        if not small_blocks:
+            raise RuntimeError("No valid triton configs. OutOfMemoryError: out of resource")
+        return run_kernel(call)
+
+    monkeypatch.setattr(flex, "_run_kernel", failing_once)
+    monkeypatch.setattr(flex, "_NEEDS_SMALL_BLOCKS", set())
+    q, k, v = torch.randn(1, 2, 20, 16), torch.randn(1, 2, 24, 16), torch.randn(1, 2, 24, 16)
+    want = attention(q, k, v, softcap=3.0, backend="reference")
+    torch.testing.assert_close(attention(q, k, v, softcap=3.0, backend="flex"), want)
+    torch.testing.assert_close(attention(q, k, v, softcap=3.0, backend="flex"), want)
+    assert tried == [False, True, True]  # the second call goes straight to small blocks
+
+    def other_error(call, small_blocks=False):
+        raise RuntimeError("something else")
+
+    monkeypatch.setattr(flex, "_run_kernel", other_error)
+    with pytest.raises(RuntimeError, match="something else"):
+        attention(q, k, v[:, :, :, :16], alibi_slopes=torch.ones(2), backend="flex")
+
+
+@pytest.fixture
+def eager_with_graph(monkeypatch):
+    """The backend on the CPU with a graph: torch's FlexAttention uncompiled, which materialises
+    the scores and has a backward there, in place of the compiled kernel (attnkit's own autograd
+    around it is what these tests check on any machine)."""
+    monkeypatch.setattr(flex, "DEVICES", frozenset({"cuda", "cpu"}))
+    monkeypatch.setattr(flex, "GRAPH_DEVICES", frozenset({"cuda", "cpu"}))
+    monkeypatch.setattr(flex, "_compiled", lambda: torch_flex.flex_attention)
+    monkeypatch.setattr(torch_flex, "_validate_device", lambda *tensors: None)
+    monkeypatch.setattr(torch_flex, "_warn_once", lambda *args, **kwargs: None)
+
+
+@pytest.mark.usefixtures("eager_with_graph")
+@pytest.mark.parametrize(
+    "name", ["causal gqa t<s key_mask sinks", "relative bias and a document block mask"]
+)
+def test_gradients_of_every_input_reach_the_callers_graph(name):
+    """q, k, v, the sinks and the table a score_mod reads get the oracle's gradients through the
+    kernel's own leaves."""
+    shape, options = CASES[name]
+    leaves, kwargs, oracle = make(shape, options, torch.device("cpu"))
+    out, lse = run_flex(leaves, kwargs)
+    given, out64, lse64 = run_oracle(leaves, oracle)
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+    got = gradients(out, lse, leaves, dout, dlse)
+    want = gradients(out64, lse64, given, dout.double(), dlse.double())
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w.float())
+
+
+@pytest.mark.usefixtures("eager_with_graph")
+def test_second_derivatives_on_the_cpu_are_the_reference_backends():
+    test_second_derivatives_are_the_reference_backends(torch.device("cpu"))
+
+
+@pytest.mark.usefixtures("eager_with_graph")
+def test_a_backward_that_does_not_fit_runs_again_with_smaller_blocks(monkeypatch):
+    """Triton's backward kernels compile at the first backward: where they do not fit, the kernel
+    runs again with smaller blocks and torch's backward of that gives the gradients."""
+    tried = []
+    run_kernel = flex._run_kernel
+
+    class Unfit(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            raise RuntimeError("No valid triton configs. OutOfMemoryError: out of resource")
+
+    def backward_unfit(call, small_blocks=False):
+        tried.append(small_blocks)
+        out, lse = run_kernel(call)
+        return (out, lse) if small_blocks else (Unfit.apply(out), lse)
+
+    monkeypatch.setattr(flex, "_run_kernel", backward_unfit)
+    monkeypatch.setattr(flex, "_NEEDS_SMALL_BLOCKS", set())
+    q, k, v = (torch.randn(1, 2, 12, 16, requires_grad=True) for _ in range(3))
+    twins = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    attention(q, k, v, softcap=3.0, backend="flex").sum().backward()
+    attention(*twins, softcap=3.0, backend="reference").sum().backward()
+    for x, twin in zip((q, k, v), twins):
+        torch.testing.assert_close(x.grad, twin.grad)
+    assert tried == [False, True]

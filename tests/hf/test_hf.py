@@ -105,8 +105,36 @@ def test_logits_weights_and_gradients_match_eager_on_a_padded_batch(name, device
         torch.testing.assert_close(w.detach()[0], w_e.detach()[0])
         torch.testing.assert_close(w.detach()[1][:, 4:], w_e.detach()[1][:, 4:])
     assert grads.keys() == grads_e.keys() and grads
+    truth = {}  # eager's gradients in float64, where needed
     for n in grads:
-        torch.testing.assert_close(grads[n], grads_e[n], msg=lambda m, n=n: f"{n}: {m}")
+        try:
+            torch.testing.assert_close(grads[n], grads_e[n], msg=lambda m, n=n: f"{n}: {m}")
+        except AssertionError:  # two float32 sums in other orders: the float64 truth decides
+            # (float32's tolerances from it, as for attnkit's own tests, or eager's error x2)
+            if name.startswith("gpt-oss"):  # its experts' grouped products take no float64
+                raise
+            truth = truth or eager_gradients_in_float64(name, device, ids, mask)
+            error, eager_error = (
+                (g.double() - truth[n]).abs().max() for g in (grads[n], grads_e[n])
+            )
+            close = torch.allclose(grads[n].double(), truth[n], rtol=1.3e-6, atol=1e-5)
+            assert close or error <= 2 * eager_error, (
+                f"{n}: {error:.3g} from float64, eager's {eager_error:.3g}"
+            )
+
+
+def eager_gradients_in_float64(name, device, ids, mask) -> dict:
+    """Eager's gradients in float64, a sequence at a time without its padding at the positions
+    the padded batch gives it (in float64 a padded row would be NaN: its mask's minimum plus a
+    negative score overflows)."""
+    model = model_of(name, device).double()
+    model.set_attn_implementation("eager")
+    for row, real in enumerate(mask.bool()):
+        positions = torch.arange(ids.shape[1], device=device)[real][None]
+        out = output_of(model(input_ids=ids[row, real][None], position_ids=positions))
+        weights = torch.linspace(-1, 1, out.shape[-1], device=device, dtype=torch.float64)
+        (out * weights).sum().backward()
+    return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
 @pytest.mark.parametrize("name", CAUSAL)

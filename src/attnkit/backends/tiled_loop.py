@@ -143,11 +143,11 @@ class Plan:
         recorded = None
         if req.score_mod is not None:
             scores, recorded = self._score_mod(scores, i0, i1, j0, j1, tape)
-        bias = req.masks.bias(slice(i0, i1), slice(j0, j1))
+        bias = req.masks.bias((i0, i1), (j0, j1))
         if bias is not None:
             scores = scores + _by_group(bias.to(self.stats_dtype), h_kv, g)
         allowed = req.masks.allowed(
-            self.t, self.s, q_blk.device, slice(i0, i1), slice(j0, j1), with_window=window
+            self.t, self.s, q_blk.device, (i0, i1), (j0, j1), with_window=window
         )
         if allowed is not None:
             scores = scores.masked_fill(~_by_group(allowed, h_kv, g), _NEG_INF)
