@@ -525,3 +525,15 @@ def test_a_backward_that_does_not_fit_runs_again_with_smaller_blocks(monkeypatch
     for x, twin in zip((q, k, v), twins):
         torch.testing.assert_close(x.grad, twin.grad)
     assert tried == [False, True]
+
+
+@pytest.mark.usefixtures("eager_with_graph")
+def test_a_second_backward_through_the_same_call_runs_the_kernel_again():
+    """torch's compiled backward frees its graph (it takes retain_graph=False only): a caller's
+    second backward (retain_graph=True) recomputes the kernel and gets the same gradients."""
+    q, k, v = (torch.randn(1, 2, 12, 16, requires_grad=True) for _ in range(3))
+    out = attention(q, k, v, softcap=3.0, backend="flex")
+    first = torch.autograd.grad(out.sum(), (q, k, v), retain_graph=True)
+    second = torch.autograd.grad(out.sum(), (q, k, v))
+    for a, b in zip(first, second):
+        torch.testing.assert_close(a, b)

@@ -333,6 +333,41 @@ def test_nonfinite_rows_finds_each_kind_in_each_dtype(dtype, bad, device):
     assert nonfinite_rows(x[:, :0]).shape == (2, 0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        "contiguous",
+        "heads second in memory",
+        "a cache's first tokens",
+        "two heads of three",
+        "three tokens of five",
+    ],
+)
+def test_the_gpus_product_with_zeros_finds_exactly_the_rows_that_are_not_finite(
+    dtype, layout, device
+):
+    """On a GPU the rows of q and k are checked by their product with zeros (0 or NaN, never an
+    overflow), on any layout whose rows form one strided batch; else by their largest values."""
+    from attnkit.backends.nonfinite import _nonfinite_by_product
+
+    x = torch.randn(2, 5, 3, 8, device=device).to(dtype)  # (b, t, h, d) in memory
+    x = {
+        "contiguous": x.transpose(1, 2).contiguous(),
+        "heads second in memory": x.transpose(1, 2),
+        "a cache's first tokens": x.transpose(1, 2).contiguous()[:, :, :4],
+        "two heads of three": x[:, :, :2].transpose(1, 2),
+        "three tokens of five": x[:, :3].transpose(1, 2),  # not one batch: the fallback
+    }[layout]
+    x[..., 0, :] = torch.finfo(dtype).max  # huge but finite: a sum would overflow
+    x[0, 1, 2, 3], x[1, 0, 1, 0], x[1, 1, 2, 7] = NAN, math.inf, -math.inf
+    expected = ~torch.isfinite(x.float()).all(dim=-1)
+    found = _nonfinite_by_product(x)
+    assert (found is None) == (layout == "three tokens of five")
+    if found is not None:
+        assert torch.equal(found, expected)
+
+
 @pytest.mark.parametrize(("path", "device"), on_devices(OWN_GENERAL, CUDA_OWN))
 def test_a_nan_in_the_lse_gradient_stays_in_its_row(path, device, forcing):
     name = forcing(path)

@@ -17,8 +17,10 @@ differentiates the reference backend's recomputation. Sinks join through FlexAtt
 torch's backward differentiates ([`attnkit.backends.sinks`][attnkit.backends.sinks]). Inside
 ``torch.compile`` already, ``flex_attention`` itself is called, for that compile to trace.
 
-torch compiles at the first call with new options, and once more at other lengths, for any: a
-growing cache compiles twice. Past torch's recompile limit it runs FlexAttention uncompiled.
+torch compiles at the first call with new options or lengths (static shapes: torch's kernels for
+dynamic lengths failed to compile with captured tensors). Past torch's recompile limit (8 by
+default, ``torch._dynamo.config.recompile_limit``) it runs FlexAttention uncompiled, which
+materialises the scores: calls of many lengths want that limit raised.
 """
 
 from __future__ import annotations
@@ -64,9 +66,10 @@ _NAN, _INF = float("nan"), float("inf")
 
 @functools.cache
 def _compiled() -> Callable:
-    """``torch.compile(flex_attention)``, made at the first call that runs it: static lengths
-    first, dynamic ones from the first change (``dynamic=False`` would compile every new length)."""
-    return torch.compile(torch_flex.flex_attention)
+    """``torch.compile(flex_attention)`` for static shapes, made at the first call that runs it.
+    (torch 2.11 failed to lower its kernels with dynamic lengths for captured tensors and block
+    masks: its ``ShapeAsConstantBuffer`` and ``unbacked_bindings`` errors.)"""
+    return torch.compile(torch_flex.flex_attention, dynamic=False)
 
 
 def _ieee_float32() -> bool:
@@ -238,13 +241,15 @@ class _Flex(torch.autograd.Function):
             return (None,) * len(needs)
 
         def torchs_backward(small_blocks: bool) -> tuple[Tensor, ...]:
-            if small_blocks and not ctx.small_blocks:  # the default blocks' backward did not fit
+            # again where the default blocks' backward did not fit, or where a backward before
+            # this one freed the graph (torch's compiled backward frees what it can: it takes
+            # retain_graph=False only)
+            if ctx.out is None or small_blocks != ctx.small_blocks:
                 _Flex.run(ctx, small_blocks)
             pairs = [(o, g) for o, g in ((ctx.out, dout), (ctx.lse, dlse)) if g is not None]
             outputs, cotangents = zip(*pairs)
-            return torch.autograd.grad(
-                outputs, inputs, cotangents, allow_unused=True, retain_graph=True
-            )
+            ctx.out = ctx.lse = None
+            return torch.autograd.grad(outputs, inputs, cotangents, allow_unused=True)
 
         found = iter(_fitting(ctx.call, torchs_backward))
         grads = [next(found) if w else None for w in wanted]
