@@ -41,8 +41,8 @@ def test_auto_picks_tiled_for_what_sdpa_cannot_do(option):
     assert picked("auto", call(**{option: value})) == "tiled"
 
 
-def test_auto_picks_reference_for_dropout_with_weights():
-    assert picked("auto", call(dropout_p=0.1, return_weights=True)) == "reference"
+def test_auto_picks_the_tiled_kernel_for_dropout_with_weights():
+    assert picked("auto", call(dropout_p=0.1, return_weights=True)) == "tiled"
 
 
 def test_every_general_backend_supports_at_least_plain_attention():
@@ -78,10 +78,8 @@ def test_call_options_name_the_arguments():
     assert "window" in call(masks=Masks(window=(2, 0))).options
 
 
-def test_tiled_refuses_dropout_and_mask_gradients():
+def test_tiled_refuses_mask_gradients():
     q = k = v = torch.randn(1, 1, 3, 4)
-    with pytest.raises(ValueError, match=r"backend 'tiled' does not support dropout_p; use"):
-        attention(q, k, v, backend="tiled", dropout_p=0.1)
     bias = torch.zeros(3, 3, requires_grad=True)
     with pytest.raises(ValueError, match="backend 'tiled' does not support attn_mask_grad"):
         attention(q, k, v, backend="tiled", attn_mask=bias)
@@ -190,7 +188,7 @@ def test_which_backend_reports_what_attention_runs(monkeypatch):
         assert ran.pop() == choice.backend
     with torch.no_grad():
         picked = [which_backend(*t, **o).backend for o, t in calls]
-    assert picked == ["decode", "sdpa", "tiled", "reference"]
+    assert picked == ["decode", "sdpa", "tiled", "tiled"]
 
 
 def test_which_backend_says_why():

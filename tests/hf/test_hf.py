@@ -188,16 +188,18 @@ def test_packed_sequences_from_flash_attentions_cu_seq_lens(device):
     torch.testing.assert_close(packed, alone)
 
 
-def test_a_padded_long_batch_builds_no_dense_mask():
+@pytest.mark.parametrize("dropout", [0.0, 0.1], ids=["eval", "training with dropout"])
+def test_a_padded_long_batch_builds_no_dense_mask(dropout):
     """No tensor of t x s elements (a (b, 1, t, s) bool mask is b times that) is made on the way:
-    every operation's output is watched, and the attention runs in the tiled kernel."""
+    every operation's output is watched, and the attention runs in the tiled kernel (whose dropout
+    draws its mask block by block)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     config = transformers.LlamaConfig(
         vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1,
+        num_attention_heads=2, num_key_value_heads=1, attention_dropout=dropout,
     )  # fmt: skip
-    model = transformers.LlamaForCausalLM(config).eval()
+    model = transformers.LlamaForCausalLM(config).train(dropout > 0)
     model.set_attn_implementation(NAME)
     t = 4096
     ids = torch.randint(0, 128, (2, t))

@@ -23,6 +23,8 @@
 //   (score + f(b, h, q_idx, kv_idx)): mod_bias(r0, r1, c0, c1) -> float32 f broadcastable to
 //   (b, h, r1 - r0, c1 - c0); in the backward, `mod_bias_grad(r0, r1, c0, c1, dbias)` receives
 //   the loss's gradient with respect to it. A tile's f is the only thing of size rows x keys.
+//   dropout_p, dropout_seed: dropout of the weights, its mask a hash of the seed, the row and the
+//   key (tiled_dropout.h), drawn again by the backward.
 // Query head i uses key/value head i / (h / h_kv).
 //
 // The kernel's parts, one idea a header: tiled_simd.h (exp, tanh and the row passes of the
@@ -43,6 +45,7 @@
 #include "pair_products.h"
 #include "tiled_backward.h"
 #include "tiled_blocks.h"
+#include "tiled_dropout.h"
 #include "tiled_forward.h"
 #include "tiled_scores.h"
 #include "tiled_walk.h"
@@ -68,6 +71,8 @@ struct TiledOptions {
   py::object mod_bias = py::none();       // a score_mod's bias per tile, or None
   py::object mod_bias_grad = py::none();  // the backward's: takes the bias's gradient, or None
   bool alibi_grad = false;                // the backward's: the slopes' gradient too
+  double dropout_p = 0.0;                 // dropout of the weights (tiled_dropout.h), 0 for none
+  int64_t dropout_seed = 0;               // its seed: the same in the forward and the backward
 
   // The scoring of a call of these sizes, after checking that every mask fits them (the kernel
   // reads them without bounds checks).
@@ -151,11 +156,13 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q, const at::Tensor
   const Sizes z = sizes_of(q, k, v);
   const Scoring sc = options.scoring(z);
   const Tiles tiles = options.tiles(false);
+  const Dropout drop = dropout_of(options.dropout_p, options.dropout_seed);
   const int64_t block_q = options.block_q, block_k = options.block_k;
   if (dtype == at::kFloat) {
-    return forward_blocks(Float32Blocks(z, q, k, v, nullptr), z, sc, block_q, block_k, tiles);
+    return forward_blocks(Float32Blocks(z, q, k, v, nullptr), z, sc, drop, block_q, block_k,
+                          tiles);
   }
-  return forward_blocks(Bf16Blocks(z, q, k, v, nullptr, fast_pairs(options.route)), z, sc,
+  return forward_blocks(Bf16Blocks(z, q, k, v, nullptr, fast_pairs(options.route)), z, sc, drop,
                         block_q, block_k, tiles);
 }
 
@@ -176,14 +183,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
               "tiled: lse and delta must be contiguous float32 (b, h, t)");
   const Scoring sc = options.scoring(z);
   const Tiles tiles = options.tiles(true);
+  const Dropout drop = dropout_of(options.dropout_p, options.dropout_seed);
   const int64_t block_q = options.block_q, block_k = options.block_k;
   const bool alibi_grad = options.alibi_grad;
   if (dtype == at::kFloat) {
-    return backward_blocks(Float32Blocks(z, q, k, v, &dout), z, sc, lse, delta, block_q, block_k,
-                           alibi_grad, tiles);
+    return backward_blocks(Float32Blocks(z, q, k, v, &dout), z, sc, drop, lse, delta, block_q,
+                           block_k, alibi_grad, tiles);
   }
-  return backward_blocks(Bf16Blocks(z, q, k, v, &dout, fast_pairs(options.route)), z, sc, lse,
-                         delta, block_q, block_k, alibi_grad, tiles);
+  return backward_blocks(Bf16Blocks(z, q, k, v, &dout, fast_pairs(options.route)), z, sc, drop,
+                         lse, delta, block_q, block_k, alibi_grad, tiles);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -204,7 +212,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("tile_keys", &TiledOptions::tile_keys)
       .def_readwrite("mod_bias", &TiledOptions::mod_bias)
       .def_readwrite("mod_bias_grad", &TiledOptions::mod_bias_grad)
-      .def_readwrite("alibi_grad", &TiledOptions::alibi_grad);
+      .def_readwrite("alibi_grad", &TiledOptions::alibi_grad)
+      .def_readwrite("dropout_p", &TiledOptions::dropout_p)
+      .def_readwrite("dropout_seed", &TiledOptions::dropout_seed);
   m.def("forward", &forward, "Tiled attention forward: (out, lse)", py::arg("q"), py::arg("k"),
         py::arg("v"), py::arg("options"));
   m.def("backward", &backward, "Tiled attention backward: (dq, dk, dv, dalibi)", py::arg("dout"),

@@ -89,10 +89,12 @@ class TiledBackend(Backend):
     name = "tiled"
     supports = frozenset(
         {"causal", "window", "attn_mask", "key_mask", "alibi_slopes", "softcap", "return_lse"}
-        | {"return_weights", "score_mod", "block_mask", "shift", "sinks"}
+        | {"return_weights", "score_mod", "block_mask", "shift", "sinks", "dropout_p"}
     )
 
     def refuses(self, call: Call) -> str | None:
+        if call.dropout_p and traced():
+            return "dropout inside torch.compile (its seed is drawn in Python, once a call)"
         if torch.jit.is_tracing():
             return "under torch.jit.trace (its block loop would be frozen into the trace at these lengths)"
         if forward_ad_active():
@@ -131,6 +133,12 @@ class TiledBackend(Backend):
             and self.path(call).products == "bf16-avx512_bf16"  # the C++ kernel, with vdpbf16ps
         ):
             return "its bf16 block products (AVX512-BF16) with float32 sums run faster than SDPA's"
+        dropout = call.dropout_p and q.device.type == "cpu" and t * s >= NATIVE_MIN_SCORES
+        if dropout and self.path(call).path == "native":
+            return (  # SDPA's CPU kernels have none: its math path takes the call
+                "SDPA's CPU kernels have no dropout: torch's math path would materialise the "
+                "scores, the weights and the dropout mask"
+            )
         window = call.masks.window
         limited = window is not None and window != (-1, 0)  # a window, not just causal
         if limited:

@@ -19,6 +19,7 @@
 #include <tuple>
 #include <vector>
 
+#include "tiled_dropout.h"
 #include "tiled_scores.h"
 #include "tiled_simd.h"
 #include "tiled_walk.h"
@@ -32,6 +33,7 @@ struct BackwardPass {
   const Blocks& blocks;
   const Sizes z;
   Scoring sc;  // the walk sets its tile's score_mod bias
+  const Dropout drop;
   const int64_t block_q, block_k;
   const bool alibi_grad, capping;
   const int64_t dq_width, dk_width, dv_width;  // the rows of dq, dk, dv: blocks.width(d or dv)
@@ -42,21 +44,23 @@ struct BackwardPass {
   const float *lp, *dlp;    // lse and delta, (b h t)
   float *dqp, *dap, *dkp, *dvp;
 
-  // A thread's buffers: P and dS of one block (dS in place of dP), its rows' tanh from
-  // Scoring::apply (for the gradient through the soft-cap), and the block products' own.
+  // A thread's buffers: P and dS of one block (dS in place of dP), P after dropout, its rows'
+  // tanh from Scoring::apply (for the gradient through the soft-cap), and the block products' own.
   struct Scratch {
-    std::vector<float> probs, dscores, capped;
+    std::vector<float> probs, dscores, dropped, capped;
     typename Blocks::Scratch products;
     explicit Scratch(const BackwardPass& pass)
         : probs(pass.block_q * pass.blocks.score_stride(pass.block_k)),
           dscores(pass.block_q * pass.blocks.score_stride(pass.block_k)),
+          dropped(pass.drop.active() ? pass.block_q * pass.blocks.score_stride(pass.block_k) : 0),
           capped(pass.capping ? pass.block_q * pass.block_k : 0),
           products(pass.blocks, pass.block_q, pass.block_k) {}
   };
 
-  BackwardPass(const Blocks& blocks_, const Sizes& z_, const Scoring& sc_, const at::Tensor& lse,
-               const at::Tensor& delta, int64_t block_q_, int64_t block_k_, bool alibi_grad_)
-      : blocks(blocks_), z(z_), sc(sc_), block_q(block_q_), block_k(block_k_),
+  BackwardPass(const Blocks& blocks_, const Sizes& z_, const Scoring& sc_, const Dropout& drop_,
+               const at::Tensor& lse, const at::Tensor& delta, int64_t block_q_, int64_t block_k_,
+               bool alibi_grad_)
+      : blocks(blocks_), z(z_), sc(sc_), drop(drop_), block_q(block_q_), block_k(block_k_),
         alibi_grad(alibi_grad_), capping(sc.softcap > 0.f), dq_width(blocks.width(z.d)),
         dk_width(dq_width), dv_width(blocks.width(z.dv)),
         split(std::max<int64_t>(1, std::min((z.s + block_k - 1) / block_k,
@@ -138,8 +142,21 @@ struct BackwardPass {
                qb.i0 + r, j0, n);
       probs_row(row, n, lp[qb.bh * z.t + qb.i0 + r]);  // P
     }
-    blocks.add_dv(p, qb.bh, qb.i0, qb.bq, j0, n, dv_head, w);  // dV += P^T dO
-    blocks.dprobs(qb.bh, qb.i0, qb.bq, qb.kv, j0, n, ds, w);   // dP = dO V^T
+    if (drop.active()) {  // the values were multiplied by P Z, Z = kept / (1 - p): dV = (P Z)^T dO
+      float* pz = scratch.dropped.data();
+      std::fill(pz, pz + qb.bq * ld, 0.f);  // the padding columns of a bf16 block stay 0
+      for (int64_t r = 0; r < qb.bq; ++r) {
+        drop.scaled(p + r * ld, pz + r * ld, n, drop.row(qb.bh * z.t + qb.i0 + r), j0);
+      }
+      blocks.add_dv(pz, qb.bh, qb.i0, qb.bq, j0, n, dv_head, w);
+    } else {
+      blocks.add_dv(p, qb.bh, qb.i0, qb.bq, j0, n, dv_head, w);  // dV += P^T dO
+    }
+    blocks.dprobs(qb.bh, qb.i0, qb.bq, qb.kv, j0, n, ds, w);  // dP = dO V^T
+    for (int64_t r = 0; drop.active() && r < qb.bq; ++r) {    // d(P Z) = dO V^T, dP = that Z
+      float* row = ds + r * ld;
+      drop.scaled(row, row, n, drop.row(qb.bh * z.t + qb.i0 + r), j0);
+    }
     for (int64_t r = 0; r < qb.bq; ++r) {
       const float* th = capping ? scratch.capped.data() + r * n : nullptr;
       dscores_row(qb, r, j0, n, p + r * ld, ds + r * ld, th, part, tile, dbias);
@@ -183,11 +200,12 @@ struct BackwardPass {
 
 template <typename Blocks>
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_blocks(
-    const Blocks& blocks, const Sizes& z, const Scoring& sc, const at::Tensor& lse,
-    const at::Tensor& delta, int64_t block_q, int64_t block_k, bool alibi_grad,
-    const Tiles& tiles) {
+    const Blocks& blocks, const Sizes& z, const Scoring& sc, const Dropout& drop,
+    const at::Tensor& lse, const at::Tensor& delta, int64_t block_q, int64_t block_k,
+    bool alibi_grad, const Tiles& tiles) {
   TORCH_CHECK(!alibi_grad || sc.alibi != nullptr, "tiled: alibi_grad without ALiBi slopes");
-  return BackwardPass<Blocks>(blocks, z, sc, lse, delta, block_q, block_k, alibi_grad).run(tiles);
+  return BackwardPass<Blocks>(blocks, z, sc, drop, lse, delta, block_q, block_k, alibi_grad)
+      .run(tiles);
 }
 
 }  // namespace

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "pair_products.h"
+#include "tiled_dropout.h"
 #include "tiled_simd.h"
 #include "tiled_walk.h"
 
@@ -73,6 +74,11 @@ struct Float32Blocks {
   // Row r of P when it adds nothing (no key allowed so far, or poisoned).
   void no_weights(float* row, int64_t n, int64_t, int64_t, Scratch&) const {
     std::fill(row, row + n, 0.f);
+  }
+  // Row r of P with its dropped weights 0 (the kept ones are scaled at the end, with the sum).
+  void drop_weights(const Dropout& drop, uint32_t row_hash, float* row, int64_t n, int64_t,
+                    int64_t j0, Scratch&) const {
+    drop.drop(row, n, row_hash, j0);
   }
   // acc += P V; `dirty`: the block's values hold a non-finite entry (a masked key's weight is 0,
   // and 0 * NaN would still be NaN).
@@ -198,6 +204,10 @@ struct Bf16Blocks {
   void no_weights(const float*, int64_t n, int64_t r, int64_t j0, Scratch& w) const {
     Bf16* out = key_row(w, r, j0, n);
     std::fill(out, out + n, 0);
+  }
+  void drop_weights(const Dropout& drop, uint32_t row_hash, const float*, int64_t n, int64_t r,
+                    int64_t j0, Scratch& w) const {
+    drop.drop(w.rows.data() + r * key_width(n) + j0 % 2, n, row_hash, j0);  // key_row's place
   }
   // acc += P V from the rounded rows. The pack's non-finite values are 0 (the output's NaN comes
   // from the selection in the forward, which reads the values themselves).

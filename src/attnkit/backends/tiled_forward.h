@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "pair_products.h"
+#include "tiled_dropout.h"
 #include "tiled_scores.h"
 #include "tiled_simd.h"
 #include "tiled_walk.h"
@@ -61,6 +62,7 @@ struct ForwardPass {
   const Blocks& blocks;
   const Sizes z;
   Scoring sc;  // the walk sets its tile's score_mod bias
+  const Dropout drop;
   const int64_t block_q, block_k, width;  // width: out's row stride, blocks.width(dv)
   at::Tensor out, lse;                    // (b, h, t, width), (b, h, t)
   float* op;
@@ -86,9 +88,9 @@ struct ForwardPass {
     char *poisoned, *touched;  // touched: rows of dv, or null
   };
 
-  ForwardPass(const Blocks& blocks_, const Sizes& z_, const Scoring& sc_, int64_t block_q_,
-              int64_t block_k_)
-      : blocks(blocks_), z(z_), sc(sc_), block_q(block_q_), block_k(block_k_),
+  ForwardPass(const Blocks& blocks_, const Sizes& z_, const Scoring& sc_, const Dropout& drop_,
+              int64_t block_q_, int64_t block_k_)
+      : blocks(blocks_), z(z_), sc(sc_), drop(drop_), block_q(block_q_), block_k(block_k_),
         width(blocks.width(z.dv)), out(at::zeros({z.b, z.h, z.t, width}, at::kFloat)),
         lse(at::empty({z.b, z.h, z.t}, at::kFloat)), op(out.data_ptr<float>()),
         m(z.b * z.h * z.t, kNegInf), l(z.b * z.h * z.t, 0.f), poisoned(z.b * z.h * z.t, 0),
@@ -159,6 +161,10 @@ struct ForwardPass {
       return;
     }
     const float sum = blocks.weights(row, n, top, r, j0, scratch.products);  // P, and its row sum
+    if (drop.active()) {  // after the sum: the softmax's denominator keeps every weight
+      blocks.drop_weights(drop, drop.row(qb.bh * z.t + qb.i0 + r), row, n, r, j0,
+                          scratch.products);
+    }
     const float shrink = exp_nonpositive(rows.m[r] - top);  // 0 when m was -inf
     rows.l[r] = rows.l[r] * shrink + sum;
     rows.m[r] = top;
@@ -178,7 +184,7 @@ struct ForwardPass {
       for (int64_t row = first; row < last; ++row) {
         float* o = op + row * width;
         const bool empty = l[row] == 0.f && !poisoned[row];
-        const float inverse = poisoned[row] ? kNaN : empty ? 0.f : 1.f / l[row];
+        const float inverse = poisoned[row] ? kNaN : empty ? 0.f : drop.scale / l[row];
         for (int64_t c = 0; c < dv; ++c) o[c] *= inverse;
         if (!touched.empty()) {
           for (int64_t c = 0; c < dv; ++c) o[c] = touched[row * dv + c] ? kNaN : o[c];
@@ -192,9 +198,10 @@ struct ForwardPass {
 
 template <typename Blocks>
 std::tuple<at::Tensor, at::Tensor> forward_blocks(const Blocks& blocks, const Sizes& z,
-                                                  const Scoring& sc, int64_t block_q,
-                                                  int64_t block_k, const Tiles& tiles) {
-  return ForwardPass<Blocks>(blocks, z, sc, block_q, block_k).run(tiles);
+                                                  const Scoring& sc, const Dropout& drop,
+                                                  int64_t block_q, int64_t block_k,
+                                                  const Tiles& tiles) {
+  return ForwardPass<Blocks>(blocks, z, sc, drop, block_q, block_k).run(tiles);
 }
 
 }  // namespace

@@ -24,6 +24,7 @@ from torch import Tensor
 from attnkit import _cpu
 from attnkit.backends import force, tiled_loop, tiled_native
 from attnkit.backends.base import AttentionOutput, Call, wants_grad
+from attnkit.backends.dropout import Dropout
 from attnkit.backends.nonfinite import nan_rows
 from attnkit.backends.reference import differentiable_grads
 from attnkit.backends.tiled_loop import Plan
@@ -66,14 +67,18 @@ class Spec(NamedTuple):
     call: Call  # without its tensors
     block_q: int
     block_k: int
+    dropout: Dropout | None = None  # with the seed of this call's masks, for the backward's
 
 
 def spec_of(call: Call) -> Spec:
-    return Spec(call.with_tensors(*[None] * 6), BLOCK_Q, BLOCK_K)
+    """The spec of one call (a dropout's seed is drawn here, once)."""
+    dropout = Dropout.drawn(call.dropout_p) if call.dropout_p else None
+    return Spec(call.with_tensors(*[None] * 6), BLOCK_Q, BLOCK_K, dropout)
 
 
 def plan_of(call: Call, spec: Spec) -> Plan:
-    return Plan.of(call, matmul_dtype(call.q.dtype, call.q.device), spec.block_q, spec.block_k)
+    dtype = matmul_dtype(call.q.dtype, call.q.device)
+    return Plan.of(call, dtype, spec.block_q, spec.block_k, spec.dropout)
 
 
 class TiledAttention(torch.autograd.Function):
@@ -299,11 +304,14 @@ def _weights(call: Call, lse: Tensor, plan: Plan) -> Tensor:
     q5, k = nan_rows(_prescaled(q, plan)), nan_rows(_operand(k, plan))
     lse = lse.view(plan.b, plan.h_kv, plan.groups, t)
     lse = lse.masked_fill(lse == _NEG_INF, 0.0)
+    dropped = plan.dropout is not None and call.return_weights == "dropped"
     if differentiable:
         scores, _, _ = plan.scores(
             plan.grouped_rows(q5, 0, t), k, 0, t, 0, plan.s, True, whole=True
         )
         probs = (scores - lse[..., None]).exp().masked_fill(scores == _NEG_INF, 0.0)
+        if dropped:
+            probs = probs * plan.keep_scale(0, t, 0, plan.s, q.device)
         return probs.view(b, h, t, plan.s)
     weights = q.new_zeros(b, plan.h_kv, plan.groups, t, plan.s)
     with torch.no_grad():
@@ -314,5 +322,7 @@ def _weights(call: Call, lse: Tensor, plan: Plan) -> Tensor:
                 masked = scores == _NEG_INF  # 0 even in a row that a NaN score makes NaN
                 probs = tiled_loop.exp_(scores.sub_(lse[:, :, :, i0:i1, None]))
                 probs.masked_fill_(masked, 0.0)
+                if dropped:
+                    probs.mul_(plan.keep_scale(i0, i1, j0, j1, q.device))
                 weights[:, :, :, i0:i1, j0:j1] = probs
     return weights.view(b, h, t, plan.s)

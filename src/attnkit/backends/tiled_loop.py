@@ -19,6 +19,7 @@ from torch import Tensor
 from attnkit import mods
 from attnkit.backends.base import Call
 from attnkit.backends.block_plan import BlockPlan
+from attnkit.backends.dropout import Dropout, keep_scale
 from attnkit.backends.nonfinite import NAN, may_hold_nonfinite
 from attnkit.block_mask import allowed as dense_allowed
 
@@ -48,9 +49,16 @@ class Plan:
     block_k: int
     blocks: BlockPlan | None = None  # the block mask's tables, if one is given
     compile_mods: bool = False  # evaluate score_mod and mask_mod compiled (mods.compile_block)
+    dropout: Dropout | None = None  # the weights' dropout, its seed drawn for the call
 
     @staticmethod
-    def of(call: Call, matmul_dtype: torch.dtype, block_q: int, block_k: int) -> Plan:
+    def of(
+        call: Call,
+        matmul_dtype: torch.dtype,
+        block_q: int,
+        block_k: int,
+        dropout: Dropout | None = None,
+    ) -> Plan:
         q, k = call.q, call.k
         blocks = None
         compile_mods = q.shape[2] * k.shape[2] >= mods.COMPILE_FROM
@@ -73,6 +81,7 @@ class Plan:
             block_k=block_k,
             blocks=blocks,
             compile_mods=compile_mods,
+            dropout=dropout,
         )
 
     def query_blocks(self) -> Iterator[tuple[int, int]]:
@@ -185,6 +194,15 @@ class Plan:
             after = mods.score(self.call.score_mod, before, at, compiled=compiled)
         return after.detach().view(shape), (before, after)  # the loop never writes into it
 
+    def keep_scale(self, i0: int, i1: int, j0: int, j1: int, device: torch.device) -> Tensor:
+        """The dropout's factors over the block, ``(b, h_kv, g, bq, bk)`` in ``stats_dtype``:
+        ``1 / (1 - p)`` for a kept weight, 0 for a dropped one."""
+        heads = self.h_kv * self.groups
+        factors = keep_scale(
+            self.dropout, self.b, heads, self.t, i0, i1, j0, j1, device, self.stats_dtype
+        )
+        return factors.view(self.b, self.h_kv, self.groups, i1 - i0, j1 - j0)
+
     def grouped_rows(self, x: Tensor, i0: int, i1: int) -> Tensor:
         """Rows ``i0..i1`` of a ``(b, h_kv, g, t, n)`` tensor as one ``(b, h_kv, g*bq, n)`` block."""
         return x[:, :, :, i0:i1].reshape(self.b, self.h_kv, -1, x.shape[-1])
@@ -241,12 +259,18 @@ def _add_matmul(acc: Tensor, a: Tensor, b: Tensor) -> None:
 
 
 def online_softmax_(
-    scores: Tensor, values: Tensor, row_max: Tensor, row_sum: Tensor, acc: Tensor
+    scores: Tensor,
+    values: Tensor,
+    row_max: Tensor,
+    row_sum: Tensor,
+    acc: Tensor,
+    kept: Tensor | None = None,
 ) -> Tensor:
     """One key block's step of the online softmax: the running sum ``row_sum`` and the
     unnormalised output ``acc`` take the block's ``scores`` ``(b, h_kv, g, bq, bk)`` and
     ``values`` ``(b, h_kv, bk, d_v)`` in place; returns the new running max (-inf until the row
-    meets a key). ``scores`` are overwritten. Long calls run it compiled
+    meets a key). ``kept``: the dropout's factors of the block (the sum takes every weight, the
+    output only the kept ones). ``scores`` are overwritten. Long calls run it compiled
     ([`compiled_or_eager`][attnkit.mods.compiled_or_eager]): its half-dozen passes over the
     block become two (docs/bench/choices.md)."""
     b, h_kv, g, bq, bk = scores.shape
@@ -255,6 +279,8 @@ def online_softmax_(
     probs = exp_(scores.sub_(shift))  # unnormalised
     rescale = torch.exp(row_max - shift)  # how much the old terms shrink
     row_sum.mul_(rescale).add_(probs.sum(dim=-1, keepdim=True))
+    if kept is not None:
+        probs = probs.mul_(kept)
     acc.mul_(rescale)
     p_3d = probs.view(b * h_kv, g * bq, bk).to(values.dtype)
     _add_matmul(acc.view(b * h_kv, g * bq, -1), p_3d, _flat(values))  # += P V
@@ -309,7 +335,8 @@ def forward(q5: Tensor, k: Tensor, v: Tensor, plan: Plan) -> tuple[Tensor, Tenso
                 values = clean_v
                 seen = (scores != _NEG_INF).view(b * h_kv, g * bq, -1).to(plan.matmul_dtype)
                 _add_matmul(touched_3d, seen, _flat(bad_v[:, :, j0:j1]))
-            row_max = step(scores, values[:, :, j0:j1], row_max, row_sum, acc)
+            kept = None if plan.dropout is None else plan.keep_scale(i0, i1, j0, j1, q5.device)
+            row_max = step(scores, values[:, :, j0:j1], row_max, row_sum, acc, kept)
         empty = row_sum == 0  # no allowed key: output 0, lse -inf
         out[:, :, :, i0:i1] = (acc / row_sum.masked_fill(empty, 1.0)).masked_fill(touched > 0, NAN)
         lse[:, :, :, i0:i1] = (row_max + row_sum.log()).masked_fill(empty, _NEG_INF).squeeze(-1)
@@ -359,11 +386,13 @@ def backward(
                 q_blk, k_blk, i0, i1, j0, j1, window, tape=mod_grads is not None
             )
             masked = scores == _NEG_INF if careful else None  # P and dS are exactly 0 there
-            dprobs = torch.bmm(do_3d, _flat(v_blk).transpose(-2, -1))  # dP = dO V^T
-            probs, dscores = softmax_backward(
-                scores, lse_blk, dprobs.view(scores.shape), delta_blk, masked
-            )
-            p_3d = probs.view(b * h_kv, g * bq, -1).to(plan.matmul_dtype)
+            dprobs = torch.bmm(do_3d, _flat(v_blk).transpose(-2, -1)).view(scores.shape)
+            kept = None if plan.dropout is None else plan.keep_scale(i0, i1, j0, j1, q5.device)
+            if kept is not None:  # the values met P Z, Z the dropout's factors: dP = dO V^T Z
+                dprobs = dprobs.to(plan.stats_dtype).mul_(kept)
+            probs, dscores = softmax_backward(scores, lse_blk, dprobs, delta_blk, masked)
+            p_3d = (probs if kept is None else probs * kept).view(b * h_kv, g * bq, -1)
+            p_3d = p_3d.to(plan.matmul_dtype)
             _add_matmul(_flat(dv[:, :, j0:j1]), p_3d.transpose(-2, -1), do_3d)  # dV += P^T dO
             if recorded is not None:  # through score_mod, to its input and the tensors it reads
                 dscores = _through_score_mod(

@@ -117,6 +117,8 @@ def options(
     opts.tile_rows, opts.tile_keys = tiling.rows, tiling.keys
     opts.mod_bias, opts.mod_bias_grad = tiling.mod_bias, tiling.mod_bias_grad
     opts.alibi_grad = slopes_grad
+    if plan.dropout is not None:
+        opts.dropout_p, opts.dropout_seed = plan.dropout.p, plan.dropout.seed
     return opts
 
 
