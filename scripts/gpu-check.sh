@@ -24,10 +24,10 @@ fi
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}  # the tree's code either way
 
 # pytest-timeout, where it is installed, ends a test that hangs so that the others still report
-timeout_option() { $PY -c 'import pytest_timeout' 2>/dev/null && echo "--timeout=60"; }
+timeout_option() { $PY -c 'import pytest_timeout' 2>/dev/null && echo "--timeout=150"; }
 
 stage "tests"
-timeout "${TEST_SECONDS:-240}" make --no-print-directory test-gpu PYTHON="$PY" \
+timeout "${TEST_SECONDS:-260}" make --no-print-directory test-gpu PYTHON="$PY" \
   PYTEST_ARGS="--junitxml=/tmp/gpu-tests.xml -q -rfE --tb=short $(timeout_option)"
 tests_rc=$?
 

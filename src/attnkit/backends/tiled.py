@@ -20,6 +20,9 @@ key range its positions can see, and blocks lying wholly inside the window skip 
 Grouped-query attention costs nothing extra: the ``g = h / h_kv`` query heads that share a key/value
 head are stacked into one ``(g * block_q)``-row block, so each key block is multiplied once.
 
+Dropout draws its mask block by block from a hash of the call's seed, the row and the key
+([`attnkit.backends.dropout`][attnkit.backends.dropout]), and the backward draws it again.
+
 Gradients reach every input and every output: the lse (its gradient enters the backward as
 ``D_i - dlse_i``), the weights (recomputed from the lse, differentiably when they need a gradient)
 and learnable ALiBi slopes. A backward run with ``create_graph=True`` (a gradient penalty) instead
