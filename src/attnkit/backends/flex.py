@@ -36,6 +36,7 @@ from torch.nn.attention import flex_attention as torch_flex
 from attnkit._tracing import traced
 from attnkit.backends import base, flex_masks, tiled
 from attnkit.backends.base import AttentionOutput, Backend, Call, Path
+from attnkit.backends.nonfinite import can_branch_on_data, nonfinite_rows
 from attnkit.backends.reference import differentiable_grads
 from attnkit.backends.sinks import join as join_sinks
 from attnkit.masks import zero_padding
@@ -80,7 +81,7 @@ def _ieee_float32() -> bool:
     return precision == "ieee" or highest
 
 
-def _score_mod(call: Call, hidden: MaskMod | None) -> ScoreMod:
+def _score_mod(call: Call, hidden: MaskMod | None, bad_rows: Tensor | None) -> ScoreMod:
     """Soft-capping, ALiBi, the caller's mod and a float mask as one ``score_mod``, in the order
     of the reference backend; ``hidden``: more keys to mask. Of attnkit's rule for non-finite
     scores FlexAttention keeps the rest itself (a NaN or ``+inf`` score makes its row NaN, a
@@ -97,6 +98,8 @@ def _score_mod(call: Call, hidden: MaskMod | None) -> ScoreMod:
     bias = None if bias is None else flex_masks.full_view(bias, (b, h, t, s))
 
     def score_mod(score, b, h, q_idx, kv_idx):  # no cast: torch traces it at q's dtype
+        if bad_rows is not None:  # made NaN after the kernel, where the row sees a key
+            score = torch.where(bad_rows[b, h, q_idx], 0.0, score)
         score = torch.where(score.abs() == _INF, _NAN, score)
         if softcap is not None:
             score = softcap * torch.tanh(score / softcap)
@@ -130,20 +133,28 @@ def _run_kernel(call: Call, small_blocks: bool = False) -> tuple[Tensor, Tensor 
     q, masks = call.q, call.masks
     keys, values = zero_padding(call.k, masks.key_mask), zero_padding(call.v, masks.key_mask)
     block_mask, hidden = flex_masks.masks_of(call)
+    bad_rows = nonfinite_rows(q.detach())  # (b, h, t)
+    if can_branch_on_data(bad_rows) and not bool(bad_rows.any()):
+        bad_rows = None
     with_lse = q.device.type in GRAPH_DEVICES
     options = _kernel_options(call) | (SMALL_BLOCKS if small_blocks else {})
     result = (torch_flex.flex_attention if traced() else _compiled())(
         q,
         keys,
         values,
-        score_mod=_score_mod(call, hidden),
+        score_mod=_score_mod(call, hidden, bad_rows),
         block_mask=block_mask,
         scale=call.scale,
         enable_gqa=bool(q.shape[1] != call.k.shape[1]),
         kernel_options=options or None,
         return_aux=torch_flex.AuxRequest(lse=True) if with_lse else None,
     )
-    return (result[0], result[1].lse) if with_lse else (result, None)
+    out, lse = (result[0], result[1].lse) if with_lse else (result, None)
+    if bad_rows is not None:  # (without an lse, on the CPU of the tests: every such row)
+        bad_rows = bad_rows if lse is None else bad_rows & (lse != -_INF)
+        out = out.masked_fill(bad_rows[..., None], _NAN)
+        lse = None if lse is None else lse.masked_fill(bad_rows, _NAN)
+    return out, lse
 
 
 SMALL_BLOCKS = {"BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 1}
