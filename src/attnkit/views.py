@@ -77,15 +77,16 @@ def draw_heatmap(
     else:
         ax.set_xticks([])
         ax.set_yticks([])
-    width_inches = ax.get_position().width * ax.figure.get_figwidth()
-    if width_inches / max(values.shape[1], 1) >= CELL_TEXT_INCHES:
+    cell_inches = ax.get_position().width * ax.figure.get_figwidth() / max(values.shape[1], 1)
+    if cell_inches >= CELL_TEXT_INCHES:
+        size = min(9.0, 6.0 * cell_inches / CELL_TEXT_INCHES)  # larger cells, larger figures
         middle = (low + high) / 2
         for i, row in enumerate(values.tolist()):
             for j, w in enumerate(row):
                 if w == 0.0:  # a masked cell (a causal head's future): left blank
                     continue
                 colour = "white" if w > middle else "black"  # readable on dark and light cells
-                ax.text(j, i, f"{w:.2f}", ha="center", va="center", fontsize=6, color=colour)
+                ax.text(j, i, f"{w:.2f}", ha="center", va="center", fontsize=size, color=colour)
     return image
 
 
