@@ -102,3 +102,16 @@ def test_defaults_differ_by_task_and_given_settings_replace_them():
 def test_bad_settings_are_named(task, given, error, message):
     with pytest.raises(error, match=message):
         Settings.for_task(task, **given)
+
+
+def test_a_run_loads_no_cpp_kernel(monkeypatch):
+    """A first build of a kernel takes half a minute or more of a 2-core machine: the snapshots'
+    short probes must not ask for one (the decode kernel's products of 16 rows or fewer, the
+    tiled kernel's weights)."""
+    from attnkit.backends import _native
+
+    loaded = []
+    for name, kernel in _native.KERNELS.items():
+        monkeypatch.setattr(kernel, "load", lambda name=name: loaded.append(name))
+    learn("copy", **{**TINY, "context": 8}, progress=False)  # the drawn sequence: 8 rows
+    assert loaded == []

@@ -226,17 +226,21 @@ def _split_loss(token_losses: Tensor, copied: Tensor | None) -> tuple[float, ...
     )
 
 
-@torch.no_grad()
 def snapshot(model: GPTModel, task: Task, step: int, result: LearnResult) -> None:
     """Every head's weights and role scores on the held-out probes, at ``step``."""
     model.eval()
-    # The weights of a few short probes need no C++ kernel: the tiled backend's PyTorch loop gives
-    # them without building one (a first build takes about a minute of a 2-core machine).
+    # A few short probes need no C++ kernel, and none is built for them (a first build takes
+    # half a minute or more of a 2-core machine): the tiled backend's PyTorch loop gives the
+    # weights, and with gradients on (the parameters require them) the projections stay torch's
+    # own products, where a pass without gradients over 16 rows or fewer would go to the decode
+    # kernel's matrix-vector product.
     with forced("tiled:loop"):
         logits, attn_weights = model(task.probes[:, :-1], need_weights=True)  # (L, p, h, t, t)
         _, repeated_weights = model(task.repeated, need_weights=True)
         _, shown_weights = model(task.shown, need_weights=True)  # (L, 1, h, t, t)
     model.train()
+    logits, attn_weights = logits.detach(), attn_weights.detach()
+    repeated_weights, shown_weights = repeated_weights.detach(), shown_weights.detach()
     held_out = F.cross_entropy(logits.transpose(1, 2), task.probes[:, 1:]).item()
     result.add_snapshot(
         step, role_scores(attn_weights, repeated_weights), shown_weights[:, 0], held_out
