@@ -111,7 +111,9 @@ def test_tasks_hold_probes_of_the_context_and_a_labelled_sequence_to_draw(tmp_pa
     copy = make_task("copy", None, 16, seed=1)
     assert copy.probes.shape == (16, 17) and copy.repeated.shape == (16, 16)
     assert copy.shown.shape == (1, 16) and len(copy.labels) == 16
-    assert torch.equal(copy.shown[0, :8], copy.shown[0, 8:])
+    assert torch.equal(copy.shown[0, :8], copy.shown[0, 8:16])
+    longer = make_task("copy", None, 40, seed=1)
+    assert longer.shown.shape == (1, 40) and len(longer.labels) == 16
     path = tmp_path / "t.txt"
     path.write_text("the cat sat on the mat\n" * 20)
     text = make_task("text", path, 16, seed=1)

@@ -115,3 +115,19 @@ def test_a_run_loads_no_cpp_kernel(monkeypatch):
         monkeypatch.setattr(kernel, "load", lambda name=name: loaded.append(name))
     learn("copy", **{**TINY, "context": 8}, progress=False)  # the drawn sequence: 8 rows
     assert loaded == []
+
+
+def test_the_drawn_weights_are_those_of_the_drawn_tokens_alone(copy_run):
+    """The drawn sequence is read with the probes, at full length: a causal model's weights
+    among its first tokens are those it gives these tokens alone."""
+    from attnkit.learn.tasks import make_task
+    from attnkit.models import GPTModel
+
+    task = make_task("copy", None, 16, seed=3)
+    model = GPTModel(task.vocab_size, 16, 16, 2, 2, feed_forward=False).eval()
+    n = len(task.labels)
+    with torch.no_grad():
+        _, whole = model(task.shown, need_weights=True)
+        _, alone = model(task.shown[:, :n], need_weights=True)
+    torch.testing.assert_close(whole[:, 0, :, :n, :n], alone[:, 0])
+    assert copy_run.weights.shape[-1] == n

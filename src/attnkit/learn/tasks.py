@@ -163,7 +163,7 @@ class Task:
 
     ``probes`` ``(p, t + 1)``: held-out sequences (the first ``t`` tokens are read, each next
     token scored); ``repeated`` ``(p, 2n)``: random tokens written twice, for the induction score;
-    ``shown`` ``(1, t_shown)``: the sequence whose attention the pictures draw, with ``labels``.
+    ``shown`` ``(1, t)``: a sequence whose first ``len(labels)`` tokens the pictures draw.
     """
 
     name: str
@@ -191,15 +191,17 @@ def make_task(name: str, text_path: str | Path | None, context_length: int, seed
     if name == "copy":
         vocab_size = COPY_VOCAB
         tokens, _ = copy_batch(PROBES, context_length + 1, vocab_size, probes)
-        shown = repeated_probes(1, min(8, context_length // 2), vocab_size, probes)
-        labels = tuple(str(i) for i in shown[0].tolist())
+        drawn = repeated_probes(1, min(SHOWN // 2, context_length // 2), vocab_size, probes)
+        rest = torch.randint(0, vocab_size, (1, context_length - drawn.shape[1]), generator=probes)
+        shown = torch.cat([drawn, rest], dim=1)  # 8 tokens twice, then random ones: (1, t)
+        labels = tuple(str(i) for i in drawn[0].tolist())
         text = None
     else:
         text = TextData.of(read_text(text_path), context_length)
         vocab_size = text.tokenizer.vocab_size
         tokens = text.probes(PROBES, context_length + 1, probes)
-        shown = text.probes(1, min(SHOWN, context_length), probes)
-        labels = tuple(_visible(c) for c in text.tokenizer.decode(shown[0]))
+        shown = text.probes(1, context_length, probes)
+        labels = tuple(_visible(c) for c in text.tokenizer.decode(shown[0, :SHOWN]))
     half = min(context_length // 2, vocab_size)
     repeated = repeated_probes(PROBES, half, vocab_size, probes)
     return Task(name, vocab_size, context_length, tokens, repeated, shown, labels, text)

@@ -226,22 +226,22 @@ def _split_loss(token_losses: Tensor, copied: Tensor | None) -> tuple[float, ...
     )
 
 
+@torch.no_grad()
 def snapshot(model: GPTModel, task: Task, step: int, result: LearnResult) -> None:
     """Every head's weights and role scores on the held-out probes, at ``step``."""
     model.eval()
-    # A few short probes need no C++ kernel, and none is built for them (a first build takes
-    # half a minute or more of a 2-core machine): the tiled backend's PyTorch loop gives the
-    # weights, and with gradients on (the parameters require them) the projections stay torch's
-    # own products, where a pass without gradients over 16 rows or fewer would go to the decode
-    # kernel's matrix-vector product.
+    # The drawn sequence rides along with the probes: each pass reads 16 sequences or more (a
+    # pass of 16 tokens or fewer without gradients would go to the decode kernel's products and
+    # build it, half a minute or more of a 2-core machine), and the tiled backend's PyTorch loop
+    # gives the weights without building its C++ kernel either.
     with forced("tiled:loop"):
-        logits, attn_weights = model(task.probes[:, :-1], need_weights=True)  # (L, p, h, t, t)
+        inputs = torch.cat([task.probes[:, :-1], task.shown])  # (p + 1, t)
+        logits, attn_weights = model(inputs, need_weights=True)  # (L, p + 1, h, t, t)
         _, repeated_weights = model(task.repeated, need_weights=True)
-        _, shown_weights = model(task.shown, need_weights=True)  # (L, 1, h, t, t)
     model.train()
-    logits, attn_weights = logits.detach(), attn_weights.detach()
-    repeated_weights, shown_weights = repeated_weights.detach(), shown_weights.detach()
-    held_out = F.cross_entropy(logits.transpose(1, 2), task.probes[:, 1:]).item()
-    result.add_snapshot(
-        step, role_scores(attn_weights, repeated_weights), shown_weights[:, 0], held_out
-    )
+    n = len(task.labels)
+    # causal: the weights among a sequence's first n tokens are those of the n tokens alone
+    shown_weights = attn_weights[:, -1, :, :n, :n]  # (L, h, n, n)
+    held_out = F.cross_entropy(logits[:-1].transpose(1, 2), task.probes[:, 1:]).item()
+    scores = role_scores(attn_weights[:, :-1], repeated_weights)
+    result.add_snapshot(step, scores, shown_weights, held_out)
