@@ -58,7 +58,7 @@ _PAGE = """<!DOCTYPE html>
   .head .name { font-weight: 600; }
   .scores { font-family: monospace; white-space: pre; }
   .best { color: #1f77b4; font-weight: 600; }
-  #hover { font-family: monospace; min-height: 1.3em; white-space: pre; }
+  #hover, #sequence { font-family: monospace; min-height: 1.3em; white-space: pre; }
   svg text { font-size: 10px; fill: #555; }
 </style>
 </head>
@@ -70,6 +70,7 @@ _PAGE = """<!DOCTYPE html>
   <input type="range" id="snapshot" min="0" value="0">
   <span id="step"></span>
 </div>
+<div id="sequence"></div>
 <div id="hover">Hover a map: the query (row) and key (column) under the pointer, and the weight.</div>
 <div id="heads"></div>
 <script type="application/json" id="data">__DATA__</script>
@@ -82,6 +83,8 @@ const CELL = Math.max(10, Math.min(28, Math.floor(360 / T)));
 const slider = document.getElementById("snapshot");
 const svgNS = "http://www.w3.org/2000/svg";
 document.getElementById("title").textContent = data.title;
+document.getElementById("sequence").textContent = "The sequence drawn (queries down, keys across): "
+  + data.labels.join(" ");
 slider.max = String(S - 1);
 slider.value = String(S - 1);
 
@@ -110,15 +113,16 @@ for (let l = 0; l < L; l++) {
 
 function drawMap(canvas, w) {
   const ctx = canvas.getContext("2d");
+  // the colours scaled to this map's weights, leaving out the first query (always 1 on itself)
   let low = Infinity, high = -Infinity;
-  w.forEach(r => r.forEach(v => { low = Math.min(low, v); high = Math.max(high, v); }));
-  const span = Math.max(high - low, 1e-6);  // the colours scaled to this map's weights
+  w.forEach((r, i) => r.forEach(v => { low = Math.min(low, v); if (i > 0 || T === 1) high = Math.max(high, v); }));
+  const span = Math.max(high - low, 1e-6);
   ctx.clearRect(0, 0, canvas.width, canvas.height);
   ctx.font = "8px monospace";
   ctx.textAlign = "center";
   ctx.textBaseline = "middle";
   for (let i = 0; i < T; i++) for (let j = 0; j < T; j++) {
-    const a = (w[i][j] - low) / span;
+    const a = Math.min(1, (w[i][j] - low) / span);
     ctx.fillStyle = "rgb(" + Math.round(247 - 216 * a) + "," + Math.round(251 - 132 * a) + ","
       + Math.round(255 - 75 * a) + ")";
     ctx.fillRect(j * CELL, i * CELL, CELL, CELL);
