@@ -28,6 +28,7 @@ from torch import Tensor
 from attnkit import _checks
 from attnkit._progress import Progress
 from attnkit.backends.force import forced
+from attnkit.learn.outputs import check_out, write_outputs
 from attnkit.learn.record import LearnResult
 from attnkit.learn.roles import role_scores
 from attnkit.learn.tasks import Task, make_task
@@ -134,8 +135,6 @@ def learn(
         ValueError: an unknown task, a size below 1, ``dim`` not divisible by ``heads``, a
             missing or empty text file, a text shorter than two contexts, or a non-empty ``out``.
     """
-    from attnkit.learn.outputs import check_out, write_outputs
-
     feed_forward = None if attention_only is None else not attention_only
     settings = Settings.for_task(
         task,
