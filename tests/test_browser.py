@@ -94,3 +94,43 @@ def test_head_view_hover_switch_head_and_screenshot(browser, tmp_path):
 
     assert matplotlib.image.imread(shot).std() > 0.02  # not a blank page
     assert problems == []
+
+
+def test_learn_page_slider_redraws_the_maps_and_the_scores(browser, tmp_path):
+    """The page `attnkit learn --out` writes: moving the slider to another snapshot redraws each
+    head's map and writes that snapshot's role scores."""
+    out = tmp_path / "run"
+    tiny = ["--steps", "8", "--layers", "2", "--heads", "2", "--dim", "16", "--context", "16"]
+    assert main(["learn", "--task", "copy", *tiny, "--out", str(out)]) == 0
+    data = page_data((out / "learn.html").read_text())
+    last = len(data["snapshot_steps"]) - 1
+    page = browser.new_page()
+    problems = []
+    page.on("console", lambda m: problems.append(m.text) if m.type == "error" else None)
+    page.on("pageerror", lambda e: problems.append(str(e)))
+    page.goto((out / "learn.html").as_uri())
+
+    def drawn(layer: int, head: int) -> str:
+        return page.eval_on_selector(f"#map-{layer}-{head}", "c => c.toDataURL()")
+
+    def shown_scores(layer: int, head: int) -> dict[str, float]:
+        lines = page.locator(".head").nth(2 * (layer - 1) + head - 1).locator(".scores div")
+        return {
+            line.get_attribute("data-role"): float(line.text_content().split()[-1])
+            for line in lines.all()
+        }
+
+    assert page.locator("canvas").count() == 4
+    assert page.locator("#map-2-1").get_attribute("data-snapshot") == str(last)  # opens at the end
+    at_end = {(layer, head): drawn(layer, head) for layer in (1, 2) for head in (1, 2)}
+    page.eval_on_selector(
+        "#snapshot", "s => { s.value = '0'; s.dispatchEvent(new Event('input')); }"
+    )
+    assert page.locator("#map-2-1").get_attribute("data-snapshot") == "0"
+    assert "step 0 " in page.locator("#step").text_content()
+    for (layer, head), before in at_end.items():
+        assert drawn(layer, head) != before, (layer, head)  # the map was redrawn, differently
+        scores = shown_scores(layer, head)
+        for role, value in scores.items():
+            assert value == pytest.approx(data["scores"][role][0][layer - 1][head - 1], abs=5.1e-3)
+    assert problems == []

@@ -5,10 +5,10 @@
   reader typing them in one session would.
 - The command line in Markdown: every ```` ```sh ```` line (and ``$`` line of a ```` ```console ````
   block, whose following lines are its expected output) that calls ``attnkit`` runs in a temporary
-  folder, benchmarks with ``--smoke``; one shown as ``attnkit: error: ...`` must exit with 2. A
-  ``torchrun`` line runs in a folder holding its page's scripts: the ```` ```python ```` blocks
-  that start with ``# file: NAME.py``. Other commands must be listed in ``NOT_RUN`` with the
-  reason.
+  folder, benchmarks with ``--smoke`` and ``attnkit learn`` for 20 steps; one shown as
+  ``attnkit: error: ...`` must exit with 2. A ``torchrun`` line runs in a folder holding its
+  page's scripts: the ```` ```python ```` blocks that start with ``# file: NAME.py``. Other
+  commands must be listed in ``NOT_RUN`` with the reason.
 - Docstrings: every ``>>>`` example in the package runs as a doctest in its module's namespace.
 - The site: ``mkdocs build --strict`` passes, and no built page shows a Sphinx role as text.
 
@@ -153,6 +153,8 @@ def runnable(command: Command) -> list[str]:
         f"{command.where}: `{command.text}` is not attnkit; list it in NOT_RUN"
     )
     argv = argv[1:]
+    if argv[:1] == ["learn"] and "--steps" not in argv:
+        argv = [*argv, "--steps", "20"]  # the default minute of training is the benchmark's
     if argv[:1] == ["bench"] and "--smoke" not in argv:
         argv = [*argv, "--smoke"]
         # --smoke picks its own sizes; the options that name sizes go

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import time
 
 from attnkit._progress import Progress
 
@@ -29,3 +30,12 @@ def test_quiet_unless_tty():
             progress.step("loading")
     assert log.getvalue() == ""
     assert terminal.getvalue().count("\r") == 3 and terminal.getvalue().endswith("\n")
+
+
+def test_time_left_follows_the_pace_so_far():
+    stream = io.StringIO()
+    started = time.perf_counter() - 5.0  # 5 s spent before the first step
+    progress = Progress(10, stream, started=started, time_left=True)
+    progress.step("x")  # 1 of 10 done in about 5 s: about 45 s left
+    left = float(stream.getvalue().split(", ")[1].split(" s left")[0])
+    assert 44 <= left <= 47

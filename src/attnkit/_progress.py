@@ -18,6 +18,7 @@ class Progress:
     done: int = 0
     started: float = field(default_factory=time.perf_counter)
     quiet_unless_tty: bool = False
+    time_left: bool = False  # also show the time left, from the pace so far
 
     def step(self, label: str = "") -> None:
         before = 10 * self.done // max(self.total, 1)
@@ -26,6 +27,9 @@ class Progress:
         filled = width * self.done // max(self.total, 1)
         elapsed = time.perf_counter() - self.started
         line = f"[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} {elapsed:6.0f} s"
+        if self.time_left:
+            left = elapsed / self.done * max(self.total - self.done, 0)
+            line += f", {left:.0f} s left"
         if self.stream.isatty():
             end = "\n" if self.done >= self.total else ""
             self.stream.write(f"\r{line}  {label[:48]:<48}{end}")

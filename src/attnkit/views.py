@@ -19,11 +19,14 @@ from torch import Tensor
 
 
 def heatmap_table(weights: Tensor, rows: Sequence[str], cols: Sequence[str], caption: str) -> str:
-    """An HTML table of ``weights`` ``(t, s)``, each cell shaded by its weight (1 = darkest)."""
+    """An HTML table of ``weights`` ``(t, s)``, each cell shaded by its weight, the largest weight
+    darkest (the shades are scaled to the data, so small weights still differ)."""
     cells = []
+    high = max(weights.max().item(), 1e-12)
     for label, row in zip(rows, weights.tolist()):
         tds = "".join(
-            f'<td style="background:rgba(31,119,180,{w:.3f});color:{"#fff" if w > 0.5 else "#000"}'
+            f'<td style="background:rgba(31,119,180,{w / high:.3f});'
+            f"color:{'#fff' if w / high > 0.5 else '#000'}"
             f';padding:2px 6px;text-align:right">{w:.2f}</td>'
             for w in row
         )
@@ -35,7 +38,8 @@ def heatmap_table(weights: Tensor, rows: Sequence[str], cols: Sequence[str], cap
     )
 
 
-def _pyplot():
+def pyplot():
+    """matplotlib's pyplot on the Agg backend (files only), or a clear error without the extra."""
     try:
         import matplotlib
     except ImportError as error:
@@ -46,8 +50,25 @@ def _pyplot():
     return plt
 
 
-def _draw(ax, weights: Tensor, tokens: Sequence[str], title: str, labels: bool = True) -> object:
-    image = ax.imshow(weights.float().numpy(), cmap="Blues", vmin=0.0, vmax=1.0)
+CELL_TEXT_INCHES = 0.25  # a cell at least this wide shows its value (2 decimals at 6 points)
+
+
+def draw_heatmap(
+    ax,
+    weights: Tensor,
+    tokens: Sequence[str],
+    title: str,
+    labels: bool = True,
+    *,
+    high: float | None = None,
+) -> object:
+    """Weights ``(t, s)`` on ``ax``, the colours scaled from the smallest weight to the largest
+    (or to ``high``, above which cells take the darkest colour), as the book's figures are, and
+    each value but exact zeros (masked cells) written in its cell where it fits."""
+    values = weights.float()
+    low = values.min().item()
+    high = values.max().item() if high is None else high
+    image = ax.imshow(values.numpy(), cmap="Blues", vmin=low, vmax=max(high, low + 1e-6))
     ax.set_title(title, fontsize="small")
     ticks = range(len(tokens))
     if labels:
@@ -56,48 +77,61 @@ def _draw(ax, weights: Tensor, tokens: Sequence[str], title: str, labels: bool =
     else:
         ax.set_xticks([])
         ax.set_yticks([])
+    cell_inches = ax.get_position().width * ax.figure.get_figwidth() / max(values.shape[1], 1)
+    if cell_inches >= CELL_TEXT_INCHES:
+        size = min(9.0, 6.0 * cell_inches / CELL_TEXT_INCHES)  # larger cells, larger figures
+        middle = (low + high) / 2
+        for i, row in enumerate(values.tolist()):
+            for j, w in enumerate(row):
+                if w == 0.0:  # a masked cell (a causal head's future): left blank
+                    continue
+                colour = "white" if w > middle else "black"  # readable on dark and light cells
+                ax.text(j, i, f"{w:.2f}", ha="center", va="center", fontsize=size, color=colour)
     return image
 
 
 def plot_head(weights: Tensor, tokens: Sequence[str], path: str | Path, title: str) -> Path:
     """One head's weights ``(t, t)`` as a heatmap, queries down and keys across, to a PNG."""
-    plt = _pyplot()
-    size = 2.5 + 0.3 * len(tokens)
+    plt = pyplot()
+    size = 2.5 + 0.45 * len(tokens)
     fig, ax = plt.subplots(figsize=(size + 1.0, size))
-    image = _draw(ax, weights, tokens, title)
+    image = draw_heatmap(ax, weights, tokens, title)
     ax.set_xlabel("key")
     ax.set_ylabel("query")
     fig.colorbar(image, ax=ax, fraction=0.046)
-    return _save(fig, plt, path)
+    return save_figure(fig, plt, path)
 
 
 def plot_layer(attentions: Tensor, tokens: Sequence[str], path: str | Path, title: str) -> Path:
     """Every head of one layer ``(h, t, t)`` as a grid of heatmaps, to a PNG."""
-    plt = _pyplot()
+    plt = pyplot()
     h = attentions.shape[0]
     cols = min(h, 4)
     rows = -(-h // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 3.2 * rows), squeeze=False)
+    side = max(3.2, 0.32 * attentions.shape[-1])  # room for the values of short sequences
+    fig, axes = plt.subplots(rows, cols, figsize=(side * cols, side * rows), squeeze=False)
     for i, ax in enumerate(axes.flat):
         if i < h:
-            _draw(ax, attentions[i], tokens, f"head {i}", labels=len(tokens) <= 24)
+            draw_heatmap(ax, attentions[i], tokens, f"head {i}", labels=len(tokens) <= 24)
         else:
             ax.axis("off")
     fig.suptitle(title)
-    return _save(fig, plt, path)
+    return save_figure(fig, plt, path)
 
 
-def _save(fig, plt, path: str | Path) -> Path:
+def save_figure(fig, plt, path: str | Path) -> Path:
+    """Write ``fig`` to ``path`` and close it."""
     path = Path(path)
     try:
-        fig.tight_layout()
+        if fig.get_layout_engine() is None:
+            fig.tight_layout()
         fig.savefig(path, dpi=100)
     finally:
         plt.close(fig)
     return path
 
 
-def _json_for_script(data: object) -> str:
+def json_for_script(data: object) -> str:
     """JSON that cannot end the ``<script>`` element it sits in, whatever the strings hold."""
     text = json.dumps(data, ensure_ascii=False)
     return text.replace("&", "\\u0026").replace("<", "\\u003c").replace(">", "\\u003e")
@@ -120,9 +154,7 @@ def head_view_html(
         "heads": heads,
         "weights": _rounded(attentions.float().tolist()),
     }
-    return _PAGE.replace("__TITLE__", html.escape(title)).replace(
-        "__DATA__", _json_for_script(data)
-    )
+    return _PAGE.replace("__TITLE__", html.escape(title)).replace("__DATA__", json_for_script(data))
 
 
 def _rounded(values: list | float) -> list | float:

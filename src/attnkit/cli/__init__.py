@@ -1,6 +1,8 @@
-"""The ``attnkit`` command: one file per subcommand (``explain``, ``plot``, ``build``, ``bench``).
+"""The ``attnkit`` command: one file per subcommand (``explain``, ``plot``, ``learn``, ``build``,
+``bench``).
 
 ``attnkit explain`` walks through attention on the chapter's example or on your own text;
+``attnkit learn`` trains a small GPT and watches its heads specialise;
 ``attnkit build`` builds the C++ kernels for this CPU ahead of use. Bad input prints one line,
 ``attnkit: error: ...``, and exits with status 2.
 """
@@ -12,7 +14,7 @@ import sys
 from typing import NoReturn
 
 from attnkit import __version__
-from attnkit.cli import bench, build, explain, plot
+from attnkit.cli import bench, build, explain, learn, plot
 
 
 class _Parser(argparse.ArgumentParser):
@@ -29,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"attnkit {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for command in (explain, plot, build, bench):
+    for command in (explain, plot, learn, build, bench):
         command.add(commands)
     return parser
 

@@ -1,0 +1,76 @@
+"""``attnkit learn``, run in-process on tiny settings: its files, its closing lines, its progress
+bar, and one line with exit status 2 for bad input."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from attnkit.cli import main
+
+TINY = ["--steps", "5", "--layers", "2", "--heads", "2", "--dim", "16", "--context", "16"]
+
+
+def test_copy_writes_its_files_and_names_what_the_heads_did(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["learn", "--task", "copy", *TINY, "--out", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert (out / "heads.json").exists() and (out / "learn.html").exists()
+    data = json.loads((out / "heads.json").read_text())
+    assert data["task"] == "copy" and data["steps"][-1] == 5 and len(data["heads"]) == 4
+    lines = captured.out.splitlines()
+    assert lines[0].startswith("wrote ") and "heads.json" in lines[0]
+    assert "on the copied tokens" in lines[-1] and "tokens/s" in lines[-1]
+    assert "tokens/s" in captured.err and "s left" in captured.err  # the progress bar
+
+
+def test_the_same_seed_writes_the_same_heads_json(tmp_path, capsys):
+    for name in ("a", "b"):
+        assert (
+            main(["learn", "--task", "copy", *TINY, "--seed", "7", "--out", str(tmp_path / name)])
+            == 0
+        )
+    capsys.readouterr()
+    assert (tmp_path / "a" / "heads.json").read_text() == (
+        tmp_path / "b" / "heads.json"
+    ).read_text()
+
+
+def test_text_from_a_file_with_the_attention_only_model(tmp_path, capsys):
+    path = tmp_path / "t.txt"
+    path.write_text("a quick brown fox jumps over the lazy dog\n" * 10)
+    assert main(["learn", "--text", str(path), "--attention-only", *TINY]) == 0
+    out = capsys.readouterr().out
+    assert "character frequencies alone" in out and "wrote" not in out  # no --out, no files
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--text", "missing.txt"], "--text missing.txt: no such file"),
+        (["--text", "empty.txt"], "--text empty.txt: the file is empty"),
+        (["--text", "short.txt", "--context", "64"], "too short for --context 64"),
+        (["--steps", "0"], "--steps must be >= 1, got 0"),
+        (["--heads", "3"], r"dim \(64\) must be divisible by heads \(3\)"),
+        (["--task", "copy", "--text", "short.txt"], "--text is for --task text"),
+        (["--task", "copy", "--context", "4"], "the copy task needs --context >= 8, got 4"),
+        (["--out", "full"], "--out full: the folder is not empty"),
+        (["--task", "poems"], "invalid choice: 'poems'"),
+    ],
+)
+def test_bad_input_is_one_line_and_status_2(args, message, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "short.txt").write_text("just a few words")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("")
+    try:
+        status = main(["learn", *args])
+    except SystemExit as exit:  # argparse's own errors (an unknown choice)
+        status = exit.code
+    assert status == 2
+    err = capsys.readouterr().err
+    assert err.startswith("attnkit: error:") and err.count("\n") == 1
+    assert re.search(message, err), err

@@ -1,0 +1,87 @@
+"""The book's GPT on attnkit's modules: shapes, causality, the attention-only variant, its weights
+(those of attnkit's MultiHeadAttention), its bad sizes, and that it can learn."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from attnkit.models.gpt import GPTModel
+
+
+def test_logits_and_weights_have_the_documented_shapes():
+    model = GPTModel(vocab_size=11, context_length=9, emb_dim=12, num_heads=3, num_layers=2)
+    idx = torch.randint(0, 11, (2, 7))  # t < context_length
+    logits, attn_weights = model(idx, need_weights=True)
+    assert logits.shape == (2, 7, 11)
+    assert attn_weights.shape == (2, 2, 3, 7, 7)
+    torch.testing.assert_close(attn_weights.sum(-1), torch.ones(2, 2, 3, 7))
+    assert (attn_weights.triu(1) == 0).all()  # causal: no weight on a later token
+    torch.testing.assert_close(model(idx), logits)  # the same logits without the weights
+
+
+def test_a_token_does_not_change_the_logits_before_it():
+    model = GPTModel(13, 8, 16, 2, 2).eval()
+    idx = torch.randint(0, 13, (1, 8))
+    changed = idx.clone()
+    changed[0, 5] = (idx[0, 5] + 1) % 13
+    torch.testing.assert_close(model(idx)[:, :5], model(changed)[:, :5])
+    assert not torch.allclose(model(idx)[:, 5:], model(changed)[:, 5:])
+
+
+def test_each_blocks_weights_are_its_attention_modules():
+    """The weights returned are what the block's MultiHeadAttention returns on its input."""
+    model = GPTModel(10, 6, 8, 2, 1).eval()
+    idx = torch.randint(0, 10, (3, 6))
+    _, attn_weights = model(idx, need_weights=True)
+    x = model.tok_emb(idx) + model.pos_emb(torch.arange(6))
+    block = model.trf_blocks[0]
+    _, expected = block.att(block.norm1(x), need_weights=True, average_weights=False)
+    torch.testing.assert_close(attn_weights[0], expected)
+
+
+def test_the_attention_only_variant_has_no_feed_forward():
+    full = GPTModel(10, 6, 8, 2, 2)
+    attention_only = GPTModel(10, 6, 8, 2, 2, feed_forward=False)
+    assert all(block.ff is not None for block in full.trf_blocks)
+    assert all(block.ff is None and block.norm2 is None for block in attention_only.trf_blocks)
+    n_ff = sum(p.numel() for b in full.trf_blocks for p in b.ff.parameters())
+    n_norm2 = sum(p.numel() for b in full.trf_blocks for p in b.norm2.parameters())
+    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    assert count(full) - count(attention_only) == n_ff + n_norm2
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"emb_dim": 10, "num_heads": 3}, r"emb_dim \(10\) must be divisible by num_heads \(3\)"),
+        ({"num_layers": 0}, r"num_layers must be >= 1, got 0"),
+        ({"vocab_size": 0}, r"vocab_size must be >= 1, got 0"),
+    ],
+)
+def test_bad_sizes_are_named(kwargs, message):
+    sizes = {"vocab_size": 5, "context_length": 4, "emb_dim": 8, "num_heads": 2, "num_layers": 1}
+    with pytest.raises(ValueError, match=message):
+        GPTModel(**{**sizes, **kwargs})
+
+
+def test_a_sequence_longer_than_the_context_is_refused():
+    model = GPTModel(5, 4, 8, 2, 1)
+    with pytest.raises(ValueError, match=r"5 tokens, longer than context_length \(4\)"):
+        model(torch.zeros(1, 5, dtype=torch.long))
+
+
+def test_it_learns_to_predict_a_fixed_sequence():
+    torch.manual_seed(0)
+    model = GPTModel(7, 8, 16, 2, 1)
+    idx = torch.arange(8).remainder(7)[None]  # 0 1 2 ... 6 0: each next token is fixed
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    first = None
+    for _ in range(60):
+        loss = F.cross_entropy(model(idx[:, :-1]).transpose(1, 2), idx[:, 1:])
+        first = loss.item() if first is None else first
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert loss.item() < 0.1 * first
