@@ -90,7 +90,7 @@ def test_auto_takes_tiled_for_a_narrow_window():
     narrow = call(masks=Masks(window=(255, 0)))
     assert picked("auto", narrow) == "tiled"  # sees 256 of 1024 keys
     wide = call(masks=Masks(window=(600, 0)))
-    assert picked("auto", wide) == "sdpa"  # without the C++ kernel
+    assert picked("auto", wide) == "tiled"  # without the C++ kernel too: no dense mask on a CPU
     assert picked("auto", call(masks=Masks(window=(-1, 0)))) == "sdpa"
 
 
@@ -160,9 +160,11 @@ def test_auto_takes_the_cpp_kernel_over_sdpa_with_a_dense_positional_mask(masks,
     assert tiled.BACKEND.path(call(masks=masks, alibi_slopes=slopes)).path == "native"
     assert picked("auto", call(masks=masks, alibi_slopes=slopes)) == "tiled"  # 1024 x 1024
     small = call(qkv(n=128), masks, alibi_slopes=slopes)
-    assert picked("auto", small) == "sdpa"  # below NATIVE_MIN_SCORES
     float64 = call(qkv(dtype=torch.float64), masks, alibi_slopes=slopes)
-    assert picked("auto", float64) == "sdpa"  # the loop
+    if slopes is None:  # a window: on a CPU never a dense mask, at any size, on any path
+        assert picked("auto", small) == picked("auto", float64) == "tiled"
+    else:  # ALiBi's float mask: SDPA below NATIVE_MIN_SCORES and where only the loop runs
+        assert picked("auto", small) == picked("auto", float64) == "sdpa"
     assert picked("auto", call()) == "sdpa"  # no mask: SDPA is as fast
 
 

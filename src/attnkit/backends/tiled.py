@@ -150,11 +150,11 @@ class TiledBackend(Backend):
             if 4 * visible <= s:  # SDPA computes every score, the tiled kernel about visible / s
                 return f"the window shows each query at most {visible} of {s} keys"
         padded = call.masks.key_mask is not None and window is not None  # with the positions
-        if padded and self.path(call).path == "native":
-            return (  # at any size: no t x s mask is built (docs/bench/choices.md)
-                "SDPA would need a dense (b, 1, t, s) mask for the padding, the kernel none"
-            )
         causal_offset = window == (-1, 0) and 1 < t != s and sdpa.lower_right(call) is None
+        if q.device.type == "cpu" and (padded or limited or causal_offset):
+            return (  # at any size: the masks a model describes never become t x s tensors
+                "SDPA would need a dense mask of the positions or the padding, this backend none"
+            )
         dense = limited or call.alibi_slopes is not None or causal_offset
         if not (dense or padded):
             return None
