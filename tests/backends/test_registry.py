@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -259,3 +260,24 @@ def test_which_backend_in_a_fresh_extensions_folder_builds_loads_and_writes_noth
     if tiled_native.KERNEL.usable()[0]:  # a compiler here: the kernels are chosen, to be built
         assert report["chosen"][1] == ["tiled", "native"]
         assert report["chosen"][3] == ["decode", "native"]
+
+
+@pytest.mark.parametrize("loop_only", [False, True], ids=["kernel", "without the kernel"])
+def test_on_a_cpu_no_call_gives_sdpa_a_dense_mask_of_positions_or_padding(loop_only):
+    """The masks a model describes (a chunk after a cache, a window, padding with causal) go to
+    the tiled backend at any size, so no t x s mask is built; no mask, or causal with t == s,
+    stays with SDPA's fused kernel."""
+    q = torch.randn(1, 4, 4, 16)
+    k = torch.randn(1, 2, 40, 16)
+    key_mask = torch.ones(1, 40, dtype=torch.bool)
+    key_mask[0, :3] = False
+    with forced("tiled:loop") if loop_only else contextlib.nullcontext():
+        for tensors, options in [
+            ((q, k, k), {"causal": True}),  # 4 queries after 36 cached keys
+            ((k, k, k), {"window": (19, 0)}),
+            ((k, k, k), {"causal": True, "key_mask": key_mask}),
+        ]:
+            choice = which_backend(*tensors, **options)
+            assert choice.backend == "tiled", (options, choice.reason)
+        assert which_backend(k, k, k, causal=True).backend == "sdpa"
+        assert which_backend(k, k, k).backend == "sdpa"
