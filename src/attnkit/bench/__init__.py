@@ -54,6 +54,7 @@ class BenchConfig:
         "smoke": {
             "ns": (48,),
             "dtypes": ("fp32", "bf16"),
+            "modes": ("fwd+bwd",),  # the forward alone: tests/bench/test_bench.py runs it
             "causal": (True,),
             "impls": tuple(i for i in KERNEL_IMPLS if i != "flex-compiled"),  # compiles for ~10 s
             "h": 2,
