@@ -199,9 +199,8 @@ def flex(call: Call) -> AttentionOutput:
         out, lse = _Flex.apply(template, *call.tensors(), *call.mod_tensors)
     else:
         out, lse = _fitting(call, functools.partial(_run_kernel, call))
-    masking = any(x is not None for x in (call.block_mask, call.score_mod, masks.bias()))
-    masking = masking or masks.window is not None or masks.attn_mask is not None
-    if (masking or masks.key_mask is not None) and lse is not None:
+    hiding = (call.block_mask, call.score_mod, masks.window, masks.attn_mask, masks.key_mask)
+    if lse is not None and any(x is not None for x in hiding):  # what can leave a row no key
         out = out.masked_fill((lse == -_INF)[..., None], 0.0)  # a row with no key is 0
     if call.sinks is not None:
         return join_sinks(AttentionOutput(out, lse), call.sinks, call.return_lse)

@@ -64,9 +64,9 @@ DENSE_MASK_LIMIT = 2**24
 prefers the tiled kernel, which needs none."""
 
 NATIVE_MIN_SCORES = 256 * 256
-"""The fewest scores (t * s) from which the tiled C++ kernel overtakes SDPA given a dense
-positional mask (ALiBi, a window, causal with t != s); measured on AVX2 and AVX-512 CPUs
-(docs/bench/choices.md)."""
+"""The fewest scores (t * s) from which the tiled C++ kernel overtakes SDPA given ALiBi's dense
+float mask; measured on AVX2 and AVX-512 CPUs (docs/bench/choices.md). (A window, causal with
+t != s and padding go to the tiled backend at any size on a CPU: no dense mask is built.)"""
 
 HALF_NATIVE_FROM = {"inference": (128, 512 * 512), "training": (64, 128 * 128)}
 """The fewest query rows t and scores t * s from which the tiled C++ kernel's bf16 products
