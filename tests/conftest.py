@@ -77,9 +77,14 @@ def pytorch_loop():
 @contextlib.contextmanager
 def forced_path(path: str) -> Iterator[str]:
     """The backend's name in ``path`` (``"tiled"``, or ``"tiled:loop"`` and the other paths of
-    attnkit.backends.force), with that path forced inside: every path is checked on any CPU."""
+    attnkit.backends.force, or ``"sdpa:blind"`` for force.blind), with that path forced inside:
+    every path is checked on any CPU."""
     name, _, inside = path.partition(":")
-    with force.forced(path) if inside else contextlib.nullcontext():
+    if inside == "blind":  # the backend as on a GPU: no look at the data from Python
+        context = force.blind()
+    else:
+        context = force.forced(path) if inside else contextlib.nullcontext()
+    with context:
         yield name
 
 

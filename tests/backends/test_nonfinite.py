@@ -21,8 +21,14 @@ from oracle import selected_attention
 
 NAN, INF = float("nan"), float("inf")
 # Every path a call can take: the tiled backend's C++ kernel and its PyTorch loop separately.
-PATHS = ["reference", "sdpa", "tiled", "tiled:loop", "decode"]
-GENERAL = ["reference", "tiled", "tiled:loop", "sdpa"]  # every path with masks and modifiers
+PATHS = ["reference", "sdpa", "sdpa:blind", "tiled", "tiled:loop", "decode"]
+GENERAL = [
+    "reference",
+    "tiled",
+    "tiled:loop",
+    "sdpa",
+    "sdpa:blind",
+]  # every path with masks, modifiers
 OWN_GENERAL = ["reference", "tiled", "tiled:loop"]  # attnkit's own kernels among them
 HALF_PATHS = ["tiled:half", "tiled:portable"]  # bf16 block products (see conftest.forced_path)
 # On CUDA: no decode kernel, and the tiled backend always runs its loop ("tiled" is "tiled:loop").
@@ -117,9 +123,9 @@ def test_padding_is_inert_on_every_backend(path, device, value, monkeypatch):
     if path in ("decode", "tiled:loop"):
         return
     inputs = [x.clone().requires_grad_() for x in (q, k, v)]
-    name = "tiled" if path == "tiled:loop" else path
-    out = attention(*inputs, key_mask=key_mask, backend=name)
-    grads = torch.autograd.grad(out.sum(), inputs)
+    with forced_path(path) as name:
+        out = attention(*inputs, key_mask=key_mask, backend=name)
+        grads = torch.autograd.grad(out.sum(), inputs)
     assert all(torch.isfinite(g).all() for g in grads)
     padding_grads = grads[1][0, 0, [3, 65]]
     assert torch.equal(padding_grads, torch.zeros(2, 8, device=device))  # padding gets none
@@ -349,7 +355,7 @@ def test_the_gpus_product_with_zeros_finds_exactly_the_rows_that_are_not_finite(
 ):
     """On a GPU the rows of q and k are checked by their product with zeros (0 or NaN, never an
     overflow), on any layout whose rows form one strided batch; else by their largest values."""
-    from attnkit.backends.nonfinite import _nonfinite_by_product
+    from attnkit.backends.nonfinite import _products_with_zeros
 
     x = torch.randn(2, 5, 3, 8, device=device).to(dtype)  # (b, t, h, d) in memory
     x = {
@@ -362,10 +368,10 @@ def test_the_gpus_product_with_zeros_finds_exactly_the_rows_that_are_not_finite(
     x[..., 0, :] = torch.finfo(dtype).max  # huge but finite: a sum would overflow
     x[0, 1, 2, 3], x[1, 0, 1, 0], x[1, 1, 2, 7] = NAN, math.inf, -math.inf
     expected = ~torch.isfinite(x.float()).all(dim=-1)
-    found = _nonfinite_by_product(x)
+    found = _products_with_zeros(x)
     assert (found is None) == (layout == "three tokens of five")
-    if found is not None:
-        assert torch.equal(found, expected)
+    if found is not None:  # 0 or NaN, nothing else
+        assert torch.equal(found.isnan(), expected) and not found[~expected].any()
 
 
 @pytest.mark.parametrize(("path", "device"), on_devices(OWN_GENERAL, CUDA_OWN))
@@ -512,11 +518,14 @@ def test_a_score_mod_masks_with_minus_infinity_and_spreads_nan(path, device, mon
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 def test_the_gpu_row_check_by_extremes_is_exact(dtype):
-    """The one-reduction check that nonfinite_rows runs on a GPU, checked here on the CPU: a row
-    holding NaN, +inf or -inf, and no other (a huge finite row included)."""
-    from attnkit.backends.nonfinite import _nonfinite_by_extremes
+    """The one-reduction check that zero_or_nan_rows runs on a GPU where the rows are not one
+    batch, checked here on the CPU: NaN for a row holding NaN, +inf or -inf, and 0 for any other
+    (a huge finite row included)."""
+    from attnkit.backends.nonfinite import _largest_times_zero
 
     x = torch.randn(5, 7).to(dtype)
     x[1, 3], x[2, 0], x[3, 6] = float("nan"), float("inf"), float("-inf")
     x[4] = torch.finfo(dtype).max
-    assert _nonfinite_by_extremes(x).tolist() == [False, True, True, True, False]
+    found = _largest_times_zero(x)
+    assert found.isnan().tolist() == [False, True, True, True, False]
+    assert found[[0, 4]].tolist() == [0.0, 0.0]

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from attnkit.backends.sdpa import BACKEND, rows_made_nan
+from attnkit.backends.sdpa import BACKEND, nans_seen, rows_made_nan
 from attnkit.functional import attention, checked_call
 
 NAN, INF = math.nan, math.inf
@@ -81,6 +81,24 @@ def test_a_non_finite_slope_makes_its_heads_rows_nan(device):
     assert torch.equal(rows_made_nan(q, k, None, True, None, slopes), want)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(("t", "s"), [(T, T), (T, T + 3), (1, T)])
+@pytest.mark.parametrize("seed", range(4))
+def test_the_gpus_form_of_the_rule_finds_the_same_rows(device, causal, t, s, seed):
+    """nans_seen, the form without a look at the data (on a GPU, under torch.compile): NaN at
+    exactly the rows rows_made_nan finds, and 0, not merely a finite value, at every other."""
+    generator = torch.Generator().manual_seed(seed)
+    q, k = torch.randn(B, H, t, D), torch.randn(B, H_KV, s, D)
+    for x, infinity in ((q, INF), (k, -INF)):  # a NaN and an infinity in each, anywhere
+        places = torch.randint(0, x.numel(), (2,), generator=generator)
+        x.view(-1)[places] = torch.tensor([NAN, infinity])
+    q, k = q.to(device), k.to(device)
+    found = nans_seen(q, k, causal)
+    assert found.shape == (B, H, t, 1)
+    want = rows_made_nan(q, k, None, causal, None, None)
+    assert torch.equal(found.isnan(), want) and not found[~want].any()
+
+
 def test_sdpa_makes_those_rows_nan_as_the_reference_does(device):
     """On a CPU, torch's fused kernel makes a row of -inf scores zeros; on CUDA, its kernels their
     own answer: attnkit's rule holds on both. A key hidden by the causal mask may still reach a
@@ -149,3 +167,25 @@ DENSE_FLOAT = 2 * 4 * 8 * 8 * 4  # a float mask of b x h x t x s
 )
 def test_its_memory_counts_the_dense_masks_and_the_math_paths_matrices(options, total, what):
     assert memory(**options) == (total, what)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_gpus_form_gives_the_same_output_and_gradients_as_a_look(causal):
+    """On a CPU inside force.blind, sdpa applies the rule as on a GPU (nans_seen, added to the
+    output): the same output and the same gradients, NaN where they are NaN, as with a look."""
+    from attnkit.backends import force
+
+    q, k = finite_qk()
+    v = torch.randn(B, H_KV, T, D)
+    q[0, 1, 2, 0], k[0, 1, 4, 2] = -INF, NAN
+    results = []
+    for context in (force.blind, torch.enable_grad):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        with context():
+            out = attention(*leaves, causal=causal, backend="sdpa")
+        finite = torch.isfinite(out)
+        grads = torch.autograd.grad(out[finite].sum(), leaves)
+        results.append((out.detach(), *grads))
+    for blind, looked in zip(*results):
+        torch.testing.assert_close(blind, looked, equal_nan=True, rtol=0, atol=0)
+    assert results[0][0].isnan().any() and torch.isfinite(results[0][0]).any()

@@ -94,8 +94,9 @@ def _has_speed_rule(backend: Backend) -> bool:
     return type(backend).faster_than is not Backend.faster_than
 
 
-def _auto(call: Call) -> tuple[Backend, str]:
-    """The backend ``auto`` takes for ``call``, and why."""
+def _auto(call: Call, explain: bool = False) -> tuple[Backend, str]:
+    """The backend ``auto`` takes for ``call``, and, with ``explain``, why (else ``""``: a call
+    that only runs spends no time on sentences)."""
     chosen: Backend | None = None
     passed, reason = [], ""
     for name in AUTO_ORDER:
@@ -105,16 +106,18 @@ def _auto(call: Call) -> tuple[Backend, str]:
                 continue
             faster = backend.faster_than(chosen, call)
             if faster is not None and _why_not(backend, call) is None:
-                chosen, reason = backend, f"faster than {chosen.name} here: {faster}"
+                if explain:
+                    reason = f"faster than {chosen.name} here: {faster}"
+                chosen = backend
             continue
         why_not = _why_not(backend, call)
         if why_not is not None:
-            passed.append(f"{name} {why_not}")
+            if explain:
+                passed.append(f"{name} {why_not}")
             continue
-        chosen, reason = (
-            backend,
-            f"the first backend of {', '.join(AUTO_ORDER)} that runs this call",
-        )
+        chosen = backend
+        if explain:
+            reason = f"the first backend of {', '.join(AUTO_ORDER)} that runs this call"
     if chosen is None:  # pragma: no cover - the reference backend runs every call
         raise AssertionError("no backend runs this call")
     if passed:
@@ -149,7 +152,7 @@ def choose_backend(name: str, call: Call) -> BackendChoice:
         ValueError: ``name`` is unknown, or the named backend cannot do an option in use.
     """
     if name == "auto":
-        backend, reason = _auto(call)
+        backend, reason = _auto(call, explain=True)
     else:
         backend, reason = _named(name, call), "named by the caller"
     runs = getattr(backend, "runs", None)  # a backend that hands the call to torch says to what

@@ -51,6 +51,8 @@ def refuses(call: Call) -> str | None:
     rows = t * (h // k.shape[1])
     if not q.is_cpu:
         return f"tensors on {q.device.type} (the decode kernel is CPU-only)"
+    if rows > MAX_ROWS:  # first of the rest: most calls that are not a decoding step stop here
+        return f"{rows} query rows per key/value head (the decode kernel takes at most {MAX_ROWS})"
     if torch.jit.is_tracing() or traced():
         return "under torch.jit.trace or torch.compile (neither can see into the C++ kernel)"
     if torch._C._are_functorch_transforms_active() or forward_ad_active():
@@ -63,8 +65,6 @@ def refuses(call: Call) -> str | None:
         x is not None and x.requires_grad for x in (q, k, v, call.sinks)
     ):
         return "inputs that require grad (the decode kernel has no backward)"
-    if rows > MAX_ROWS:
-        return f"{rows} query rows per key/value head (the decode kernel takes at most {MAX_ROWS})"
     if d > MAX_HEAD_DIM or v.shape[-1] != d:
         return f"head dims {d}/{v.shape[-1]} (the decode kernel takes equal dims up to 256)"
     if k.stride() != v.stride() or k.stride(-1) != 1 or q.stride(-1) != 1:

@@ -12,6 +12,9 @@ that choice is overridden:
 | ``"tiled:portable"`` | bf16 block products in the C++ kernel, always by its portable version |
 | ``"tiled:half-loop"`` | half-precision block products, in the PyTorch loop |
 
+Inside ``blind()``, the calls never look at the data from Python, as on a GPU: the CPU runs the
+GPU's form of attnkit's rule for non-finite values.
+
 Example:
     >>> import torch
     >>> from attnkit.backends.force import forced
@@ -67,3 +70,24 @@ def half_products() -> bool:
 def portable_pairs() -> bool:
     """Whether the C++ kernel must multiply bf16 blocks by its portable sums."""
     return current() == "tiled:portable"
+
+
+_BLIND: list[bool] = []
+
+
+@contextlib.contextmanager
+def blind() -> Iterator[None]:
+    """Run the calls inside as on a GPU, where a look at the data from Python would cost a
+    synchronisation: attnkit's rule for non-finite values runs as tensor operations only, never
+    branching on values (see
+    [`can_branch_on_data`][attnkit.backends.nonfinite.can_branch_on_data])."""
+    _BLIND.append(True)
+    try:
+        yield
+    finally:
+        _BLIND.pop()
+
+
+def is_blind() -> bool:
+    """Whether the calls run inside [`blind`][attnkit.backends.force.blind]."""
+    return bool(_BLIND)

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from attnkit._tracing import traced
+from attnkit.backends import force
 
 NAN = float("nan")
 
@@ -32,9 +33,11 @@ def nan_unless_finite(scores: Tensor) -> Tensor:
 def can_branch_on_data(*tensors: Tensor) -> bool:
     """Whether Python may look at these tensors' values: plain CPU tensors in eager mode (not while
     compiling, tracing or under a ``torch.func`` transform or a dispatch mode, where a branch would
-    be frozen or refused; not on an accelerator, where a look costs a synchronisation)."""
+    be frozen or refused; not on an accelerator, where a look costs a synchronisation, nor inside
+    [`force.blind`][attnkit.backends.force.blind], which runs a CPU as one)."""
     if (
-        traced()
+        force.is_blind()
+        or traced()
         or torch.jit.is_tracing()
         or torch._C._are_functorch_transforms_active()
         or torch._C._len_torch_dispatch_stack() > 0
@@ -50,10 +53,12 @@ def _finite(x: Tensor) -> bool:
     speed (0.3 against 1.3-2.2 ms over 12 x 4096 x 64 bf16 values, Intel Xeon, AMX class)."""
     if x.numel() == 0:
         return True
+    if x.requires_grad:  # no graph for a look
+        x = x.detach()
     if x.dtype in (torch.float16, torch.bfloat16):
-        low, high = torch.aminmax(x.detach())  # a NaN anywhere makes both NaN
+        low, high = torch.aminmax(x)  # a NaN anywhere makes both NaN
         return bool(torch.isfinite(low) & torch.isfinite(high))
-    return math.isfinite(x.detach().sum().item())  # a Python float: no tensor operation more
+    return math.isfinite(x.sum().item())  # a Python float: no tensor operation more
 
 
 def all_finite(*tensors: Tensor) -> bool:
@@ -65,30 +70,39 @@ def all_finite(*tensors: Tensor) -> bool:
 def nonfinite_rows(x: Tensor) -> Tensor:
     """``(...)`` True where a row ``x[..., :]`` holds a NaN or an infinity.
 
-    A sum is non-finite if one of its values is, and otherwise only when large finite values
-    overflow; ``0 * x`` summed by rows is exact (0 or NaN) but needs a temporary of ``x``'s size.
-    So where Python may look, one pass over the whole of ``x`` decides (`_finite`), and the exact
-    form runs only when it finds a value that is not finite (a sum is more than ten times faster
-    than torch's ``isfinite(x).all(-1)``: docs/bench/choices.md)."""
+    Where Python may look, one pass over the whole of ``x`` decides (`_finite`), and the exact
+    check by rows (`zero_or_nan_rows`) runs only when it finds a value that is not finite (a sum is
+    more than ten times faster than torch's ``isfinite(x).all(-1)``: docs/bench/choices.md)."""
     if can_branch_on_data(x) and _finite(x):
         return torch.zeros(x.shape[:-1], dtype=torch.bool, device=x.device)
-    if not x.is_cpu and not traced():  # one read of x, no temporary of its size
-        by_product = _nonfinite_by_product(x.detach())
-        return _nonfinite_by_extremes(x) if by_product is None else by_product
-    return torch.isnan((x * 0).sum(dim=-1))
+    return torch.isnan(zero_or_nan_rows(x))
 
 
-def _nonfinite_by_extremes(x: Tensor) -> Tensor:
-    """``nonfinite_rows`` from each row's largest magnitude (NaN if the row holds one): exact, and
-    on a GPU one reduction that reads ``x`` once where ``x * 0`` would write a copy of it first."""
-    return ~torch.isfinite(torch.linalg.vector_norm(x.detach(), ord=math.inf, dim=-1))
+def zero_or_nan_rows(x: Tensor) -> Tensor:
+    """``(...)`` 0 where the row ``x[..., :]`` is finite, NaN where it holds a NaN or an infinity.
+
+    The rows' products with zeros, summed: exact, since ``0 * x`` is 0 or NaN and never overflows,
+    and a sum of them is NaN as soon as one is. Added to a result, it makes NaN the rows that the
+    rule makes NaN without a branch on data. On a GPU a batched matrix product reads ``x`` once at
+    the memory's bandwidth (`_products_with_zeros`); elsewhere ``x * 0`` is summed by rows."""
+    x = x.detach()
+    if x.is_cpu or traced():
+        return (x * 0).sum(dim=-1)
+    products = _products_with_zeros(x)
+    return _largest_times_zero(x) if products is None else products
 
 
-def _nonfinite_by_product(x: Tensor) -> Tensor | None:
-    """``nonfinite_rows`` of a 4-D ``x`` as the rows' products with a vector of zeros: 0, or NaN
-    where the row holds a NaN or an infinity (exact: ``0 * x`` never overflows). A batched matrix
-    product reads ``x`` at the GPU's memory bandwidth, where a reduction by rows reads it at a
-    fraction of that (``scripts/gpu-row-checks.py``). None where ``x``'s rows are not one strided
+def _largest_times_zero(x: Tensor) -> Tensor:
+    """`zero_or_nan_rows` from each row's largest magnitude (inf or NaN where the row holds a value
+    that is not finite) times 0: exact, and on a GPU one reduction that reads ``x`` once where
+    ``x * 0`` would write a copy of it first."""
+    return torch.linalg.vector_norm(x, ord=math.inf, dim=-1) * 0
+
+
+def _products_with_zeros(x: Tensor) -> Tensor | None:
+    """`zero_or_nan_rows` of a 4-D ``x`` as one batched product with a vector of zeros. A batched
+    matrix product reads ``x`` at the GPU's memory bandwidth, where a reduction by rows reads it at
+    a fraction of that (``scripts/gpu-row-checks.py``). None where ``x``'s rows are not one strided
     batch (a transposed view is taken in its memory order)."""
     if x.dim() != 4 or x.stride(-1) != 1:
         return None
@@ -99,7 +113,7 @@ def _nonfinite_by_product(x: Tensor) -> Tensor | None:
         return None  # the two outer dims are not one batch of equal strides
     zero = x.new_zeros(1, d, 1).expand(a * b, d, 1)
     products = torch.bmm(rows.flatten(0, 1), zero).view(a, b, r)
-    return torch.isnan(products).permute(*[order.index(i) for i in range(3)])
+    return products.permute(*[order.index(i) for i in range(3)])
 
 
 def nan_rows(x: Tensor) -> Tensor:

@@ -37,7 +37,12 @@ from attnkit.backends.base import (
     result_bytes,
     wants_grad,
 )
-from attnkit.backends.nonfinite import all_finite, can_branch_on_data, nonfinite_rows
+from attnkit.backends.nonfinite import (
+    all_finite,
+    can_branch_on_data,
+    nonfinite_rows,
+    zero_or_nan_rows,
+)
 from attnkit.backends.reference import differentiable_grads
 from attnkit.masks import alibi_bias, zero_padding
 
@@ -65,13 +70,8 @@ def sdpa(call: Call) -> AttentionOutput:
     if bias is not None:
         attn_mask = bias if allowed is None else bias.masked_fill(~allowed, float("-inf"))
 
-    nan_rows = None  # rows a query or key row that is not finite, or a NaN or +inf bias, makes NaN
-    if bias is not None or not all_finite(q, keys):
-        with torch.no_grad():  # which rows attnkit's rules overwrite (no gradient flows there)
-            causal = is_causal or isinstance(attn_mask, CausalBias)
-            nan_rows = rows_made_nan(q, keys, allowed, causal, masks.bias(), call.alibi_slopes)
     empty_rows = None if allowed is None else ~allowed.any(dim=-1, keepdim=True)
-    out = F.scaled_dot_product_attention(
+    out = F.scaled_dot_product_attention(  # first: on a GPU the checks below queue behind it
         q,
         keys,
         values,
@@ -82,16 +82,38 @@ def sdpa(call: Call) -> AttentionOutput:
         enable_gqa=bool(q.shape[1] != k.shape[1]),  # bool: under jit.trace the sizes are tensors
     )
     fused = _fused(out) or isinstance(attn_mask, CausalBias)  # the bias calls fused kernels
-    twice = wants_grad(q, k, v, call.alibi_slopes, masks.attn_mask) and fused
-    if nan_rows is not None and (not can_branch_on_data(nan_rows) or bool(nan_rows.any())):
-        fill = out.masked_fill if out.requires_grad else out.masked_fill_  # in place: no copy
-        out = fill(nan_rows, _NAN)
+    twice = fused and wants_grad(q, k, v, call.alibi_slopes, masks.attn_mask)
+    if bias is not None or not all_finite(q, keys):  # a row may be one the rule makes NaN
+        causal = is_causal or isinstance(attn_mask, CausalBias)
+        out = _nan_rule(out, q, keys, allowed, causal, call)
     if empty_rows is not None:  # rows with no allowed key are 0, whatever the kernel does
         out = out.masked_fill(empty_rows, 0.0)
     if twice:  # torch's fused kernel made it, whose backward cannot run twice
         template = call.with_tensors(*[None] * 6)  # its tensors are saved apart
         out = _TwiceDifferentiable.apply(out, *call.tensors(), template)
     return AttentionOutput(out)
+
+
+def _nan_rule(
+    out: Tensor, q: Tensor, k: Tensor, allowed: Tensor | None, causal: bool, call: Call
+) -> Tensor:
+    """``out`` with NaN in the rows attnkit's rule makes NaN (see
+    [`rows_made_nan`][attnkit.backends.sdpa.rows_made_nan]), in place where no gradient is
+    recorded. Where Python may not look at the data and no mask or bias picks keys per row, the
+    rows are found by [`nans_seen`][attnkit.backends.sdpa.nans_seen] and added: no branch, no
+    dense tensor, a few small operations after SDPA's."""
+    bias = call.masks.bias()
+    per_row = allowed is None and bias is None and call.alibi_slopes is None
+    if per_row and not can_branch_on_data(q, k):
+        with torch.no_grad():  # 0, or NaN for the rows that attnkit's rule makes NaN
+            nans = nans_seen(q, k, causal).to(out.dtype)
+        return out + nans if out.requires_grad else out.add_(nans)
+    with torch.no_grad():  # which rows attnkit's rules overwrite (no gradient flows there)
+        nan_rows = rows_made_nan(q, k, allowed, causal, bias, call.alibi_slopes)
+    if can_branch_on_data(nan_rows) and not bool(nan_rows.any()):
+        return out
+    fill = out.masked_fill if out.requires_grad else out.masked_fill_  # in place: no copy
+    return fill(nan_rows, _NAN)
 
 
 def lower_right(call: Call) -> CausalBias | None:
@@ -104,6 +126,20 @@ def lower_right(call: Call) -> CausalBias | None:
     if not (call.masks.is_causal_only and t < s and q.is_cuda and call.alibi_slopes is None):
         return None
     return causal_lower_right(t, s) if q.shape[1] == k.shape[1] else None
+
+
+def nans_seen(q: Tensor, k: Tensor, causal: bool) -> Tensor:
+    """``(b, h, t, 1)``: 0, or NaN for a row whose query is not finite or that sees a key that is
+    not, where each query sees every key or, with ``causal``, the keys up to its own position
+    (bottom-right). Added to the output, it applies attnkit's rule with no look at the data: the
+    path on a GPU and under ``torch.compile``, where one read of q and one of k are followed by
+    operations on ``(b, h, t)`` values only (a sum of zeros and NaNs is exact)."""
+    b, h, t, _ = q.shape
+    h_kv, s = k.shape[1], k.shape[2]
+    keys = zero_or_nan_rows(k)  # (b, h_kv, s)
+    seen = keys.cumsum(dim=-1)[..., s - t :] if causal else keys.sum(dim=-1, keepdim=True)
+    own = zero_or_nan_rows(q).reshape(b, h_kv, h // h_kv, t)  # query head i uses kv head i // g
+    return (own + seen[:, :, None]).reshape(b, h, t, 1)
 
 
 def rows_made_nan(
@@ -154,12 +190,12 @@ def _fused(out: Tensor) -> bool:
     the composite one of ordinary operations (which torch's CPU dispatch picks for dropout or a mask
     that needs a gradient). Not under a transform, tracing or compilation, which differentiate
     SDPA themselves."""
-    if torch.jit.is_tracing() or traced():
+    node = out.grad_fn
+    if node is None or torch.jit.is_tracing() or traced():
         return False
     if torch._C._are_functorch_transforms_active():
         return False
-    node = out.grad_fn
-    return node is not None and type(node).__name__.startswith("ScaledDotProduct")
+    return type(node).__name__.startswith("ScaledDotProduct")
 
 
 class _TwiceDifferentiable(torch.autograd.Function):

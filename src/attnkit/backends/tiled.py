@@ -121,15 +121,16 @@ class TiledBackend(Backend):
         q, k, v = call.q, call.k, call.v
         _, h, t, _ = q.shape
         s = k.shape[-2]
-        grad = wants_grad(q, k, v)
         half = q.dtype in (torch.bfloat16, torch.float16)
-        if half and grad and not tiled_function.fast_half_matmul(q.dtype, q.device):
+        grad = half and wants_grad(q, k, v)  # the rules below that ask apply to half precision
+        if grad and not tiled_function.fast_half_matmul(q.dtype, q.device):
             return (
                 f"SDPA's {q.dtype} backward is slow on a CPU without fast half-precision products"
             )
         rows, scores = HALF_NATIVE_FROM["training" if grad else "inference"]
         if (
-            q.device.type == "cpu"
+            half
+            and q.device.type == "cpu"
             and t >= rows
             and t * s >= scores
             and not _cpu.has("amx_bf16")
