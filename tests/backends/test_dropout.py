@@ -114,6 +114,23 @@ def test_the_mask_keeps_one_minus_p_of_the_weights_with_no_pattern():
     assert abs(mean.item() - 1.0) < 5 * (P / (1 - P) / 4096) ** 0.5
 
 
+@pytest.mark.parametrize("block", [(0, 37, 0, 53), (5, 30, 17, 53), (36, 37, 0, 1)])
+def test_the_kernels_factors_are_the_loops_bit_for_bit(block):
+    """keep_scale in float32 on a CPU comes from the C++ kernel (the weights returned after
+    dropout): the same factors as torch's operations on the same hash, in any block."""
+    dropout = drop.Dropout(P, seed=2**32 - 5)
+    native = drop.keep_scale(dropout, 2, 3, 37, *block, "cpu", torch.float32)
+    with forced_path("tiled:loop"):  # torch's operations
+        looped = drop.keep_scale(dropout, 2, 3, 37, *block, "cpu", torch.float32)
+    assert native.shape == looped.shape == (2, 3, block[1] - block[0], block[3] - block[2])
+    assert torch.equal(native, looped) and bool((native == 0).any())
+    if drop.KERNEL.usable()[0]:  # it built here: the factors above came from it
+        args = (dropout, 2, 3, 37, *block, torch.device("cpu"), torch.float32)
+        assert drop._native_factors(*args) is not None
+    wide = drop.keep_scale(dropout, 2, 3, 37, *block, "cpu", torch.float64)
+    assert torch.equal(native.double(), wide.float().double())
+
+
 def test_the_weights_returned_after_dropout_are_those_the_values_met():
     (q, k, v), _ = make((1, 2, 2, 9, 11, 8), {})
     torch.manual_seed(4)

@@ -20,11 +20,15 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from attnkit._tracing import traced
+from attnkit.backends import _native, force
+
 _M32 = 0xFFFFFFFF
 ROW_MULTIPLIER = 0x9E3779B1
 """Spreads a row's index over 32 bits before the row's hash (the golden ratio's)."""
 KEY_MULTIPLIER = 0x85EBCA77
 """Spreads a key's index likewise before the weight's hash."""
+KERNEL = _native.KERNELS["tiled"]
 
 
 class Dropout(NamedTuple):
@@ -74,8 +78,30 @@ def keep_scale(
     dropout: Dropout, b: int, h: int, t: int, i0: int, i1: int, j0: int, j1: int, device, dtype
 ) -> Tensor:
     """The block ``[i0, i1) x [j0, j1)`` of the factors the weights are multiplied by, ``(b, h,
-    i1 - i0, j1 - j0)``: ``1 / (1 - p)`` where kept, 0 where dropped."""
+    i1 - i0, j1 - j0)``: ``1 / (1 - p)`` where kept, 0 where dropped. In float32 on a CPU, from
+    the C++ kernel where it is at hand (`_native_factors`)."""
+    factors = _native_factors(dropout, b, h, t, i0, i1, j0, j1, torch.device(device), dtype)
+    if factors is not None:
+        return factors
     heads = torch.arange(b * h, device=device).view(b, h, 1) * t
     rows = heads + torch.arange(i0, i1, device=device)
     keep = kept(dropout, rows, torch.arange(j0, j1, device=device))
     return keep.to(dtype) * dropout.scale
+
+
+def _native_factors(
+    dropout: Dropout, b: int, h: int, t: int, i0: int, i1: int, j0: int, j1: int, device, dtype
+) -> Tensor | None:
+    """`keep_scale` by the tiled C++ kernel's hash, the same bit for bit: torch's operations on
+    int64 take several passes over the block for each of the hash's steps, which made a call that
+    returns its ``(t, s)`` weights after dropout spend most of its time on them. None where the
+    kernel does not run (another device or dtype, ``torch.compile``, the loop forced, no build)."""
+    if device.type != "cpu" or dtype != torch.float32 or traced() or force.loop_only():
+        return None
+    if not KERNEL.usable()[0]:
+        return None
+    kernel = KERNEL.load()
+    if kernel is None:
+        return None
+    factors = kernel.dropout_factors(b * h, t, i0, i1, j0, j1, dropout.p, dropout.seed)
+    return factors.view(b, h, i1 - i0, j1 - j0)

@@ -194,6 +194,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
                          lse, delta, block_q, block_k, alibi_grad, tiles);
 }
 
+// The dropout's factors over the queries [i0, i1) and keys [j0, j1) of `heads` (batch x heads)
+// rows of `t` queries each, (heads, i1 - i0, j1 - j0) float32: dropout.py's keep_scale, by the
+// forward's hash (tiled_dropout.h), for the weights a call returns after dropout.
+at::Tensor dropout_factors(int64_t heads, int64_t t, int64_t i0, int64_t i1, int64_t j0,
+                           int64_t j1, double p, int64_t seed) {
+  TORCH_CHECK(p > 0.0 && p < 1.0 && 0 <= i0 && i0 <= i1 && i1 <= t && 0 <= j0 && j0 <= j1,
+              "tiled: dropout factors need 0 < p < 1 and blocks inside the rows");
+  const Dropout drop = dropout_of(p, seed);
+  const int64_t rows = i1 - i0, n = j1 - j0;
+  at::Tensor out = at::empty({heads, rows, n}, at::kFloat);
+  float* data = out.data_ptr<float>();
+  at::parallel_for(0, heads * rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t head = r / rows, i = i0 + r % rows;
+      drop.factors(data + r * n, n, drop.row(head * t + i), j0);
+    }
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<TiledOptions>(m, "TiledOptions", "Everything a call takes besides its tensors")
       .def(py::init<>())
@@ -220,6 +240,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("backward", &backward, "Tiled attention backward: (dq, dk, dv, dalibi)", py::arg("dout"),
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("lse"), py::arg("delta"),
         py::arg("options"));
+  m.def("dropout_factors", &dropout_factors,
+        "Dropout factors (heads, i1 - i0, j1 - j0): 1 / (1 - p) where kept, 0 where dropped",
+        py::arg("heads"), py::arg("t"), py::arg("i0"), py::arg("i1"), py::arg("j0"), py::arg("j1"),
+        py::arg("p"), py::arg("seed"));
   m.def("has_avx512_bf16", [] { return pairs::kHasAvx512Bf16; },
         "Whether this build multiplies bf16 blocks with AVX512-BF16");
 }

@@ -40,6 +40,15 @@ struct Dropout {
     }
   }
 
+  // The row's factors over the keys [j0, j0 + n): `scale` where kept, 0 where dropped.
+  void factors(float* out, int64_t n, uint32_t row_hash, int64_t j0) const {
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) {
+      const uint32_t hash = fmix32(row_hash ^ (static_cast<uint32_t>(j0 + j) * 0x85EBCA77u));
+      out[j] = hash < threshold ? 0.f : scale;
+    }
+  }
+
   // `out` = `weights` times the row's factors: `scale` where kept, 0 where dropped.
   void scaled(const float* weights, float* out, int64_t n, uint32_t row_hash, int64_t j0) const {
 #pragma omp simd
