@@ -529,3 +529,19 @@ def test_the_gpu_row_check_by_extremes_is_exact(dtype):
     found = _largest_times_zero(x)
     assert found.isnan().tolist() == [False, True, True, True, False]
     assert found[[0, 4]].tolist() == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("path", ["tiled", "tiled:loop"])
+@pytest.mark.parametrize("grad", [False, True])
+def test_weights_of_a_nan_row_are_nan_where_it_looks_and_0_where_masked(path, grad):
+    """The weights recomputed after the pass, with or without a gradient to carry: a row a NaN
+    query made NaN is NaN on the keys it sees and 0 on those its mask hides; the other rows
+    are the oracle's."""
+    q, k, v = qkv(h=2, t=6, s=6)
+    q[0, 0, 3, 1] = NAN
+    leaves = [x.clone().requires_grad_(grad) for x in (q, k, v)]
+    with forced_path(path) as name:
+        _, weights = attention(*leaves, causal=True, return_weights=True, backend=name)
+    _, _, expected = selected_attention(q, k, v, causal=True)
+    assert_same(weights.detach(), expected)
+    assert torch.equal(weights[0, 0, 3, 4:].detach(), torch.zeros(2))

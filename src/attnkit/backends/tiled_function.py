@@ -25,7 +25,7 @@ from attnkit import _cpu
 from attnkit.backends import force, tiled_loop, tiled_native
 from attnkit.backends.base import AttentionOutput, Call, wants_grad
 from attnkit.backends.dropout import Dropout
-from attnkit.backends.nonfinite import nan_rows
+from attnkit.backends.nonfinite import all_finite, nan_rows
 from attnkit.backends.reference import differentiable_grads
 from attnkit.backends.tiled_loop import Plan
 from attnkit.backends.tiled_native import marked
@@ -304,12 +304,16 @@ def _weights(call: Call, lse: Tensor, plan: Plan) -> Tensor:
     q5, k = nan_rows(_prescaled(q, plan)), nan_rows(_operand(k, plan))
     lse = lse.view(plan.b, plan.h_kv, plan.groups, t)
     lse = lse.masked_fill(lse == _NEG_INF, 0.0)
+    # exp(-inf - lse) is 0 where the lse is finite; a row that a NaN made NaN needs the mask
+    careful = not all_finite(lse)
     dropped = plan.dropout is not None and call.return_weights == "dropped"
     if differentiable:
         scores, _, _ = plan.scores(
             plan.grouped_rows(q5, 0, t), k, 0, t, 0, plan.s, True, whole=True
         )
-        probs = (scores - lse[..., None]).exp().masked_fill(scores == _NEG_INF, 0.0)
+        probs = (scores - lse[..., None]).exp_()
+        if careful:
+            probs = probs.masked_fill(scores == _NEG_INF, 0.0)
         if dropped:
             probs = probs * plan.keep_scale(0, t, 0, plan.s, q.device)
         return probs.view(b, h, t, plan.s)
@@ -319,9 +323,10 @@ def _weights(call: Call, lse: Tensor, plan: Plan) -> Tensor:
             q_blk = plan.grouped_rows(q5, i0, i1)
             for j0, j1, window in plan.key_blocks(i0, i1):
                 scores, _, _ = plan.scores(q_blk, k[:, :, j0:j1], i0, i1, j0, j1, window)
-                masked = scores == _NEG_INF  # 0 even in a row that a NaN score makes NaN
+                masked = scores == _NEG_INF if careful else None
                 probs = tiled_loop.exp_(scores.sub_(lse[:, :, :, i0:i1, None]))
-                probs.masked_fill_(masked, 0.0)
+                if masked is not None:  # 0 even in a row that a NaN score makes NaN
+                    probs.masked_fill_(masked, 0.0)
                 if dropped:
                     probs.mul_(plan.keep_scale(i0, i1, j0, j1, q.device))
                 weights[:, :, :, i0:i1, j0:j1] = probs
