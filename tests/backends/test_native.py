@@ -154,6 +154,24 @@ def test_a_failed_build_warns_once_and_falls_back(tmp_path, monkeypatch):
         assert kernel.load() is None and kernel.available() == (False, kernel._failure)
 
 
+def test_a_kernel_is_at_hand_only_where_loading_it_builds_nothing(tmp_path, monkeypatch):
+    """at_hand: a build in the extensions folder, or the kernel loaded; not a compiler alone
+    (a helper that asks it never starts a build), nor after a failed build."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "empty"))
+    monkeypatch.setattr(_native, "PREBUILT", tmp_path / "no-wheel")
+    kernel = _native.Kernel("tiled")
+    assert kernel.usable()[0] == (_build.compiler() is not None) and not kernel.at_hand()
+    assert not (tmp_path / "empty").exists()  # asking built and wrote nothing
+    monkeypatch.undo()  # the usual extensions folder and wheel
+    assert _native.Kernel("tiled").at_hand() == (
+        _native.Kernel("tiled").prebuilt() is not None or _native.Kernel("tiled").cached().exists()
+    )
+    loaded = _native.KERNELS["tiled"]
+    assert loaded.at_hand() == (loaded.load() is not None)
+    monkeypatch.setenv("ATTNKIT_NATIVE", "0")
+    assert not _native.Kernel("tiled").at_hand()
+
+
 def _this_cpus_builds() -> list[Path]:
     """This CPU's build folders in the usual extensions folder (built here if need be)."""
     folders = []

@@ -171,8 +171,9 @@ def test_its_memory_counts_the_dense_masks_and_the_math_paths_matrices(options, 
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_the_gpus_form_gives_the_same_output_and_gradients_as_a_look(causal):
-    """On a CPU inside force.blind, sdpa applies the rule as on a GPU (nans_seen, added to the
-    output): the same output and the same gradients, NaN where they are NaN, as with a look."""
+    """On a CPU inside force.blind, sdpa applies the rule as on a GPU (nans_seen): the same output
+    and the same gradients, of the finite rows and of every row, NaN where they are NaN, as with a
+    look."""
     from attnkit.backends import force
 
     q, k = finite_qk()
@@ -184,8 +185,9 @@ def test_the_gpus_form_gives_the_same_output_and_gradients_as_a_look(causal):
         with context():
             out = attention(*leaves, causal=causal, backend="sdpa")
         finite = torch.isfinite(out)
-        grads = torch.autograd.grad(out[finite].sum(), leaves)
-        results.append((out.detach(), *grads))
+        grads = torch.autograd.grad(out[finite].sum(), leaves, retain_graph=True)
+        everywhere = torch.autograd.grad(out, leaves, torch.ones_like(out))  # NaN rows too
+        results.append((out.detach(), *grads, *everywhere))
     for blind, looked in zip(*results):
         torch.testing.assert_close(blind, looked, equal_nan=True, rtol=0, atol=0)
     assert results[0][0].isnan().any() and torch.isfinite(results[0][0]).any()

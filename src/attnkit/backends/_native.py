@@ -111,6 +111,16 @@ class Kernel:
             return False, self._failure
         return True, None
 
+    def at_hand(self) -> bool:
+        """Whether [`load`][attnkit.backends._native.Kernel.load] would load the kernel without
+        compiling it: it is loaded, or a build is in the wheel or the extensions folder. For a
+        helper that only speeds up work the PyTorch operations can do, and must not start a build."""
+        if self._module is not None:
+            return True
+        if self._failure is not None or os.environ.get("ATTNKIT_NATIVE", "1") == "0":
+            return False
+        return self.prebuilt() is not None or self.cached().exists()
+
     def has_avx512_bf16(self) -> bool:
         """Whether its build multiplies bf16 with AVX512-BF16: that of the ``avx512_bf16`` level
         (the loaded module says so itself)."""

@@ -79,7 +79,7 @@ def keep_scale(
 ) -> Tensor:
     """The block ``[i0, i1) x [j0, j1)`` of the factors the weights are multiplied by, ``(b, h,
     i1 - i0, j1 - j0)``: ``1 / (1 - p)`` where kept, 0 where dropped. In float32 on a CPU, from
-    the C++ kernel where it is at hand (`_native_factors`)."""
+    the C++ kernel where a build of it is at hand (`_native_factors`)."""
     factors = _native_factors(dropout, b, h, t, i0, i1, j0, j1, torch.device(device), dtype)
     if factors is not None:
         return factors
@@ -95,10 +95,11 @@ def _native_factors(
     """`keep_scale` by the tiled C++ kernel's hash, the same bit for bit: torch's operations on
     int64 take several passes over the block for each of the hash's steps, which made a call that
     returns its ``(t, s)`` weights after dropout spend most of its time on them. None where the
-    kernel does not run (another device or dtype, ``torch.compile``, the loop forced, no build)."""
+    kernel does not run (another device or dtype, ``torch.compile``, the loop forced) or no build
+    of it is at hand: a call that runs the PyTorch loop never waits for a build for this."""
     if device.type != "cpu" or dtype != torch.float32 or traced() or force.loop_only():
         return None
-    if not KERNEL.usable()[0]:
+    if not KERNEL.at_hand():
         return None
     kernel = KERNEL.load()
     if kernel is None:

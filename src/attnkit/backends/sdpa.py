@@ -100,16 +100,15 @@ def _nan_rule(
     """``out`` with NaN in the rows attnkit's rule makes NaN (see
     [`rows_made_nan`][attnkit.backends.sdpa.rows_made_nan]), in place where no gradient is
     recorded. Where Python may not look at the data and no mask or bias picks keys per row, the
-    rows are found by [`nans_seen`][attnkit.backends.sdpa.nans_seen] and added: no branch, no
-    dense tensor, a few small operations after SDPA's."""
+    rows are found by [`nans_seen`][attnkit.backends.sdpa.nans_seen]: no branch, no dense tensor,
+    a few small operations after SDPA's."""
     bias = call.masks.bias()
     per_row = allowed is None and bias is None and call.alibi_slopes is None
-    if per_row and not can_branch_on_data(q, k):
-        with torch.no_grad():  # 0, or NaN for the rows that attnkit's rule makes NaN
-            nans = nans_seen(q, k, causal).to(out.dtype)
-        return out + nans if out.requires_grad else out.add_(nans)
     with torch.no_grad():  # which rows attnkit's rules overwrite (no gradient flows there)
-        nan_rows = rows_made_nan(q, k, allowed, causal, bias, call.alibi_slopes)
+        if per_row and not can_branch_on_data(q, k):
+            nan_rows = torch.isnan(nans_seen(q, k, causal))
+        else:
+            nan_rows = rows_made_nan(q, k, allowed, causal, bias, call.alibi_slopes)
     if can_branch_on_data(nan_rows) and not bool(nan_rows.any()):
         return out
     fill = out.masked_fill if out.requires_grad else out.masked_fill_  # in place: no copy
@@ -130,10 +129,10 @@ def lower_right(call: Call) -> CausalBias | None:
 
 def nans_seen(q: Tensor, k: Tensor, causal: bool) -> Tensor:
     """``(b, h, t, 1)``: 0, or NaN for a row whose query is not finite or that sees a key that is
-    not, where each query sees every key or, with ``causal``, the keys up to its own position
-    (bottom-right). Added to the output, it applies attnkit's rule with no look at the data: the
-    path on a GPU and under ``torch.compile``, where one read of q and one of k are followed by
-    operations on ``(b, h, t)`` values only (a sum of zeros and NaNs is exact)."""
+    not, where each query sees every key or, with ``causal`` (and ``t <= s``), the keys up to its
+    own position (bottom-right). attnkit's rule with no look at the data: the path on a GPU and
+    under ``torch.compile``, where one read of q and one of k are followed by operations on
+    ``(b, h, t)`` values only (a sum of zeros and NaNs is exact)."""
     b, h, t, _ = q.shape
     h_kv, s = k.shape[1], k.shape[2]
     keys = zero_or_nan_rows(k)  # (b, h_kv, s)
