@@ -103,9 +103,9 @@ def _nan_rule(
     rows are found by [`nans_seen`][attnkit.backends.sdpa.nans_seen]: no branch, no dense tensor,
     a few small operations after SDPA's."""
     bias = call.masks.bias()
-    per_row = allowed is None and bias is None and call.alibi_slopes is None
+    plain = allowed is None and bias is None and call.alibi_slopes is None  # all keys, or causal
     with torch.no_grad():  # which rows attnkit's rules overwrite (no gradient flows there)
-        if per_row and not can_branch_on_data(q, k):
+        if plain and not can_branch_on_data(q, k):
             nan_rows = torch.isnan(nans_seen(q, k, causal))
         else:
             nan_rows = rows_made_nan(q, k, allowed, causal, bias, call.alibi_slopes)
