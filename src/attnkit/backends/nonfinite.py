@@ -82,8 +82,7 @@ def zero_or_nan_rows(x: Tensor) -> Tensor:
     """``(...)`` 0 where the row ``x[..., :]`` is finite, NaN where it holds a NaN or an infinity.
 
     The rows' products with zeros, summed: exact, since ``0 * x`` is 0 or NaN and never overflows,
-    and a sum of them is NaN as soon as one is. Added to a result, it makes NaN the rows that the
-    rule makes NaN without a branch on data. On a GPU a batched matrix product reads ``x`` once at
+    and a sum of them is NaN as soon as one is, with no branch on data. On a GPU a batched matrix product reads ``x`` once at
     the memory's bandwidth (`_products_with_zeros`); elsewhere ``x * 0`` is summed by rows."""
     x = x.detach()
     if x.is_cpu or traced():

@@ -99,16 +99,9 @@ def _nan_rule(
 ) -> Tensor:
     """``out`` with NaN in the rows attnkit's rule makes NaN (see
     [`rows_made_nan`][attnkit.backends.sdpa.rows_made_nan]), in place where no gradient is
-    recorded. Where Python may not look at the data and no mask or bias picks keys per row, the
-    rows are found by [`nans_seen`][attnkit.backends.sdpa.nans_seen]: no branch, no dense tensor,
-    a few small operations after SDPA's."""
-    bias = call.masks.bias()
-    plain = allowed is None and bias is None and call.alibi_slopes is None  # all keys, or causal
+    recorded."""
     with torch.no_grad():  # which rows attnkit's rules overwrite (no gradient flows there)
-        if plain and not can_branch_on_data(q, k):
-            nan_rows = torch.isnan(nans_seen(q, k, causal))
-        else:
-            nan_rows = rows_made_nan(q, k, allowed, causal, bias, call.alibi_slopes)
+        nan_rows = rows_made_nan(q, k, allowed, causal, call.masks.bias(), call.alibi_slopes)
     if can_branch_on_data(nan_rows) and not bool(nan_rows.any()):
         return out
     fill = out.masked_fill if out.requires_grad else out.masked_fill_  # in place: no copy
@@ -156,24 +149,24 @@ def rows_made_nan(
     whose score is ``-inf``. (Values need nothing: SDPA multiplies them, so they spread.)
 
     One pass over q and k and, with a dense mask, over the mask: ``O((t + s) d + t s)`` next to the
-    kernel's ``O(t s d)``. Branches on data only where Python may (see
+    kernel's ``O(t s d)``; without one, the rows that see a bad key come from
+    [`nans_seen`][attnkit.backends.sdpa.nans_seen], on ``(b, h, t)`` values only. Branches on data only where Python may (see
     [`can_branch_on_data`][attnkit.backends.nonfinite.can_branch_on_data]), so ``torch.compile`` and ``vmap`` stay
     whole."""
     h, h_kv = q.shape[1], k.shape[1]
-    bad_q = nonfinite_rows(q)[..., None]  # (b, h, t, 1)
-    bad_k = nonfinite_rows(k)  # (b, h_kv, s)
-    if can_branch_on_data(bad_k) and not bool(bad_k.any()):
-        bad = bad_q  # no key to see: the usual case, in which the passes below would find nothing
+    if allowed is None and all_finite(k):  # the usual case: no key to see, only q's rows
+        bad = nonfinite_rows(q)[..., None]
+    elif allowed is None:  # every key, or the causal ones: no look at the data needed
+        bad = torch.isnan(nans_seen(q, k, is_causal))
     else:
-        b, s = bad_k.shape[0], bad_k.shape[-1]  # (b, h, s): query head i uses kv head i // g
-        bad_k = bad_k[:, :, None].expand(b, h_kv, h // h_kv, s).reshape(b, h, s)
-        if is_causal:  # bottom-right: query i sees keys 0..i + s - t
-            sees_bad = (bad_k.cumsum(dim=-1) > 0)[..., k.shape[-2] - q.shape[-2] :, None]
-        elif allowed is None:
-            sees_bad = bad_k.any(dim=-1)[:, :, None, None]
+        bad_q = nonfinite_rows(q)[..., None]  # (b, h, t, 1)
+        bad_k = nonfinite_rows(k)  # (b, h_kv, s)
+        if can_branch_on_data(bad_k) and not bool(bad_k.any()):
+            bad = bad_q  # no key to see: the passes below would find nothing
         else:  # (.., t, s) x (b, h, s, 1): the number of bad keys a row sees
-            sees_bad = allowed.to(q.dtype) @ bad_k[..., None].to(q.dtype) > 0
-        bad = bad_q | sees_bad
+            b, s = bad_k.shape[0], bad_k.shape[-1]  # (b, h, s): query head i uses kv head i // g
+            bad_k = bad_k[:, :, None].expand(b, h_kv, h // h_kv, s).reshape(b, h, s)
+            bad = bad_q | (allowed.to(q.dtype) @ bad_k[..., None].to(q.dtype) > 0)
     if bias is not None:  # NaN or +inf added to a score a row sees (-inf masks)
         bad_bias = torch.isnan(bias) | torch.isposinf(bias)
         if allowed is not None:
