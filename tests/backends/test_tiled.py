@@ -318,15 +318,24 @@ def test_the_cpp_kernel_refuses_operands_that_do_not_fit_with_a_message():
         alibi=empty_float,
         blocks=(4, 4),
         route=0,
+        out=None,
     ):
         options = kernel.TiledOptions()
         options.bias, options.key_mask, options.alibi = bias, key_mask, alibi
         options.block_q, options.block_k = blocks
         options.route = route
         options.tile_rows = options.tile_keys = 8  # one tile: no score_mod
-        return kernel.forward(*operands, options)
+        out = torch.empty(1, 2, 5, operands[2].shape[-1]) if out is None else out
+        return kernel.forward(*operands, out, options)
 
     assert forward()[0].shape == (1, 2, 5, 4)
+    assert forward(out=torch.empty(1, 2, 5, 3))[0].shape == (1, 2, 5, 3)  # a padded column dropped
+    with pytest.raises(RuntimeError, match=r"out \(b, h, t, dv\) must be float32, bfloat16"):
+        forward(out=torch.empty(1, 2, 5, 2))
+    with pytest.raises(RuntimeError, match=r"out \(b, h, t, dv\) must be float32, bfloat16"):
+        forward(out=torch.empty(1, 2, 5, 4, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="each row's entries must be contiguous"):
+        forward((q, k, torch.randn(1, 1, 4, 7).transpose(2, 3)))
     with pytest.raises(RuntimeError, match=r"bias must be \(b, h, t, s\)"):
         forward(bias=torch.zeros(1, 2, 5, 6))
     with pytest.raises(RuntimeError, match=r"key_mask must be empty or bool \(b, s\)"):
@@ -341,6 +350,9 @@ def test_the_cpp_kernel_refuses_operands_that_do_not_fit_with_a_message():
         forward((q.bfloat16(), k, v))
     with pytest.raises(RuntimeError, match="even last dim"):
         forward(tuple(x[..., :3].bfloat16().contiguous() for x in (q, k, v)))
+    odd_rows = torch.randn(1, 1, 7, 5).bfloat16()[..., :4]  # rows 5 entries apart: not pairs
+    with pytest.raises(RuntimeError, match="even strides"):
+        forward((q.bfloat16(), k.bfloat16(), odd_rows))
     bf16 = tuple(x.bfloat16() for x in (q, k, v))
     with pytest.raises(RuntimeError, match="unknown route 7"):
         forward(bf16, route=7)
@@ -352,9 +364,18 @@ def test_the_cpp_kernel_refuses_operands_that_do_not_fit_with_a_message():
     options.block_q = options.block_k = 4
     options.tile_rows = options.tile_keys = 8
     dout, lse, delta = torch.randn(1, 2, 5, 4), torch.zeros(1, 2, 5), torch.zeros(1, 2, 5)
-    assert kernel.backward(dout, q, k, v, lse, delta, options)[1].shape == (1, 1, 7, 4)
+
+    def backward(dout=dout, grads=None):
+        grads = grads or tuple(torch.empty_like(x) for x in (q, k, v))
+        return kernel.backward(dout, q, k, v, lse, delta, *grads, 0.5, options)
+
+    assert backward()[1].shape == (1, 1, 7, 4)
     with pytest.raises(RuntimeError, match=r"dout must be \(b, h, t, dv\)"):
-        kernel.backward(torch.randn(1, 2, 5, 3), q, k, v, lse, delta, options)
+        backward(torch.randn(1, 2, 5, 3))
+    with pytest.raises(RuntimeError, match=r"dk \(b, h_kv, s, d\) must be float32, bfloat16"):
+        backward(grads=(torch.empty_like(q), torch.empty(1, 2, 7, 4), torch.empty_like(v)))
+    with pytest.raises(RuntimeError, match=r"dv \(b, h_kv, s, dv\) must be"):
+        backward(grads=(torch.empty_like(q), torch.empty_like(k), torch.empty_like(v).int()))
     options.alibi_grad = True
     with pytest.raises(RuntimeError, match="alibi_grad without ALiBi slopes"):
-        kernel.backward(dout, q, k, v, lse, delta, options)
+        backward()

@@ -10,9 +10,12 @@
 // zeros and lse = -inf. With bf16 operands, the weights P (and in the backward dS) are rounded to
 // bf16 before they are multiplied.
 //
-// Layout (contiguous unless said):
-//   q (b, h, t, d), pre-scaled; k (b, h_kv, s, d); v (b, h_kv, s, dv): all float32 or all bf16
-//   (bf16 with even d and dv). Everything else comes in one TiledOptions:
+// Layout: q (b, h, t, d), pre-scaled; k (b, h_kv, s, d); v (b, h_kv, s, dv): all float32 or all
+//   bf16 (bf16 with even d and dv), each row's entries contiguous, the other strides any (bf16:
+//   even, and 4-byte aligned). The results go into the caller's tensors, float32, bf16 or float16,
+//   rows of contiguous entries, any layout (see write_check): the forward's output (b, h, t, dv),
+//   the backward's gradients of q, k and v; a zero column that padded an odd head dim is dropped
+//   there (they may be one column narrower). Everything else comes in one TiledOptions:
 //   bias: float32, allowed: bool, both expanded to (b, h, t, s) with any strides, or empty;
 //   key_mask (b, s) bool or empty; alibi (h,) float32 or empty; softcap 0 for none;
 //   window_left, window_right around p(i) = i + s - t + shift, -1 unbounded (shift: 0, or the
@@ -29,14 +32,16 @@
 //
 // The kernel's parts, one idea a header: tiled_simd.h (exp, tanh and the row passes of the
 // softmax), tiled_scores.h (masks and score modifiers), tiled_walk.h (sizes, tiles, query blocks),
-// tiled_blocks.h (the block products, float32 or bf16 with pair_products.h), tiled_forward.h and
-// tiled_backward.h. This file holds the options, the entry points and the Python module.
+// tiled_rows.h (the tensors it reads and writes in place), tiled_blocks.h (the block products,
+// float32 or bf16 with pair_products.h), tiled_forward.h and tiled_backward.h. This file holds the
+// options, the entry points and the Python module.
 
 // ATen and torch's pybind11 glue, not <torch/extension.h>: the whole C++ API's headers tripled
 // the build's time, and a first call waits for it.
 #include <ATen/ATen.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <array>
 #include <cstdint>
 #include <initializer_list>
 #include <tuple>
@@ -47,6 +52,7 @@
 #include "tiled_blocks.h"
 #include "tiled_dropout.h"
 #include "tiled_forward.h"
+#include "tiled_rows.h"
 #include "tiled_scores.h"
 #include "tiled_walk.h"
 
@@ -116,15 +122,25 @@ struct TiledOptions {
 };
 
 // The operands' dtype: float32 (products by torch's matmul) or bfloat16 (pair products), the same
-// for all; bf16 operands have even head dims (the caller pads them with zeros).
+// for all. Rows are read in place (tiled_blocks.h's Operand): each row's entries contiguous; bf16
+// rows are read as pairs, so their head dims and strides are even and their data 4-byte aligned
+// (the caller pads or copies those that are not).
 c10::ScalarType check_operands(std::initializer_list<const at::Tensor*> tensors) {
   const auto dtype = (*tensors.begin())->scalar_type();
   for (const auto* x : tensors) {
-    TORCH_CHECK(x->dim() == 4 && x->is_contiguous() && x->scalar_type() == dtype &&
+    TORCH_CHECK(x->dim() == 4 && x->scalar_type() == dtype &&
                     (dtype == at::kFloat || dtype == at::kBFloat16),
-                "tiled: the operands must be contiguous 4-d tensors, all float32 or all bfloat16");
-    TORCH_CHECK(dtype == at::kFloat || x->size(3) % 2 == 0,
-                "tiled: bfloat16 operands must have an even last dim");
+                "tiled: the operands must be 4-d tensors, all float32 or all bfloat16");
+    TORCH_CHECK(x->size(3) <= 1 || x->stride(3) == 1,
+                "tiled: each row's entries must be contiguous");
+    if (dtype == at::kBFloat16) {
+      bool even = x->size(3) % 2 == 0 && reinterpret_cast<uintptr_t>(x->data_ptr()) % 4 == 0;
+      for (int dim = 0; dim < 3; ++dim) {
+        even = even && (x->size(dim) == 1 || x->stride(dim) % 2 == 0);
+      }
+      TORCH_CHECK(even, "tiled: bfloat16 operands must have an even last dim, even strides and "
+                        "4-byte aligned data");
+    }
   }
   return dtype;
 }
@@ -138,6 +154,20 @@ Sizes sizes_of(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   return z;
 }
 
+// Checks a tensor the kernel writes its results into: (`rows`..., `width` or one fewer columns),
+// float32, bf16 or float16, each row's entries contiguous.
+void write_check(const at::Tensor& x, std::initializer_list<int64_t> rows, int64_t width,
+                 const char* name) {
+  const auto type = x.scalar_type();
+  bool fits = x.dim() == 4 && (x.size(3) == width || x.size(3) == width - 1) &&
+              (x.size(3) <= 1 || x.stride(3) == 1) &&
+              (type == at::kFloat || type == at::kBFloat16 || type == at::kHalf);
+  int dim = 0;
+  for (const int64_t n : rows) fits = fits && x.size(dim++) == n;
+  TORCH_CHECK(fits, "tiled: ", name,
+              " must be float32, bfloat16 or float16 of the operands' sizes, with contiguous rows");
+}
+
 // How bf16 blocks are multiplied: 1 vdpbf16ps (needs a build with AVX512-BF16), else portably.
 bool fast_pairs(int64_t route) {
   TORCH_CHECK(route == 0 || route == 1, "tiled: unknown route ", route);
@@ -147,32 +177,36 @@ bool fast_pairs(int64_t route) {
 
 }  // namespace
 
-// Returns out (b, h, t, dv) and lse (b, h, t), float32; with bf16 operands out is a view of rows
-// padded to a multiple of 32 columns. Operands all float32 or all bf16 (`options.route` says how
-// bf16 blocks are multiplied; see fast_pairs).
+// Writes the output into `out` (b, h, t, dv) and returns it with the lse (b, h, t), float32.
+// Operands all float32 or all bf16 (`options.route` says how bf16 blocks are multiplied; see
+// fast_pairs).
 std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q, const at::Tensor& k,
-                                           const at::Tensor& v, const TiledOptions& options) {
+                                           const at::Tensor& v, const at::Tensor& out,
+                                           const TiledOptions& options) {
   const auto dtype = check_operands({&q, &k, &v});
   const Sizes z = sizes_of(q, k, v);
+  write_check(out, {z.b, z.h, z.t}, z.dv, "out (b, h, t, dv)");
   const Scoring sc = options.scoring(z);
   const Tiles tiles = options.tiles(false);
   const Dropout drop = dropout_of(options.dropout_p, options.dropout_seed);
   const int64_t block_q = options.block_q, block_k = options.block_k;
   if (dtype == at::kFloat) {
     return forward_blocks(Float32Blocks(z, q, k, v, nullptr), z, sc, drop, block_q, block_k,
-                          tiles);
+                          tiles, out);
   }
   return forward_blocks(Bf16Blocks(z, q, k, v, nullptr, fast_pairs(options.route)), z, sc, drop,
-                        block_q, block_k, tiles);
+                        block_q, block_k, tiles, out);
 }
 
-// Gradients w.r.t. the pre-scaled q, k, v and (if `options.alibi_grad`) the ALiBi slopes, float32
+// Writes the gradients w.r.t. q (those of the pre-scaled q times `q_scale`), k and v into dq, dk
+// and dv, and returns them with that of the ALiBi slopes (if `options.alibi_grad`), float32
 // (tiled_backward.h). `delta` (b, h, t) is rowsum(dout * out) minus the lse's gradient
 // (d lse_i / d S_ij = P_ij); `lse` has 0 for the rows with no allowed key (their probabilities are
 // 0 anyway); dout has the operands' dtype.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const at::Tensor& lse, const at::Tensor& delta, const TiledOptions& options) {
+    const at::Tensor& lse, const at::Tensor& delta, const at::Tensor& dq, const at::Tensor& dk,
+    const at::Tensor& dv, double q_scale, const TiledOptions& options) {
   const auto dtype = check_operands({&dout, &q, &k, &v});
   const Sizes z = sizes_of(q, k, v);
   TORCH_CHECK(dout.sizes() == at::IntArrayRef({z.b, z.h, z.t, z.dv}),
@@ -181,6 +215,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
                   delta.numel() == z.b * z.h * z.t && lse.scalar_type() == at::kFloat &&
                   delta.scalar_type() == at::kFloat,
               "tiled: lse and delta must be contiguous float32 (b, h, t)");
+  write_check(dq, {z.b, z.h, z.t}, z.d, "dq (b, h, t, d)");
+  write_check(dk, {z.b, z.h_kv, z.s}, z.d, "dk (b, h_kv, s, d)");
+  write_check(dv, {z.b, z.h_kv, z.s}, z.dv, "dv (b, h_kv, s, dv)");
+  const std::array<at::Tensor, 3> grads{dq, dk, dv};
   const Scoring sc = options.scoring(z);
   const Tiles tiles = options.tiles(true);
   const Dropout drop = dropout_of(options.dropout_p, options.dropout_seed);
@@ -188,10 +226,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
   const bool alibi_grad = options.alibi_grad;
   if (dtype == at::kFloat) {
     return backward_blocks(Float32Blocks(z, q, k, v, &dout), z, sc, drop, lse, delta, block_q,
-                           block_k, alibi_grad, tiles);
+                           block_k, alibi_grad, tiles, grads, q_scale);
   }
   return backward_blocks(Bf16Blocks(z, q, k, v, &dout, fast_pairs(options.route)), z, sc, drop,
-                         lse, delta, block_q, block_k, alibi_grad, tiles);
+                         lse, delta, block_q, block_k, alibi_grad, tiles, grads, q_scale);
 }
 
 // The dropout's factors over the queries [i0, i1) and keys [j0, j1) of `heads` (batch x heads)
@@ -235,10 +273,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("alibi_grad", &TiledOptions::alibi_grad)
       .def_readwrite("dropout_p", &TiledOptions::dropout_p)
       .def_readwrite("dropout_seed", &TiledOptions::dropout_seed);
-  m.def("forward", &forward, "Tiled attention forward: (out, lse)", py::arg("q"), py::arg("k"),
-        py::arg("v"), py::arg("options"));
-  m.def("backward", &backward, "Tiled attention backward: (dq, dk, dv, dalibi)", py::arg("dout"),
-        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("lse"), py::arg("delta"),
+  m.def("forward", &forward, "Tiled attention forward into out: (out, lse)", py::arg("q"),
+        py::arg("k"), py::arg("v"), py::arg("out"), py::arg("options"));
+  m.def("backward", &backward, "Tiled attention backward into dq, dk, dv: (dq, dk, dv, dalibi)",
+        py::arg("dout"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("lse"),
+        py::arg("delta"), py::arg("dq"), py::arg("dk"), py::arg("dv"), py::arg("q_scale"),
         py::arg("options"));
   m.def("dropout_factors", &dropout_factors,
         "Dropout factors (heads, i1 - i0, j1 - j0): 1 / (1 - p) where kept, 0 where dropped",

@@ -14,12 +14,14 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <tuple>
 #include <vector>
 
 #include "tiled_dropout.h"
+#include "tiled_rows.h"
 #include "tiled_scores.h"
 #include "tiled_simd.h"
 #include "tiled_walk.h"
@@ -27,7 +29,8 @@
 namespace {
 
 // The backward of one call: the gradients w.r.t. q, k, v and (if `alibi_grad`) the ALiBi slopes,
-// float32; lse and delta (b, h, t) as the backward entry point takes them.
+// summed in float32, then written into the caller's tensors; lse and delta (b, h, t) as the
+// backward entry point takes them.
 template <typename Blocks>
 struct BackwardPass {
   const Blocks& blocks;
@@ -73,8 +76,11 @@ struct BackwardPass {
         dap(dalibi_parts.data_ptr<float>()), dkp(dk.data_ptr<float>()),
         dvp(dvv.data_ptr<float>()) {}
 
-  // Returns dq, dk, dv and the slopes' gradient (b, h), empty without alibi_grad.
-  std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> run(const Tiles& tiles) {
+  // Writes the gradients of the pre-scaled q (times `q_scale`: those of q itself), k and v into
+  // `grads` (see store_rows); returns them and the slopes' gradient (b, h), empty without
+  // alibi_grad.
+  std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> run(
+      const Tiles& tiles, const std::array<at::Tensor, 3>& grads, double q_scale) {
     const bool bias_grad = !tiles.mod_bias_grad.is_none();
     tiles.walk(z, sc, [&](const Tile& tile) {
       // dL/df over the tile: dS where a block was visited, 0 elsewhere
@@ -92,8 +98,11 @@ struct BackwardPass {
       if (bias_grad) tiles.mod_bias_grad(tile.r0, tile.r1, tile.c0, tile.c1, dbias);
     });
     auto dalibi = alibi_grad ? dalibi_parts.sum(at::IntArrayRef{0, 1}) : dalibi_parts;
-    auto dq = split == 1 ? dq_parts[0] : dq_parts.sum(0);
-    return {dq.narrow(3, 0, z.d), dk.narrow(3, 0, z.d), dvv.narrow(3, 0, z.dv), dalibi};
+    const int64_t dq_part = z.b * z.h * z.t * dq_width;
+    store_rows(grads[0], dqp, dq_width, split, dq_part, static_cast<float>(q_scale));
+    store_rows(grads[1], dkp, dk_width, 1, 0, 1.f);
+    store_rows(grads[2], dvp, dv_width, 1, 0, 1.f);
+    return {grads[0], grads[1], grads[2], dalibi};
   }
 
   // One item: part `part` of the key blocks of key/value head kv (in b * h_kv), against every
@@ -202,10 +211,10 @@ template <typename Blocks>
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_blocks(
     const Blocks& blocks, const Sizes& z, const Scoring& sc, const Dropout& drop,
     const at::Tensor& lse, const at::Tensor& delta, int64_t block_q, int64_t block_k,
-    bool alibi_grad, const Tiles& tiles) {
+    bool alibi_grad, const Tiles& tiles, const std::array<at::Tensor, 3>& grads, double q_scale) {
   TORCH_CHECK(!alibi_grad || sc.alibi != nullptr, "tiled: alibi_grad without ALiBi slopes");
   return BackwardPass<Blocks>(blocks, z, sc, drop, lse, delta, block_q, block_k, alibi_grad)
-      .run(tiles);
+      .run(tiles, grads, q_scale);
 }
 
 }  // namespace

@@ -12,6 +12,7 @@
 
 #include "pair_products.h"
 #include "tiled_dropout.h"
+#include "tiled_rows.h"
 #include "tiled_simd.h"
 #include "tiled_walk.h"
 
@@ -45,7 +46,7 @@ inline void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t kk, const float
 // head's in (b * h_kv), [i0, i0 + bq) the query rows and [j0, j0 + n) the keys.
 struct Float32Blocks {
   Sizes z;
-  const float *q, *k, *v, *dout;
+  Operand<const float> q, k, v, dout;
   struct Scratch {
     std::vector<float> clean;  // a value block with its non-finite entries zeroed
     explicit Scratch(const Float32Blocks&, int64_t, int64_t) {}
@@ -53,18 +54,18 @@ struct Float32Blocks {
 
   Float32Blocks(const Sizes& sizes, const at::Tensor& q_, const at::Tensor& k_,
                 const at::Tensor& v_, const at::Tensor* dout_)
-      : z(sizes), q(q_.data_ptr<float>()), k(k_.data_ptr<float>()), v(v_.data_ptr<float>()),
-        dout(dout_ ? dout_->data_ptr<float>() : nullptr) {}
+      : z(sizes), q(of(q_)), k(of(k_)), v(of(v_)),
+        dout(dout_ ? of(*dout_) : Operand<const float>()) {}
 
+  static Operand<const float> of(const at::Tensor& x) { return {x, x.data_ptr<float>()}; }
   int64_t score_stride(int64_t n) const { return n; }
   int64_t width(int64_t x) const { return x; }
-  const float* values(int64_t kv) const { return v + kv * z.s * z.dv; }
+  const Operand<const float>& values() const { return v; }
 
   // S = Q K^T
   void scores(int64_t bh, int64_t i0, int64_t bq, int64_t kv, int64_t j0, int64_t n, float* S,
               Scratch&) const {
-    gemm(false, true, bq, n, z.d, q + (bh * z.t + i0) * z.d, z.d, k + (kv * z.s + j0) * z.d, z.d,
-         S, n, false);
+    gemm(false, true, bq, n, z.d, q.row(bh, i0), q.ld, k.row(kv, j0), k.ld, S, n, false);
   }
   // Row r of P from its scores: exp(score - top) in place; returns their sum. `top` is finite and
   // the row holds no NaN (a row with one is poisoned before).
@@ -83,38 +84,42 @@ struct Float32Blocks {
   // acc += P V; `dirty`: the block's values hold a non-finite entry (a masked key's weight is 0,
   // and 0 * NaN would still be NaN).
   void add_values(const float* P, int64_t bq, int64_t kv, int64_t j0, int64_t n, bool dirty,
-                  float* acc, Scratch& w) const {
-    const float* block = values(kv) + j0 * z.dv;
+                  float* acc, int64_t acc_ld, Scratch& w) const {
+    const float* block = v.row(kv, j0);
+    int64_t ld = v.ld;
     if (dirty) {
       w.clean.resize(n * z.dv);
-      for (int64_t i = 0; i < n * z.dv; ++i) w.clean[i] = finite(block[i]) ? block[i] : 0.f;
-      block = w.clean.data();
+      for (int64_t j = 0; j < n; ++j) {
+        for (int64_t c = 0; c < z.dv; ++c) {
+          const float x = block[j * ld + c];
+          w.clean[j * z.dv + c] = finite(x) ? x : 0.f;
+        }
+      }
+      block = w.clean.data(), ld = z.dv;
     }
-    gemm(false, false, bq, z.dv, n, P, n, block, z.dv, acc, z.dv, true);
+    gemm(false, false, bq, z.dv, n, P, n, block, ld, acc, acc_ld, true);
   }
   void prepare(int64_t, int64_t, int64_t, Scratch&) const {}
   // dV += P^T dO
   void add_dv(const float* P, int64_t bh, int64_t i0, int64_t bq, int64_t j0, int64_t n,
               float* dv_head, Scratch&) const {
-    gemm(true, false, n, z.dv, bq, P, n, dout + (bh * z.t + i0) * z.dv, z.dv, dv_head + j0 * z.dv,
-         z.dv, true);
+    gemm(true, false, n, z.dv, bq, P, n, dout.row(bh, i0), dout.ld, dv_head + j0 * z.dv, z.dv,
+         true);
   }
   // dP = dO V^T
   void dprobs(int64_t bh, int64_t i0, int64_t bq, int64_t kv, int64_t j0, int64_t n, float* dP,
               Scratch&) const {
-    gemm(false, true, bq, n, z.dv, dout + (bh * z.t + i0) * z.dv, z.dv, values(kv) + j0 * z.dv,
-         z.dv, dP, n, false);
+    gemm(false, true, bq, n, z.dv, dout.row(bh, i0), dout.ld, v.row(kv, j0), v.ld, dP, n, false);
   }
   // dQ += dS K
   void add_dq(const float* dS, int64_t bq, int64_t kv, int64_t j0, int64_t n, float* dq_rows,
               Scratch&) const {
-    gemm(false, false, bq, z.d, n, dS, n, k + (kv * z.s + j0) * z.d, z.d, dq_rows, z.d, true);
+    gemm(false, false, bq, z.d, n, dS, n, k.row(kv, j0), k.ld, dq_rows, z.d, true);
   }
   // dK += dS^T Q
   void add_dk(const float* dS, int64_t bh, int64_t i0, int64_t bq, int64_t j0, int64_t n,
               float* dk_head, Scratch&) const {
-    gemm(true, false, n, z.d, bq, dS, n, q + (bh * z.t + i0) * z.d, z.d, dk_head + j0 * z.d, z.d,
-         true);
+    gemm(true, false, n, z.d, bq, dS, n, q.row(bh, i0), q.ld, dk_head + j0 * z.d, z.d, true);
   }
 };
 
@@ -125,7 +130,7 @@ struct Bf16Blocks {
   using Bf16 = pairs::Bf16;
   Sizes z;
   bool fast;  // vdpbf16ps, else the portable tile
-  const Bf16 *q, *k, *v, *dout;
+  Operand<const Bf16> q, k, v, dout;  // rows of pairs: even strides, 4-byte aligned
   int64_t key_cols;             // columns of the packs whose columns are keys: s + kCols, zero-padded
   int64_t d_cols, dv_cols;      // d and dv padded to kCols
   std::vector<Pair> k_by_dim;   // per kv head, (d / 2) x key_cols: pairs along d (for Q K^T)
@@ -141,51 +146,51 @@ struct Bf16Blocks {
         : rows(block_q * (block_k + 3)),
           transposed((block_q + 1) / 2 * pairs::padded(block_k)),
           q_rows((block_q + 1) / 2 * blocks.d_cols),
-          dout_rows(blocks.dout ? (block_q + 1) / 2 * blocks.dv_cols : 0) {}
+          dout_rows(blocks.dout.data ? (block_q + 1) / 2 * blocks.dv_cols : 0) {}
   };
 
   Bf16Blocks(const Sizes& sizes, const at::Tensor& q_, const at::Tensor& k_,
              const at::Tensor& v_, const at::Tensor* dout_, bool fast_)
-      : z(sizes), fast(fast_), q(bits(q_)), k(bits(k_)), v(bits(v_)),
-        dout(dout_ ? bits(*dout_) : nullptr), key_cols(z.s + pairs::kCols),
+      : z(sizes), fast(fast_), q(of(q_)), k(of(k_)), v(of(v_)),
+        dout(dout_ ? of(*dout_) : Operand<const Bf16>()), key_cols(z.s + pairs::kCols),
         d_cols(pairs::padded(z.d)), dv_cols(pairs::padded(z.dv)) {
     const int64_t heads = z.b * z.h_kv, key_pairs = (z.s + 1) / 2;
     k_by_dim.resize(heads * z.d / 2 * key_cols);
     v_by_key.resize(heads * key_pairs * dv_cols);
-    if (dout) {
+    if (dout.data) {
       v_by_dim.resize(heads * z.dv / 2 * key_cols);
       k_by_key.resize(heads * key_pairs * d_cols);
     }
     at::parallel_for(0, heads, 1, [&](int64_t first, int64_t last) {
       for (int64_t kv = first; kv < last; ++kv) {
-        const Bf16 *kh = k + kv * z.s * z.d, *vh = v + kv * z.s * z.dv;
-        pairs::pack_transposed(kh, z.s, z.d, z.d, &k_by_dim[kv * z.d / 2 * key_cols], key_cols);
-        pairs::pack_row_pairs(vh, z.s, z.dv, z.dv, &v_by_key[kv * key_pairs * dv_cols], dv_cols,
+        const Bf16 *kh = k.row(kv, 0), *vh = v.row(kv, 0);
+        pairs::pack_transposed(kh, z.s, z.d, k.ld, &k_by_dim[kv * z.d / 2 * key_cols], key_cols);
+        pairs::pack_row_pairs(vh, z.s, z.dv, v.ld, &v_by_key[kv * key_pairs * dv_cols], dv_cols,
                               true);
-        if (dout) {
-          pairs::pack_transposed(vh, z.s, z.dv, z.dv, &v_by_dim[kv * z.dv / 2 * key_cols],
+        if (dout.data) {
+          pairs::pack_transposed(vh, z.s, z.dv, v.ld, &v_by_dim[kv * z.dv / 2 * key_cols],
                                  key_cols);
-          pairs::pack_row_pairs(kh, z.s, z.d, z.d, &k_by_key[kv * key_pairs * d_cols], d_cols,
+          pairs::pack_row_pairs(kh, z.s, z.d, k.ld, &k_by_key[kv * key_pairs * d_cols], d_cols,
                                 true);
         }
       }
     });
   }
 
-  static const Bf16* bits(const at::Tensor& x) {
-    return reinterpret_cast<const Bf16*>(x.data_ptr<at::BFloat16>());
+  static Operand<const Bf16> of(const at::Tensor& x) {
+    return {x, reinterpret_cast<const Bf16*>(x.data_ptr<at::BFloat16>())};
   }
   const Pair* words(const Bf16* rows) const { return reinterpret_cast<const Pair*>(rows); }
 
   int64_t score_stride(int64_t n) const { return pairs::padded(n); }
   int64_t width(int64_t x) const { return pairs::padded(x); }
-  const Bf16* values(int64_t kv) const { return v + kv * z.s * z.dv; }
+  const Operand<const Bf16>& values() const { return v; }
 
   void scores(int64_t bh, int64_t i0, int64_t bq, int64_t kv, int64_t j0, int64_t n, float* S,
               Scratch&) const {
     const Pair* b = &k_by_dim[kv * z.d / 2 * key_cols] + j0;
-    pairs::gemm(fast, bq, pairs::padded(n), z.d / 2, words(q + (bh * z.t + i0) * z.d), z.d / 2,
-                1, b, key_cols, S, pairs::padded(n), false);
+    pairs::gemm(fast, bq, pairs::padded(n), z.d / 2, words(q.row(bh, i0)), q.ld / 2, 1, b,
+                key_cols, S, pairs::padded(n), false);
   }
   // The weights are rounded to bf16 as they are computed, into rows whose pairs of keys start at an
   // even key, as the packs' do: a row carries a leading 0 when j0 is odd, a trailing one when it
@@ -212,16 +217,15 @@ struct Bf16Blocks {
   // acc += P V from the rounded rows. The pack's non-finite values are 0 (the output's NaN comes
   // from the selection in the forward, which reads the values themselves).
   void add_values(const float*, int64_t bq, int64_t kv, int64_t j0, int64_t n, bool, float* acc,
-                  Scratch& w) const {
+                  int64_t acc_ld, Scratch& w) const {
     const Pair* b = &v_by_key[(kv * ((z.s + 1) / 2) + j0 / 2) * dv_cols];
     pairs::gemm(fast, bq, dv_cols, key_pairs(j0, n), words(w.rows.data()), key_width(n) / 2, 1, b,
-                dv_cols, acc, dv_cols, true);
+                dv_cols, acc, acc_ld, true);
   }
   // The query block's Q and dO as pairs of rows, for the transposed products.
   void prepare(int64_t bh, int64_t i0, int64_t bq, Scratch& w) const {
-    pairs::pack_row_pairs(q + (bh * z.t + i0) * z.d, bq, z.d, z.d, w.q_rows.data(), d_cols, false);
-    pairs::pack_row_pairs(dout + (bh * z.t + i0) * z.dv, bq, z.dv, z.dv, w.dout_rows.data(),
-                          dv_cols, false);
+    pairs::pack_row_pairs(q.row(bh, i0), bq, z.d, q.ld, w.q_rows.data(), d_cols, false);
+    pairs::pack_row_pairs(dout.row(bh, i0), bq, z.dv, dout.ld, w.dout_rows.data(), dv_cols, false);
   }
   // P^T (or dS^T) as pairs of query rows: A2(j, p) = (X[2p][j], X[2p + 1][j]).
   const Pair* transposed(const float* X, int64_t bq, int64_t n, Scratch& w) const {
@@ -238,8 +242,8 @@ struct Bf16Blocks {
   void dprobs(int64_t bh, int64_t i0, int64_t bq, int64_t kv, int64_t j0, int64_t n, float* dP,
               Scratch&) const {
     const Pair* b = &v_by_dim[kv * z.dv / 2 * key_cols] + j0;
-    pairs::gemm(fast, bq, pairs::padded(n), z.dv / 2, words(dout + (bh * z.t + i0) * z.dv),
-                z.dv / 2, 1, b, key_cols, dP, pairs::padded(n), false);
+    pairs::gemm(fast, bq, pairs::padded(n), z.dv / 2, words(dout.row(bh, i0)), dout.ld / 2, 1, b,
+                key_cols, dP, pairs::padded(n), false);
   }
   void add_dq(const float* dS, int64_t bq, int64_t kv, int64_t j0, int64_t n, float* dq_rows,
               Scratch& w) const {

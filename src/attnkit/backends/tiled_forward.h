@@ -15,6 +15,7 @@
 
 #include "pair_products.h"
 #include "tiled_dropout.h"
+#include "tiled_rows.h"
 #include "tiled_scores.h"
 #include "tiled_simd.h"
 #include "tiled_walk.h"
@@ -24,14 +25,16 @@ namespace {
 inline bool finite_value(float x) { return finite(x); }
 inline bool finite_value(pairs::Bf16 x) { return pairs::finite(x); }
 
-// Which of `rows` rows of `width` values hold a NaN or an infinity (one flag a row), on every thread.
+// Which of the `n` rows of each of the `heads` heads (in b * heads) of `x` hold a NaN or an
+// infinity in their `width` entries (one flag a row, head by head), on every thread.
 template <typename T>
-std::vector<char> nonfinite_rows(const T* x, int64_t rows, int64_t width) {
-  std::vector<char> flags(rows);
-  at::parallel_for(0, rows, 256, [&](int64_t first, int64_t last) {
+std::vector<char> nonfinite_rows(const Operand<const T>& x, int64_t heads, int64_t n,
+                                 int64_t width) {
+  std::vector<char> flags(heads * n);
+  at::parallel_for(0, heads * n, 256, [&](int64_t first, int64_t last) {
     for (int64_t i = first; i < last; ++i) {
       bool all_finite = true;
-      const T* row = x + i * width;
+      const T* row = x.row(i / n, i % n);
 #pragma omp simd reduction(&& : all_finite)
       for (int64_t c = 0; c < width; ++c) all_finite = all_finite && finite_value(row[c]);
       flags[i] = !all_finite;
@@ -42,30 +45,32 @@ std::vector<char> nonfinite_rows(const T* x, int64_t rows, int64_t width) {
 
 // The columns of the values that a row of scores over n keys sees (score not -inf) and that are not
 // finite, marked in `touched` (dv flags). `bad_keys`: the keys whose value row is not finite;
-// `values`: the n keys' value rows (n x dv). Selection, not multiplication: only the keys a row
-// sees touch it.
+// `values`: the n keys' value rows (dv entries, `ld` apart). Selection, not multiplication: only
+// the keys a row sees touch it.
 template <typename T>
-inline void touch(const float* row, int64_t n, const char* bad_keys, const T* values, int64_t dv,
-                  char* touched) {
+inline void touch(const float* row, int64_t n, const char* bad_keys, const T* values, int64_t ld,
+                  int64_t dv, char* touched) {
   for (int64_t j = 0; j < n; ++j) {
     if (!bad_keys[j] || row[j] == kNegInf) continue;
-    const T* value = values + j * dv;
+    const T* value = values + j * ld;
     for (int64_t c = 0; c < dv; ++c) touched[c] |= !finite_value(value[c]);
   }
 }
 
-// The forward of one call. The running max m, sum l and unnormalised output (kept in `out` until
-// the end) of every row live across the tiles; a tile's work is one parallel pass over its panel's
-// query blocks.
+// The forward of one call. The running max m, sum l and unnormalised output (the accumulator
+// `acc`) of every row live across the tiles; a tile's work is one parallel pass over its panel's
+// query blocks. The output goes to `result` (b, h, t, its first dv' <= dv columns), float32, bf16
+// or float16 with rows of contiguous entries: the accumulator is `result` itself where it is
+// float32 with rows of `width`, else float32 rows of `width` that the end rounds into it.
 template <typename Blocks>
 struct ForwardPass {
   const Blocks& blocks;
   const Sizes z;
   Scoring sc;  // the walk sets its tile's score_mod bias
   const Dropout drop;
-  const int64_t block_q, block_k, width;  // width: out's row stride, blocks.width(dv)
-  at::Tensor out, lse;                    // (b, h, t, width), (b, h, t)
-  float* op;
+  const int64_t block_q, block_k, width;  // width: the accumulator's row, blocks.width(dv)
+  at::Tensor result, buffer, lse;         // (b, h, t, dv'); (b, h, t, width) or empty; (b, h, t)
+  Operand<float> acc;                     // `result` or `buffer`
   std::vector<float> m, l;     // (b h t)
   std::vector<char> poisoned;  // a NaN score met: the row's output and lse are NaN
   std::vector<char> bad;       // (b h_kv s): the keys whose value row is not finite
@@ -84,22 +89,28 @@ struct ForwardPass {
 
   // The rows [i0, i0 + bq) of one query block within the call's state.
   struct Rows {
-    float *m, *l, *acc;        // acc: rows of `width`
+    float *m, *l, *acc;        // acc: rows of `width` entries, `acc_ld` apart
+    int64_t acc_ld;
     char *poisoned, *touched;  // touched: rows of dv, or null
   };
 
   ForwardPass(const Blocks& blocks_, const Sizes& z_, const Scoring& sc_, const Dropout& drop_,
-              int64_t block_q_, int64_t block_k_)
+              int64_t block_q_, int64_t block_k_, const at::Tensor& result_)
       : blocks(blocks_), z(z_), sc(sc_), drop(drop_), block_q(block_q_), block_k(block_k_),
-        width(blocks.width(z.dv)), out(at::zeros({z.b, z.h, z.t, width}, at::kFloat)),
-        lse(at::empty({z.b, z.h, z.t}, at::kFloat)), op(out.data_ptr<float>()),
+        width(blocks.width(z.dv)), result(result_),
+        buffer(result.scalar_type() == at::kFloat && width == result.size(3)
+                   ? at::Tensor()
+                   : at::empty({z.b, z.h, z.t, width}, at::kFloat)),
+        lse(at::empty({z.b, z.h, z.t}, at::kFloat)),
+        acc(buffer.defined() ? Operand<float>(buffer, buffer.data_ptr<float>())
+                             : Operand<float>(result, result.data_ptr<float>())),
         m(z.b * z.h * z.t, kNegInf), l(z.b * z.h * z.t, 0.f), poisoned(z.b * z.h * z.t, 0),
-        bad(nonfinite_rows(blocks.values(0), z.b * z.h_kv * z.s, z.dv)),
+        bad(nonfinite_rows(blocks.values(), z.b * z.h_kv, z.s, z.dv)),
         touched(std::any_of(bad.begin(), bad.end(), [](char x) { return x; })
                     ? z.b * z.h * z.t * z.dv
                     : 0) {}
 
-  // Returns out (b, h, t, dv) and lse (b, h, t).
+  // Returns the result (b, h, t, dv) and lse (b, h, t).
   std::tuple<at::Tensor, at::Tensor> run(const Tiles& tiles) {
     tiles.walk(z, sc, [&](const Tile& tile) {
       const int64_t q_blocks = (tile.r1 - tile.r0 + block_q - 1) / block_q;
@@ -116,12 +127,16 @@ struct ForwardPass {
     return finish();
   }
 
-  // One query block over the keys of the tile it may see, key block by key block.
+  // One query block over the keys of the tile it may see, key block by key block; its rows'
+  // accumulators start at 0 in the first tile of its panel, in the thread that fills them.
   void query_block(const QueryBlock& qb, const Tile& tile, Scratch& scratch) {
     const int64_t first_row = qb.bh * z.t + qb.i0;
-    const Rows rows{m.data() + first_row, l.data() + first_row, op + first_row * width,
+    const Rows rows{m.data() + first_row, l.data() + first_row, acc.row(qb.bh, qb.i0), acc.ld,
                     poisoned.data() + first_row,
                     touched.empty() ? nullptr : touched.data() + first_row * z.dv};
+    for (int64_t r = 0; tile.first && r < qb.bq; ++r) {
+      std::fill(rows.acc + r * rows.acc_ld, rows.acc + r * rows.acc_ld + width, 0.f);
+    }
     const auto [row_lo, row_hi] = sc.block_range(qb.i0, qb.i1);
     const int64_t from = std::max(row_lo, tile.c0), to = std::min(row_hi, tile.c1);
     for (int64_t j0 = from; j0 < to; j0 += block_k) {
@@ -133,7 +148,7 @@ struct ForwardPass {
       for (int64_t r = 0; r < qb.bq; ++r) {
         add_row(qb, r, j0, n, sp + r * ld, clean_block ? nullptr : bad_keys, rows, scratch);
       }
-      blocks.add_values(sp, qb.bq, qb.kv, j0, n, !clean_block, rows.acc,
+      blocks.add_values(sp, qb.bq, qb.kv, j0, n, !clean_block, rows.acc, rows.acc_ld,
                         scratch.products);  // += P V
     }
   }
@@ -152,7 +167,8 @@ struct ForwardPass {
       block_top = row_max(row, n);
     }
     if (bad_keys != nullptr) {
-      touch(row, n, bad_keys, blocks.values(qb.kv) + j0 * dv, dv, rows.touched + r * dv);
+      const auto& values = blocks.values();
+      touch(row, n, bad_keys, values.row(qb.kv, j0), values.ld, dv, rows.touched + r * dv);
     }
     rows.poisoned[r] |= block_top != block_top;
     const float top = std::max(rows.m[r], block_top);
@@ -169,30 +185,46 @@ struct ForwardPass {
     rows.l[r] = rows.l[r] * shrink + sum;
     rows.m[r] = top;
     if (shrink != 1.f) {
-      float* a = rows.acc + r * width;
+      float* a = rows.acc + r * rows.acc_ld;
 #pragma omp simd
       for (int64_t c = 0; c < dv; ++c) a[c] *= shrink;
     }
   }
 
-  // Every row's output divided by its sum, and its lse: NaN for a poisoned row, 0 and -inf for a
-  // row with no allowed key.
+  // Every row's output divided by its sum, into the result, and its lse: NaN for a poisoned row, 0
+  // and -inf for a row with no allowed key (whose accumulator no tile may have set).
   std::tuple<at::Tensor, at::Tensor> finish() {
-    const int64_t dv = z.dv;
+    switch (result.scalar_type()) {
+      case at::kFloat: finish_into<float>(); break;
+      case at::kBFloat16: finish_into<at::BFloat16>(); break;
+      default: finish_into<at::Half>();
+    }
+    return {result, lse};
+  }
+
+  template <typename T>
+  void finish_into() {
+    const int64_t dv = result.size(3);  // touched's rows are z.dv wide
     float* lp = lse.data_ptr<float>();
+    const Operand<T> out(result, result.data_ptr<T>());
     at::parallel_for(0, z.b * z.h * z.t, 256, [&](int64_t first, int64_t last) {
       for (int64_t row = first; row < last; ++row) {
-        float* o = op + row * width;
+        const int64_t bh = row / z.t, i = row % z.t;
+        const float* a = acc.row(bh, i);
+        T* o = out.row(bh, i);
         const bool empty = l[row] == 0.f && !poisoned[row];
-        const float inverse = poisoned[row] ? kNaN : empty ? 0.f : drop.scale / l[row];
-        for (int64_t c = 0; c < dv; ++c) o[c] *= inverse;
-        if (!touched.empty()) {
-          for (int64_t c = 0; c < dv; ++c) o[c] = touched[row * dv + c] ? kNaN : o[c];
+        const char* nan_columns = touched.empty() ? nullptr : touched.data() + row * z.dv;
+        if (poisoned[row] || empty) {
+          std::fill(o, o + dv, static_cast<T>(poisoned[row] ? kNaN : 0.f));
+        } else {
+          const float inverse = drop.scale / l[row];
+          for (int64_t c = 0; c < dv; ++c) {
+            o[c] = static_cast<T>(nan_columns && nan_columns[c] ? kNaN : a[c] * inverse);
+          }
         }
         lp[row] = poisoned[row] ? kNaN : empty ? kNegInf : m[row] + std::log(l[row]);
       }
     });
-    return {width == dv ? out : out.narrow(3, 0, dv), lse};
   }
 };
 
@@ -200,8 +232,8 @@ template <typename Blocks>
 std::tuple<at::Tensor, at::Tensor> forward_blocks(const Blocks& blocks, const Sizes& z,
                                                   const Scoring& sc, const Dropout& drop,
                                                   int64_t block_q, int64_t block_k,
-                                                  const Tiles& tiles) {
-  return ForwardPass<Blocks>(blocks, z, sc, drop, block_q, block_k).run(tiles);
+                                                  const Tiles& tiles, const at::Tensor& result) {
+  return ForwardPass<Blocks>(blocks, z, sc, drop, block_q, block_k, result).run(tiles);
 }
 
 }  // namespace

@@ -163,14 +163,16 @@ def forward(call: Call, spec: Spec, *, cast: bool = True) -> tuple[Tensor, Tenso
     q, k, v = call.q, call.k, call.v
     plan = plan_of(call, spec)
     kernel = _loaded(call, plan)
+    dtype = q.dtype if cast else plan.stats_dtype
     if kernel is not None:
-        out, lse = tiled_native.forward(kernel, _native_operands(q, k, v, plan), plan)
+        operands = _native_operands(q, k, v, plan)
+        out, lse = tiled_native.forward(kernel, operands, plan, dtype)
     else:
         with marked("attnkit::tiled_loop_forward"):
             q5, k5 = nan_rows(_prescaled(q, plan)), nan_rows(_operand(k, plan))
             out, lse = tiled_loop.forward(q5, k5, _operand(v, plan), plan)
-    out = out.view((*q.shape[:-1], v.shape[-1]))
-    return out.to(q.dtype) if cast else out, lse.view(q.shape[:-1])
+        out = out.view((*q.shape[:-1], v.shape[-1])).to(dtype)
+    return out, lse.view(q.shape[:-1])
 
 
 def backward(
@@ -199,10 +201,11 @@ def backward(
     b, h, t, d = q.shape
     mod_grads: list[Tensor | None] = [None] * len(call.mod_tensors)
     kernel = _loaded(call, plan)
-    if kernel is not None:
+    dtypes = (q.dtype, k.dtype, v.dtype) if cast else (plan.stats_dtype,) * 3
+    if kernel is not None:  # the gradients in their dtypes, that of q times the scale
         operands = _native_operands(q, k, v, plan)
         dq, dk, dv, dslopes = tiled_native.backward(
-            kernel, dout, operands, lse, delta, plan, slopes_grad, mod_grads
+            kernel, dout, operands, lse, delta, plan, slopes_grad, mod_grads, dtypes
         )
     else:
         grouped = (plan.b, plan.h_kv, plan.groups, t)
@@ -218,11 +221,10 @@ def backward(
                 slopes_grad=slopes_grad,
                 mod_grads=mod_grads,
             )
-    dq = dq.mul_(call.scale).view(b, h, t, d)  # the scores used q * scale
+        dq = dq.mul_(call.scale).view(b, h, t, d)  # the scores used q * scale
+        dq, dk, dv = (x.to(dtype) for x, dtype in zip((dq, dk, dv), dtypes))
     slopes = call.alibi_slopes
     dslopes = None if dslopes is None else dslopes.to(slopes.dtype)
-    if cast:
-        dq, dk, dv = dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
     return dq, dk, dv, dslopes, mod_grads
 
 
@@ -278,9 +280,10 @@ def _fold_mask(mask: Tensor, dim: int | None, size: int, b: int) -> Tensor:
 
 
 def _native_operands(q: Tensor, k: Tensor, v: Tensor, plan: Plan) -> tuple[Tensor, Tensor, Tensor]:
-    """q pre-scaled, k and v, as the C++ kernel takes them: contiguous ``(b, heads, n, d)`` in the
-    matmul dtype (float32 or bf16)."""
-    return _prescaled(q, plan).view(q.shape).contiguous(), _operand(k, plan), _operand(v, plan)
+    """q pre-scaled, k and v, in the matmul dtype (float32 or bf16), as they lie: the C++ kernel
+    reads them in place where it can."""
+    dtype = plan.matmul_dtype
+    return _prescaled(q, plan).view(q.shape), k.to(dtype), v.to(dtype)
 
 
 def _operand(x: Tensor, plan: Plan) -> Tensor:
@@ -289,8 +292,12 @@ def _operand(x: Tensor, plan: Plan) -> Tensor:
 
 
 def _prescaled(q: Tensor, plan: Plan) -> Tensor:
-    """``q * scale`` as ``(b, h_kv, g, t, d)`` in the matmul dtype (scaling q, not the scores)."""
+    """``q * scale`` as ``(b, h_kv, g, t, d)`` in the matmul dtype (scaling q, not the scores),
+    each product in the statistics' dtype, rounded once; in one pass where q has the matmul dtype
+    (torch multiplies a half-precision tensor by a number in float32)."""
     q5 = q.view(plan.b, plan.h_kv, plan.groups, plan.t, q.shape[-1])
+    if q.dtype == plan.matmul_dtype:
+        return q5 * plan.call.scale
     return (q5.to(plan.stats_dtype) * plan.call.scale).to(plan.matmul_dtype)
 
 

@@ -9,9 +9,11 @@ bf16 blocks are multiplied in pairs with float32 sums (``pair_products.h``), wit
 ``vdpbf16ps``, in builds for CPUs that have it; a portable version of the same sums, slow, lets the
 tests check that path on any CPU. Scores, softmax statistics and accumulators are float32.
 
-This module takes the operands as the kernel wants them (contiguous, q pre-scaled, in the products'
-dtype) and the call's plan ([`attnkit.backends.tiled_loop.Plan`][attnkit.backends.tiled_loop.Plan]), and passes the rest in the
-kernel's form: one ``TiledOptions``, filled once (`options`).
+This module takes the operands in the products' dtype, q pre-scaled, and the call's plan
+([`attnkit.backends.tiled_loop.Plan`][attnkit.backends.tiled_loop.Plan]); it hands the kernel each operand in place where the kernel
+can read it so (`_readable`), and the rest in the kernel's form: one ``TiledOptions``, filled once
+(`options`). The kernel writes the output into a tensor it is given, in the dtype and layout the
+caller wants.
 """
 
 from __future__ import annotations
@@ -79,11 +81,24 @@ def _route(kernel: ModuleType) -> int:
     return 1 if pair_products(kernel) == "avx512_bf16" else 0
 
 
-def _even(x: Tensor) -> Tensor:
-    """bf16 operands are multiplied in pairs along the head dim: an odd one gets a zero column."""
-    if x.dtype == torch.float32 or x.shape[-1] % 2 == 0:
-        return x
-    return torch.nn.functional.pad(x, (0, 1))
+def _readable(x: Tensor) -> Tensor:
+    """``x`` as the kernel reads it in place, with no copy where it can: rows of contiguous entries,
+    any other strides (a transposed view of a module's projections is read as it lies). bf16 rows
+    are read as pairs of entries: an even head dim (an odd one gets a zero column), even strides
+    and 4-byte aligned data, else a contiguous copy."""
+    if x.dtype == torch.bfloat16 and x.shape[-1] % 2:
+        return torch.nn.functional.pad(x, (0, 1))
+    if x.shape[-1] > 1 and x.stride(-1) != 1:
+        return x.contiguous()
+    if x.dtype == torch.bfloat16 and not _pairs_aligned(x):
+        return x.contiguous()
+    return x
+
+
+def _pairs_aligned(x: Tensor) -> bool:
+    return x.data_ptr() % 4 == 0 and all(
+        size == 1 or stride % 2 == 0 for size, stride in zip(x.shape[:-1], x.stride()[:-1])
+    )
 
 
 def options(
@@ -179,13 +194,24 @@ def _round_up(n: int, multiple: int) -> int:
 
 
 def forward(
-    kernel: ModuleType, operands: tuple[Tensor, Tensor, Tensor], plan: Plan
+    kernel: ModuleType, operands: tuple[Tensor, Tensor, Tensor], plan: Plan, dtype: torch.dtype
 ) -> tuple[Tensor, Tensor]:
-    """``(out, lse)``, float32, from the pre-scaled q, k and v."""
-    dv = operands[2].shape[-1]
+    """``(out, lse)`` from the pre-scaled q, k and v: the output in ``dtype`` (float32, bf16 or
+    float16), laid out as q (`_laid_out_as`), which the kernel writes directly; the lse float32."""
+    out = _laid_out_as(operands[0], operands[2].shape[-1], dtype)
     with marked("attnkit::tiled_native_forward"):
-        out, lse = kernel.forward(*map(_even, operands), options(kernel, plan))
-    return out[..., :dv], lse
+        _, lse = kernel.forward(*map(_readable, operands), out, options(kernel, plan))
+    return out, lse
+
+
+def _laid_out_as(q: Tensor, width: int, dtype: torch.dtype) -> Tensor:
+    """An empty ``(b, h, t, width)`` tensor, ``(b, t, h, width)`` in memory where q is a view of
+    that layout (a module's projections split into heads), so that the heads merge back without a
+    copy, as with torch's SDPA; else contiguous."""
+    b, h, t, _ = q.shape
+    if h > 1 and t > 1 and q.stride(1) < q.stride(2):
+        return q.new_empty((b, t, h, width), dtype=dtype).transpose(1, 2)
+    return q.new_empty((b, h, t, width), dtype=dtype)
 
 
 def backward(
@@ -196,16 +222,19 @@ def backward(
     delta: Tensor,
     plan: Plan,
     slopes_grad: bool,
-    mod_grads: list[Tensor | None] | None = None,
+    mod_grads: list[Tensor | None] | None,
+    dtypes: tuple[torch.dtype, ...],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-    """Gradients of the pre-scaled q, of k, of v and of the slopes (if ``slopes_grad``), float32;
-    those of the tensors a ``score_mod`` reads are added into ``mod_grads``.
-    ``delta`` is ``dO_i . O_i - dlse_i``; rows of ``lse`` at -inf (no key) are read as 0."""
-    d, d_v = operands[0].shape[-1], operands[2].shape[-1]
-    dout = _even(dout.to(operands[0].dtype).contiguous())
+    """Gradients of q (from the pre-scaled q), of k and of v, in ``dtypes`` and laid out as the
+    operands, and of the slopes (if ``slopes_grad``); those of the tensors a ``score_mod`` reads
+    are added into ``mod_grads``. ``delta`` is ``dO_i . O_i - dlse_i``; rows of ``lse`` at -inf
+    (no key) are read as 0."""
+    grads = [_laid_out_as(x, x.shape[-1], dtype) for x, dtype in zip(operands, dtypes)]
+    dout = _readable(dout.to(operands[0].dtype))
     lse = lse.to(torch.float32).masked_fill(lse == float("-inf"), 0.0).contiguous()
     with marked("attnkit::tiled_native_backward"):
         delta = delta.to(torch.float32).contiguous()
         opts = options(kernel, plan, slopes_grad, mod_grads)
-        dq, dk, dv, dslopes = kernel.backward(dout, *map(_even, operands), lse, delta, opts)
-    return dq[..., :d], dk[..., :d], dv[..., :d_v], dslopes if slopes_grad else None
+        readable = map(_readable, operands)
+        *_, dslopes = kernel.backward(dout, *readable, lse, delta, *grads, plan.call.scale, opts)
+    return *grads, dslopes if slopes_grad else None

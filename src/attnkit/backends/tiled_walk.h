@@ -18,9 +18,10 @@ struct Sizes {
   int64_t b, h, h_kv, t, s, d, dv;
 };
 
-// A tile of a call: queries [r0, r1) by keys [c0, c1).
+// A tile of a call: queries [r0, r1) by keys [c0, c1); `first`: the first of its panel.
 struct Tile {
   int64_t r0, r1, c0, c1;
+  bool first;
 };
 
 // A block of queries [i0, i1), bq of them, of one query head: `bh` is the query head's index in
@@ -62,7 +63,7 @@ struct Tiles {
     panels(z.t, [&](int64_t r0, int64_t r1) {
       const auto [lo, hi] = sc.block_range(r0, r1);
       key_tiles(lo, hi, [&](int64_t c0, int64_t c1) {
-        const Tile tile{r0, r1, c0, c1};
+        const Tile tile{r0, r1, c0, c1, c0 <= lo};
         const at::Tensor tile_bias = bias(z, tile);  // alive while f runs
         sc.set_mod_bias(tile_bias, r0, c0);
         f(tile);

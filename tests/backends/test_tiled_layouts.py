@@ -1,0 +1,140 @@
+"""The C++ kernel reads its operands where they lie and writes its output in the caller's dtype and
+layout: a module's heads, split from its projections as ``(b, t, h, d)`` in memory, go in without
+copies and come out in that layout, so that they merge back without one. Nothing changes in the
+numbers: every result is the same, bit for bit, as from contiguous operands."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import pytest
+import torch
+
+from attnkit import functional as F
+from attnkit.backends import tiled_native
+from attnkit.backends.force import forced
+
+KERNEL = tiled_native.KERNEL
+
+
+def _kernel():
+    kernel = KERNEL.load()
+    if kernel is None:
+        pytest.skip("the C++ kernel could not be built here")
+    return kernel
+
+
+def _options(kernel, route=0, tile=(64, 64), dropout=0.0):
+    options = kernel.TiledOptions()
+    options.block_q, options.block_k = 16, 32
+    options.tile_rows, options.tile_keys = tile
+    options.route = route  # 0: bf16 blocks by the portable sums, on any CPU
+    options.dropout_p, options.dropout_seed = dropout, 7
+    return options
+
+
+def _heads(b, n, h, d, dtype):
+    """``(b, h, n, d)`` views of ``(b, n, h, d)`` memory, as a module's projections split."""
+    return torch.randn(b, n, h, d).to(dtype).transpose(1, 2)
+
+
+def _with_nonfinite(x):
+    x = x.clone()
+    x[0, 0, 3, 1] = math.nan
+    x[-1, -1, -1, 0] = math.inf
+    return x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_the_kernel_reads_strided_operands_in_place_with_the_same_results(dtype, dropout):
+    kernel = _kernel()
+    b, h, h_kv, t, s, d = 2, 4, 2, 37, 45, 8
+    q = _with_nonfinite(_heads(b, t, h, d, dtype))
+    k, v = _heads(b, s, h_kv, d, dtype), _with_nonfinite(_heads(b, s, h_kv, d, dtype))
+    assert not q.is_contiguous()
+    options = _options(kernel, dropout=dropout)
+    strided = kernel.forward(q, k, v, torch.empty(b, h, t, d), options)
+    contiguous = kernel.forward(
+        *(x.contiguous() for x in (q, k, v)), torch.empty(b, h, t, d), options
+    )
+    for got, want in zip(strided, contiguous):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    assert strided[0].isnan().any() and not strided[0].isnan().all()
+
+    dout = _heads(b, t, h, d, dtype)
+    lse, delta = contiguous[1].nan_to_num(0.0), torch.randn(b, h, t)
+
+    def grads(dout, q, k, v, layout):
+        into = tuple(layout(torch.empty_like(x, dtype=torch.float32)) for x in (q, k, v))
+        return kernel.backward(dout, q, k, v, lse, delta, *into, 0.5, options)[:3]
+
+    strided = grads(dout, q, k, v, lambda x: x)
+    wanted = grads(*(x.contiguous() for x in (dout, q, k, v)), lambda x: x.contiguous())
+    for got, want in zip(strided, wanted):
+        assert not got.is_contiguous()  # written in the operands' layout
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tile", [(64, 64), (16, 32)])  # one tile; several, as with a score_mod
+def test_the_output_is_written_in_its_dtype_and_layout_as_torch_would_round_it(dtype, tile):
+    """A row with no key is 0 and a row that sees a NaN is NaN, in every dtype and layout, also
+    where the accumulator is never set (uninitialised memory must not leak). A float32 output is
+    the accumulator itself: in another layout, the BLAS may sum the products of P V in another
+    order (ulps); a half-precision one is the float32 result, rounded as torch rounds it."""
+    kernel = _kernel()
+    b, h, t, s, d = 2, 3, 40, 50, 6
+    q, k, v = _heads(b, t, h, d, torch.float32), *(_heads(b, s, h, d, torch.float32) for _ in "kv")
+    q = _with_nonfinite(q)
+    options = _options(kernel, tile=tile)
+    options.window_left, options.window_right = 20, -1  # queries 0..9 of t=40 see keys from 0
+    options.key_mask = torch.ones(b, s, dtype=torch.bool)
+    options.key_mask[1] = False  # the second sequence has no key: its rows are 0
+    wide, lse = kernel.forward(q, k, v, torch.full((b, h, t, d), 5.0), options)
+    for layout in ("contiguous", "heads apart"):
+        out = torch.full((b, h, t, d), 5.0).to(dtype)
+        if layout == "heads apart":
+            out = torch.full((b, t, h, d), 5.0).to(dtype).transpose(1, 2)
+        written, lse2 = kernel.forward(q, k, v, out, options)
+        assert written.data_ptr() == out.data_ptr()
+        exact = {} if dtype == torch.float32 and layout != "contiguous" else {"rtol": 0, "atol": 0}
+        torch.testing.assert_close(out, wide.to(dtype), equal_nan=True, **exact)
+        torch.testing.assert_close(lse2, lse, rtol=0, atol=0, equal_nan=True)
+    assert (wide[1] == 0).all() and wide[0, 0, 3].isnan().all()
+    assert not wide[0].isnan().all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_modules_heads_go_in_and_come_out_without_copies(dtype):
+    """attention() on heads split from ``(b, t, h * d)`` projections gives an output laid out as
+    ``(b, t, h, d)``: its heads merge with a view. The values and gradients are those of the
+    same call on contiguous heads, bit for bit."""
+    path = None if dtype == torch.float32 else "tiled:portable"
+    b, t, h, d = 2, 33, 4, 16
+    x = [torch.randn(b, t, h * d).to(dtype).requires_grad_() for _ in "qkv"]
+    heads = [y.view(b, t, h, d).transpose(1, 2) for y in x]
+    same = [y.detach().view(b, t, h, d).transpose(1, 2).contiguous().requires_grad_() for y in x]
+    with forced(path) if path else contextlib.nullcontext():
+        out = F.attention(*heads, causal=True, backend="tiled")
+        want = F.attention(*same, causal=True, backend="tiled")
+    assert out.transpose(1, 2).is_contiguous()  # merges back with a view
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    want.backward(grad)
+    for y, z in zip(x, same):
+        torch.testing.assert_close(y.grad.view(b, t, h, d).transpose(1, 2), z.grad, rtol=0, atol=0)
+
+
+def test_heads_whose_pairs_do_not_line_up_are_copied_not_refused():
+    """bf16 rows are read as pairs: an odd head dim is padded, odd strides copied."""
+    b, h, t, d = 1, 2, 9, 5
+    q, k, v = (torch.randn(b, t, h, d).bfloat16().transpose(1, 2) for _ in "qkv")
+    want = F.attention(*(x.double() for x in (q, k, v)), backend="reference")
+    with forced("tiled:portable"):
+        out = F.attention(q, k, v, backend="tiled")
+    naive = F.attention(q, k, v, backend="reference")
+    error, naive_error = (out.double() - want).abs().max(), (naive.double() - want).abs().max()
+    assert error <= 2 * naive_error + 1e-3
