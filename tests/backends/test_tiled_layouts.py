@@ -1,7 +1,7 @@
-"""The C++ kernel reads its operands where they lie and writes its output in the caller's dtype and
-layout: a module's heads, split from its projections as ``(b, t, h, d)`` in memory, go in without
-copies and come out in that layout, so that they merge back without one. Nothing changes in the
-numbers: every result is the same, bit for bit, as from contiguous operands."""
+"""The C++ kernel reads its operands where they lie and writes its results in the caller's dtypes
+and layouts: a module's heads, split from its projections as ``(b, t, h, d)`` in memory, come out
+in that layout, so that they merge back without a copy. Nothing changes in the numbers: every
+result is the same, bit for bit, as from contiguous operands."""
 
 from __future__ import annotations
 
@@ -107,7 +107,7 @@ def test_the_output_is_written_in_its_dtype_and_layout_as_torch_would_round_it(d
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_modules_heads_go_in_and_come_out_without_copies(dtype):
+def test_a_modules_heads_come_out_laid_out_as_they_went_in(dtype):
     """attention() on heads split from ``(b, t, h * d)`` projections gives an output laid out as
     ``(b, t, h, d)``: its heads merge with a view. The values and gradients are those of the
     same call on contiguous heads, bit for bit."""

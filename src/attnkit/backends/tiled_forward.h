@@ -60,8 +60,10 @@ inline void touch(const float* row, int64_t n, const char* bad_keys, const T* va
 // The forward of one call. The running max m, sum l and unnormalised output (the accumulator
 // `acc`) of every row live across the tiles; a tile's work is one parallel pass over its panel's
 // query blocks. The output goes to `result` (b, h, t, its first dv' <= dv columns), float32, bf16
-// or float16 with rows of contiguous entries: the accumulator is `result` itself where it is
-// float32 with rows of `width`, else float32 rows of `width` that the end rounds into it.
+// or float16 with rows of contiguous entries. The accumulator is `result` itself where it is
+// float32 with rows of `width`; else, in a call of one tile, a query block's rows in its thread's
+// scratch, rounded into `result` when the block is done; else float32 rows of `width` for the
+// whole call (`buffer`), rounded into it at the end.
 template <typename Blocks>
 struct ForwardPass {
   const Blocks& blocks;
@@ -69,8 +71,10 @@ struct ForwardPass {
   Scoring sc;  // the walk sets its tile's score_mod bias
   const Dropout drop;
   const int64_t block_q, block_k, width;  // width: the accumulator's row, blocks.width(dv)
-  at::Tensor result, buffer, lse;         // (b, h, t, dv'); (b, h, t, width) or empty; (b, h, t)
-  Operand<float> acc;                     // `result` or `buffer`
+  at::Tensor result;                      // (b, h, t, dv')
+  const bool in_place, in_scratch;        // the accumulator: `result`; a block's rows in scratch
+  at::Tensor buffer, lse;                 // (b, h, t, width) or empty; (b, h, t)
+  Operand<float> acc;                     // `result` or `buffer`, unless in_scratch
   std::vector<float> m, l;     // (b h t)
   std::vector<char> poisoned;  // a NaN score met: the row's output and lse are NaN
   std::vector<char> bad;       // (b h_kv s): the keys whose value row is not finite
@@ -80,10 +84,11 @@ struct ForwardPass {
   // A thread's buffers: one block of scores (P in place), a row's tanh from Scoring::apply (which
   // the forward does not read), and the block products' own.
   struct Scratch {
-    std::vector<float> scores, capped;
+    std::vector<float> scores, capped, acc;
     typename Blocks::Scratch products;
     explicit Scratch(const ForwardPass& pass)
         : scores(pass.block_q * pass.blocks.score_stride(pass.block_k)), capped(pass.block_k),
+          acc(pass.in_scratch ? pass.block_q * pass.width : 0),
           products(pass.blocks, pass.block_q, pass.block_k) {}
   };
 
@@ -95,15 +100,17 @@ struct ForwardPass {
   };
 
   ForwardPass(const Blocks& blocks_, const Sizes& z_, const Scoring& sc_, const Dropout& drop_,
-              int64_t block_q_, int64_t block_k_, const at::Tensor& result_)
+              int64_t block_q_, int64_t block_k_, const at::Tensor& result_, bool one_tile)
       : blocks(blocks_), z(z_), sc(sc_), drop(drop_), block_q(block_q_), block_k(block_k_),
         width(blocks.width(z.dv)), result(result_),
-        buffer(result.scalar_type() == at::kFloat && width == result.size(3)
-                   ? at::Tensor()
-                   : at::empty({z.b, z.h, z.t, width}, at::kFloat)),
+        in_place(result.scalar_type() == at::kFloat && width == result.size(3)),
+        in_scratch(one_tile && !in_place),
+        buffer(in_place || in_scratch ? at::Tensor()
+                                      : at::empty({z.b, z.h, z.t, width}, at::kFloat)),
         lse(at::empty({z.b, z.h, z.t}, at::kFloat)),
-        acc(buffer.defined() ? Operand<float>(buffer, buffer.data_ptr<float>())
-                             : Operand<float>(result, result.data_ptr<float>())),
+        acc(in_place     ? Operand<float>(result, result.data_ptr<float>())
+            : in_scratch ? Operand<float>()
+                         : Operand<float>(buffer, buffer.data_ptr<float>())),
         m(z.b * z.h * z.t, kNegInf), l(z.b * z.h * z.t, 0.f), poisoned(z.b * z.h * z.t, 0),
         bad(nonfinite_rows(blocks.values(), z.b * z.h_kv, z.s, z.dv)),
         touched(std::any_of(bad.begin(), bad.end(), [](char x) { return x; })
@@ -131,8 +138,9 @@ struct ForwardPass {
   // accumulators start at 0 in the first tile of its panel, in the thread that fills them.
   void query_block(const QueryBlock& qb, const Tile& tile, Scratch& scratch) {
     const int64_t first_row = qb.bh * z.t + qb.i0;
-    const Rows rows{m.data() + first_row, l.data() + first_row, acc.row(qb.bh, qb.i0), acc.ld,
-                    poisoned.data() + first_row,
+    float* acc_rows = in_scratch ? scratch.acc.data() : acc.row(qb.bh, qb.i0);
+    const Rows rows{m.data() + first_row, l.data() + first_row, acc_rows,
+                    in_scratch ? width : acc.ld, poisoned.data() + first_row,
                     touched.empty() ? nullptr : touched.data() + first_row * z.dv};
     for (int64_t r = 0; tile.first && r < qb.bq; ++r) {
       std::fill(rows.acc + r * rows.acc_ld, rows.acc + r * rows.acc_ld + width, 0.f);
@@ -151,6 +159,7 @@ struct ForwardPass {
       blocks.add_values(sp, qb.bq, qb.kv, j0, n, !clean_block, rows.acc, rows.acc_ld,
                         scratch.products);  // += P V
     }
+    if (in_scratch) write_block(qb, rows.acc);
   }
 
   // Row r of the query block's scores over the keys [j0, j0 + n): masked, then folded into the
@@ -191,40 +200,53 @@ struct ForwardPass {
     }
   }
 
-  // Every row's output divided by its sum, into the result, and its lse: NaN for a poisoned row, 0
-  // and -inf for a row with no allowed key (whose accumulator no tile may have set).
-  std::tuple<at::Tensor, at::Tensor> finish() {
-    switch (result.scalar_type()) {
-      case at::kFloat: finish_into<float>(); break;
-      case at::kBFloat16: finish_into<at::BFloat16>(); break;
-      default: finish_into<at::Half>();
+  // Row `row` (in b h t) of the output, from its accumulator `a`: divided by its sum; NaN for a
+  // poisoned row, 0 for a row with no allowed key (whose accumulator no tile may have set).
+  template <typename T>
+  void output_row(int64_t row, const float* a, T* o) const {
+    const int64_t dv = result.size(3);  // touched's rows are z.dv wide
+    if (poisoned[row] || l[row] == 0.f) {
+      std::fill(o, o + dv, static_cast<T>(poisoned[row] ? kNaN : 0.f));
+      return;
     }
-    return {result, lse};
+    const char* nan_columns = touched.empty() ? nullptr : touched.data() + row * z.dv;
+    const float inverse = drop.scale / l[row];
+    for (int64_t c = 0; c < dv; ++c) {
+      o[c] = static_cast<T>(nan_columns && nan_columns[c] ? kNaN : a[c] * inverse);
+    }
   }
 
-  template <typename T>
-  void finish_into() {
-    const int64_t dv = result.size(3);  // touched's rows are z.dv wide
-    float* lp = lse.data_ptr<float>();
-    const Operand<T> out(result, result.data_ptr<T>());
-    at::parallel_for(0, z.b * z.h * z.t, 256, [&](int64_t first, int64_t last) {
-      for (int64_t row = first; row < last; ++row) {
-        const int64_t bh = row / z.t, i = row % z.t;
-        const float* a = acc.row(bh, i);
-        T* o = out.row(bh, i);
-        const bool empty = l[row] == 0.f && !poisoned[row];
-        const char* nan_columns = touched.empty() ? nullptr : touched.data() + row * z.dv;
-        if (poisoned[row] || empty) {
-          std::fill(o, o + dv, static_cast<T>(poisoned[row] ? kNaN : 0.f));
-        } else {
-          const float inverse = drop.scale / l[row];
-          for (int64_t c = 0; c < dv; ++c) {
-            o[c] = static_cast<T>(nan_columns && nan_columns[c] ? kNaN : a[c] * inverse);
-          }
-        }
-        lp[row] = poisoned[row] ? kNaN : empty ? kNegInf : m[row] + std::log(l[row]);
+  // A query block's rows, done, from the thread's scratch (`a`, rows of `width`) into the result.
+  void write_block(const QueryBlock& qb, const float* a) const {
+    with_element_type(result, [&](auto tag) {
+      using T = decltype(tag);
+      const Operand<T> out(result, result.data_ptr<T>());
+      for (int64_t r = 0; r < qb.bq; ++r) {
+        output_row(qb.bh * z.t + qb.i0 + r, a + r * width, out.row(qb.bh, qb.i0 + r));
       }
     });
+  }
+
+  // Every row's lse (NaN for a poisoned row, -inf for a row with no allowed key), and its output
+  // from the call's accumulator; with the accumulator in scratch, the output of the rows with a
+  // NaN or no key only, which no block may have visited.
+  std::tuple<at::Tensor, at::Tensor> finish() {
+    float* lp = lse.data_ptr<float>();
+    with_element_type(result, [&](auto tag) {
+      using T = decltype(tag);
+      const Operand<T> out(result, result.data_ptr<T>());
+      at::parallel_for(0, z.b * z.h * z.t, 256, [&](int64_t first, int64_t last) {
+        for (int64_t row = first; row < last; ++row) {
+          const int64_t bh = row / z.t, i = row % z.t;
+          const bool empty = l[row] == 0.f && !poisoned[row];
+          if (!in_scratch || empty || poisoned[row]) {
+            output_row(row, in_scratch ? nullptr : acc.row(bh, i), out.row(bh, i));
+          }
+          lp[row] = poisoned[row] ? kNaN : empty ? kNegInf : m[row] + std::log(l[row]);
+        }
+      });
+    });
+    return {result, lse};
   }
 };
 
@@ -233,7 +255,8 @@ std::tuple<at::Tensor, at::Tensor> forward_blocks(const Blocks& blocks, const Si
                                                   const Scoring& sc, const Dropout& drop,
                                                   int64_t block_q, int64_t block_k,
                                                   const Tiles& tiles, const at::Tensor& result) {
-  return ForwardPass<Blocks>(blocks, z, sc, drop, block_q, block_k, result).run(tiles);
+  const bool one_tile = tiles.rows >= z.t && tiles.keys >= z.s;
+  return ForwardPass<Blocks>(blocks, z, sc, drop, block_q, block_k, result, one_tile).run(tiles);
 }
 
 }  // namespace
