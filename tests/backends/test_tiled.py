@@ -353,6 +353,11 @@ def test_the_cpp_kernel_refuses_operands_that_do_not_fit_with_a_message():
     odd_rows = torch.randn(1, 1, 7, 5).bfloat16()[..., :4]  # rows 5 entries apart: not pairs
     with pytest.raises(RuntimeError, match="even strides"):
         forward((q.bfloat16(), k.bfloat16(), odd_rows))
+    shifted = torch.randn(29).bfloat16()[1:].view(1, 1, 7, 4)  # 2 bytes past an aligned start
+    with pytest.raises(RuntimeError, match="4-byte aligned"):
+        forward((q.bfloat16(), k.bfloat16(), shifted))
+    with pytest.raises(RuntimeError, match="no overlap"):
+        forward(out=torch.empty(1, 2, 1, 4).expand(1, 2, 5, 4))
     bf16 = tuple(x.bfloat16() for x in (q, k, v))
     with pytest.raises(RuntimeError, match="unknown route 7"):
         forward(bf16, route=7)

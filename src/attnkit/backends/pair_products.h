@@ -153,11 +153,23 @@ inline void gemm(bool fast, int64_t m, int64_t n, int64_t count, const Pair* a, 
 // Packing. `clean` writes 0 for a non-finite entry: where a product pairs a zero weight with a
 // neighbour's NaN or infinity, 0 * NaN would otherwise reach a result the neighbour has no part in.
 
+// Asks for the row `ahead` rows on (of `bytes`, every cache line), where rows lie `ld` entries
+// apart. Rows of a module's heads lie far apart (all heads of a token between them): the hardware
+// prefetchers, which stop at a page's end, then leave each row a miss to memory.
+template <typename T>
+inline void prefetch_row(const T* x, int64_t j, int64_t rows, int64_t ld, int64_t bytes) {
+  constexpr int64_t kAhead = 8;
+  if (j + kAhead >= rows) return;
+  const char* row = reinterpret_cast<const char*>(x + (j + kAhead) * ld);
+  for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(row + offset);
+}
+
 // B2 of x^T, x (rows x cols, row stride ld, cols even): out(p, j) = (x[j][2p], x[j][2p + 1]) for
 // p < cols / 2, j < rows; columns rows .. ldb - 1 are 0.
 inline void pack_transposed(const Bf16* x, int64_t rows, int64_t cols, int64_t ld, Pair* out,
                             int64_t ldb) {
   for (int64_t j = 0; j < rows; ++j) {  // each row of x read once, its pairs already adjacent
+    if (ld != cols) prefetch_row(x, j, rows, ld, cols * sizeof(Bf16));
     const Bf16* row = x + j * ld;
     for (int64_t p = 0; p < cols / 2; ++p) {
       Pair word;
@@ -174,6 +186,10 @@ template <typename T>
 inline void pack_row_pairs(const T* x, int64_t rows, int64_t cols, int64_t ld, Pair* out,
                            int64_t ldb, bool clean) {
   for (int64_t p = 0; 2 * p < rows; ++p) {
+    if (ld != cols) {
+      prefetch_row(x, 2 * p, rows, ld, cols * sizeof(T));
+      prefetch_row(x, 2 * p + 1, rows, ld, cols * sizeof(T));
+    }
     Pair* o = out + p * ldb;
     const T* top = x + 2 * p * ld;
     const T* bottom = 2 * p + 1 < rows ? top + ld : nullptr;

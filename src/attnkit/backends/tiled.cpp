@@ -39,6 +39,7 @@
 // ATen and torch's pybind11 glue, not <torch/extension.h>: the whole C++ API's headers tripled
 // the build's time, and a first call waits for it.
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <array>
@@ -122,7 +123,7 @@ struct TiledOptions {
 };
 
 // The operands' dtype: float32 (products by torch's matmul) or bfloat16 (pair products), the same
-// for all. Rows are read in place (tiled_blocks.h's Operand): each row's entries contiguous; bf16
+// for all. Rows are read in place (tiled_rows.h's Operand): each row's entries contiguous; bf16
 // rows are read as pairs, so their head dims and strides are even and their data 4-byte aligned
 // (the caller pads or copies those that are not).
 c10::ScalarType check_operands(std::initializer_list<const at::Tensor*> tensors) {
@@ -155,17 +156,20 @@ Sizes sizes_of(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
 }
 
 // Checks a tensor the kernel writes its results into: (`rows`..., `width` or one fewer columns),
-// float32, bf16 or float16, each row's entries contiguous.
+// float32, bf16 or float16, each row's entries contiguous, no two entries in one place (threads
+// write rows at once).
 void write_check(const at::Tensor& x, std::initializer_list<int64_t> rows, int64_t width,
                  const char* name) {
   const auto type = x.scalar_type();
   bool fits = x.dim() == 4 && (x.size(3) == width || x.size(3) == width - 1) &&
               (x.size(3) <= 1 || x.stride(3) == 1) &&
-              (type == at::kFloat || type == at::kBFloat16 || type == at::kHalf);
+              (type == at::kFloat || type == at::kBFloat16 || type == at::kHalf) &&
+              at::has_internal_overlap(x) != at::MemOverlap::Yes;
   int dim = 0;
   for (const int64_t n : rows) fits = fits && x.size(dim++) == n;
   TORCH_CHECK(fits, "tiled: ", name,
-              " must be float32, bfloat16 or float16 of the operands' sizes, with contiguous rows");
+              " must be float32, bfloat16 or float16 of the operands' sizes, with contiguous rows "
+              "and no overlap");
 }
 
 // How bf16 blocks are multiplied: 1 vdpbf16ps (needs a build with AVX512-BF16), else portably.
@@ -177,7 +181,7 @@ bool fast_pairs(int64_t route) {
 
 }  // namespace
 
-// Writes the output into `out` (b, h, t, dv) and returns it with the lse (b, h, t), float32.
+// Writes the output into `out` (b, h, t, dv or dv - 1) and returns it with the lse (b, h, t), float32.
 // Operands all float32 or all bf16 (`options.route` says how bf16 blocks are multiplied; see
 // fast_pairs).
 std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q, const at::Tensor& k,

@@ -33,6 +33,7 @@ std::vector<char> nonfinite_rows(const Operand<const T>& x, int64_t heads, int64
   std::vector<char> flags(heads * n);
   at::parallel_for(0, heads * n, 256, [&](int64_t first, int64_t last) {
     for (int64_t i = first; i < last; ++i) {
+      pairs::prefetch_row(x.row(i / n, 0), i % n, n, x.ld, width * sizeof(T));
       bool all_finite = true;
       const T* row = x.row(i / n, i % n);
 #pragma omp simd reduction(&& : all_finite)
@@ -117,7 +118,7 @@ struct ForwardPass {
                     ? z.b * z.h * z.t * z.dv
                     : 0) {}
 
-  // Returns the result (b, h, t, dv) and lse (b, h, t).
+  // Returns the result (b, h, t, dv') and lse (b, h, t).
   std::tuple<at::Tensor, at::Tensor> run(const Tiles& tiles) {
     tiles.walk(z, sc, [&](const Tile& tile) {
       const int64_t q_blocks = (tile.r1 - tile.r0 + block_q - 1) / block_q;
@@ -228,8 +229,9 @@ struct ForwardPass {
   }
 
   // Every row's lse (NaN for a poisoned row, -inf for a row with no allowed key), and its output
-  // from the call's accumulator; with the accumulator in scratch, the output of the rows with a
-  // NaN or no key only, which no block may have visited.
+  // from the call's accumulator; with the accumulator in scratch, where the blocks wrote their
+  // rows, the output of the rows with a NaN or no key only (a panel that sees no key visits no
+  // block).
   std::tuple<at::Tensor, at::Tensor> finish() {
     float* lp = lse.data_ptr<float>();
     with_element_type(result, [&](auto tag) {

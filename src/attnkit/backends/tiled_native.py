@@ -10,8 +10,8 @@ bf16 blocks are multiplied in pairs with float32 sums (``pair_products.h``), wit
 tests check that path on any CPU. Scores, softmax statistics and accumulators are float32.
 
 This module takes the operands in the products' dtype, q pre-scaled, and the call's plan
-([`attnkit.backends.tiled_loop.Plan`][attnkit.backends.tiled_loop.Plan]); it hands the kernel each operand as it reads it best
-(`_readable`: float32 ones where they lie), and the rest in the kernel's form: one
+([`attnkit.backends.tiled_loop.Plan`][attnkit.backends.tiled_loop.Plan]); it hands the kernel each operand where it lies if it
+can read it so (`_readable`), and the rest in the kernel's form: one
 ``TiledOptions``, filled once (`options`). The kernel writes its results into tensors it is given,
 in the inputs' dtypes and layouts.
 """
@@ -82,14 +82,22 @@ def _route(kernel: ModuleType) -> int:
 
 
 def _readable(x: Tensor) -> Tensor:
-    """``x`` as the kernel reads it best. float32 rows are read in place, in any layout (a
-    transposed view of a module's projections as it lies): torch's matrix product takes their
-    strides at no cost. bf16 operands are copied contiguous first: the kernel packs them into
-    pairs, which it does faster from contiguous rows than a copy costs (bf16 at b=8, t=1024, 12
-    heads of 64: docs/bench/choices.md); an odd head dim gets a zero column."""
-    if x.dtype == torch.bfloat16:
-        return torch.nn.functional.pad(x, (0, 1)) if x.shape[-1] % 2 else x.contiguous()
-    return x if x.shape[-1] == 1 or x.stride(-1) == 1 else x.contiguous()
+    """``x`` as the kernel reads it, with no copy where it can: rows of contiguous entries, any other
+    strides (a transposed view of a module's projections is read as it lies). bf16 rows are read
+    as pairs of entries: an even head dim (an odd one gets a zero column), even strides and 4-byte
+    aligned data, else a contiguous copy."""
+    if x.dtype == torch.bfloat16 and x.shape[-1] % 2:
+        return torch.nn.functional.pad(x, (0, 1))
+    if x.shape[-1] > 1 and x.stride(-1) != 1:
+        return x.contiguous()
+    if x.dtype == torch.bfloat16 and not _pairs_aligned(x):
+        return x.contiguous()
+    return x
+
+
+def _pairs_aligned(x: Tensor) -> bool:
+    strides = zip(x.shape[:-1], x.stride()[:-1])
+    return x.data_ptr() % 4 == 0 and all(size == 1 or stride % 2 == 0 for size, stride in strides)
 
 
 def options(
@@ -198,10 +206,12 @@ def forward(
 def _laid_out_as(q: Tensor, width: int, dtype: torch.dtype) -> Tensor:
     """An empty ``(b, h, t, width)`` tensor, ``(b, t, h, width)`` in memory where q is a view of
     that layout (a module's projections split into heads), so that the heads merge back without a
-    copy, as with torch's SDPA; else contiguous."""
+    copy, as with torch's SDPA; else contiguous. Not a view (autograd would refuse in-place
+    changes to an autograd function's output that is one)."""
     b, h, t, _ = q.shape
     if h > 1 and t > 1 and q.stride(1) < q.stride(2):
-        return q.new_empty((b, t, h, width), dtype=dtype).transpose(1, 2)
+        strides = (t * h * width, width, h * width, 1)
+        return torch.empty_strided((b, h, t, width), strides, dtype=dtype, device=q.device)
     return q.new_empty((b, h, t, width), dtype=dtype)
 
 

@@ -63,7 +63,7 @@ struct Tiles {
     panels(z.t, [&](int64_t r0, int64_t r1) {
       const auto [lo, hi] = sc.block_range(r0, r1);
       key_tiles(lo, hi, [&](int64_t c0, int64_t c1) {
-        const Tile tile{r0, r1, c0, c1, c0 <= lo};
+        const Tile tile{r0, r1, c0, c1, c0 == lo / block_k * block_k};
         const at::Tensor tile_bias = bias(z, tile);  // alive while f runs
         sc.set_mod_bias(tile_bias, r0, c0);
         f(tile);
