@@ -233,22 +233,24 @@ struct ForwardPass {
   // rows, the output of the rows with a NaN or no key only (a panel that sees no key visits no
   // block).
   std::tuple<at::Tensor, at::Tensor> finish() {
-    float* lp = lse.data_ptr<float>();
-    with_element_type(result, [&](auto tag) {
-      using T = decltype(tag);
-      const Operand<T> out(result, result.data_ptr<T>());
-      at::parallel_for(0, z.b * z.h * z.t, 256, [&](int64_t first, int64_t last) {
-        for (int64_t row = first; row < last; ++row) {
-          const int64_t bh = row / z.t, i = row % z.t;
-          const bool empty = l[row] == 0.f && !poisoned[row];
-          if (!in_scratch || empty || poisoned[row]) {
-            output_row(row, in_scratch ? nullptr : acc.row(bh, i), out.row(bh, i));
-          }
-          lp[row] = poisoned[row] ? kNaN : empty ? kNegInf : m[row] + std::log(l[row]);
-        }
-      });
-    });
+    with_element_type(result, [&](auto tag) { finish_as<decltype(tag)>(); });
     return {result, lse};
+  }
+
+  template <typename T>
+  void finish_as() {
+    float* lp = lse.data_ptr<float>();
+    const Operand<T> out(result, result.data_ptr<T>());
+    at::parallel_for(0, z.b * z.h * z.t, 256, [&](int64_t first, int64_t last) {
+      for (int64_t row = first; row < last; ++row) {
+        const int64_t bh = row / z.t, i = row % z.t;
+        const bool empty = l[row] == 0.f && !poisoned[row];
+        if (!in_scratch || empty || poisoned[row]) {
+          output_row(row, in_scratch ? nullptr : acc.row(bh, i), out.row(bh, i));
+        }
+        lp[row] = poisoned[row] ? kNaN : empty ? kNegInf : m[row] + std::log(l[row]);
+      }
+    });
   }
 };
 

@@ -37,27 +37,37 @@ void with_element_type(const at::Tensor& x, F&& f) {
   }
 }
 
+// dst[c] = factor * (the sum of src[c + p * part_stride] over `parts`), c < width, rounded as torch
+// rounds to T (to nearest, ties to even).
+template <typename T>
+inline void store_row(T* dst, const float* src, int64_t width, int64_t parts, int64_t part_stride,
+                      float factor) {
+  for (int64_t c = 0; c < width; ++c) {
+    float x = src[c];
+    for (int64_t p = 1; p < parts; ++p) x += src[p * part_stride + c];
+    dst[c] = static_cast<T>(x * factor);
+  }
+}
+
 // Into `out` (b, heads, n, width; float32, bf16 or float16, rows of contiguous entries, any
 // layout): `factor` times the sum of `parts` float32 arrays `part_stride` apart, each of
-// (b heads n) rows `ld` apart, of which the first `width` columns are kept; rounded as torch
-// rounds (to nearest, ties to even).
+// (b heads n) rows `ld` apart, of which the first `width` columns are kept.
+template <typename T>
+void store_rows_as(const at::Tensor& out, const float* rows, int64_t ld, int64_t parts,
+                   int64_t part_stride, float factor) {
+  const Operand<T> o(out, out.data_ptr<T>());
+  const int64_t n = out.size(2), width = out.size(3);
+  at::parallel_for(0, out.size(0) * out.size(1) * n, 256, [&](int64_t first, int64_t last) {
+    for (int64_t r = first; r < last; ++r) {
+      store_row(o.row(r / n, r % n), rows + r * ld, width, parts, part_stride, factor);
+    }
+  });
+}
+
 inline void store_rows(const at::Tensor& out, const float* rows, int64_t ld, int64_t parts,
                        int64_t part_stride, float factor) {
   with_element_type(out, [&](auto tag) {
-    using T = decltype(tag);
-    const Operand<T> o(out, out.data_ptr<T>());
-    const int64_t n = out.size(2), width = out.size(3);
-    at::parallel_for(0, out.size(0) * out.size(1) * n, 256, [&](int64_t first, int64_t last) {
-      for (int64_t r = first; r < last; ++r) {
-        T* dst = o.row(r / n, r % n);
-        const float* src = rows + r * ld;
-        for (int64_t c = 0; c < width; ++c) {
-          float x = src[c];
-          for (int64_t p = 1; p < parts; ++p) x += src[p * part_stride + c];
-          dst[c] = static_cast<T>(x * factor);
-        }
-      }
-    });
+    store_rows_as<decltype(tag)>(out, rows, ld, parts, part_stride, factor);
   });
 }
 
