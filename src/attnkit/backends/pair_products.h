@@ -153,9 +153,9 @@ inline void gemm(bool fast, int64_t m, int64_t n, int64_t count, const Pair* a, 
 // Packing. `clean` writes 0 for a non-finite entry: where a product pairs a zero weight with a
 // neighbour's NaN or infinity, 0 * NaN would otherwise reach a result the neighbour has no part in.
 
-// Asks for the row `ahead` rows on (of `bytes`, every cache line), where rows lie `ld` entries
-// apart. Rows of a module's heads lie far apart (all heads of a token between them): the hardware
-// prefetchers, which stop at a page's end, then leave each row a miss to memory.
+// Asks for row j + 8 of the `rows` rows of x, which lie `ld` entries apart (every cache line of its
+// `bytes`). A module's heads have rows far apart (the other heads of the token between them): the
+// hardware prefetchers, which stop at a page's end, would leave each row a miss to memory.
 template <typename T>
 inline void prefetch_row(const T* x, int64_t j, int64_t rows, int64_t ld, int64_t bytes) {
   constexpr int64_t kAhead = 8;
