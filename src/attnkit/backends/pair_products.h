@@ -153,14 +153,16 @@ inline void gemm(bool fast, int64_t m, int64_t n, int64_t count, const Pair* a, 
 // Packing. `clean` writes 0 for a non-finite entry: where a product pairs a zero weight with a
 // neighbour's NaN or infinity, 0 * NaN would otherwise reach a result the neighbour has no part in.
 
-// Asks for row j + 8 of the `rows` rows of x, which lie `ld` entries apart (every cache line of its
-// `bytes`). A module's heads have rows far apart (the other heads of the token between them): the
-// hardware prefetchers, which stop at a page's end, would leave each row a miss to memory.
+// Asks for row j + 8 of the `rows` rows of x, `cols` entries each, which lie `ld` entries apart
+// (every cache line of it), unless the rows are contiguous. A module's heads have rows far apart
+// (the other heads of the token between them): the hardware prefetchers, which stop at a page's
+// end, would leave each row a miss to memory.
 template <typename T>
-inline void prefetch_row(const T* x, int64_t j, int64_t rows, int64_t ld, int64_t bytes) {
+inline void prefetch_row(const T* x, int64_t j, int64_t rows, int64_t cols, int64_t ld) {
   constexpr int64_t kAhead = 8;
-  if (j + kAhead >= rows) return;
+  if (ld == cols || j + kAhead >= rows) return;  // contiguous rows: the prefetchers stream them
   const char* row = reinterpret_cast<const char*>(x + (j + kAhead) * ld);
+  const int64_t bytes = cols * static_cast<int64_t>(sizeof(T));
   for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(row + offset);
 }
 
@@ -169,7 +171,7 @@ inline void prefetch_row(const T* x, int64_t j, int64_t rows, int64_t ld, int64_
 inline void pack_transposed(const Bf16* x, int64_t rows, int64_t cols, int64_t ld, Pair* out,
                             int64_t ldb) {
   for (int64_t j = 0; j < rows; ++j) {  // each row of x read once, its pairs already adjacent
-    if (ld != cols) prefetch_row(x, j, rows, ld, cols * sizeof(Bf16));
+    prefetch_row(x, j, rows, cols, ld);
     const Bf16* row = x + j * ld;
     for (int64_t p = 0; p < cols / 2; ++p) {
       Pair word;
@@ -186,10 +188,8 @@ template <typename T>
 inline void pack_row_pairs(const T* x, int64_t rows, int64_t cols, int64_t ld, Pair* out,
                            int64_t ldb, bool clean) {
   for (int64_t p = 0; 2 * p < rows; ++p) {
-    if (ld != cols) {
-      prefetch_row(x, 2 * p, rows, ld, cols * sizeof(T));
-      prefetch_row(x, 2 * p + 1, rows, ld, cols * sizeof(T));
-    }
+    prefetch_row(x, 2 * p, rows, cols, ld);
+    prefetch_row(x, 2 * p + 1, rows, cols, ld);
     Pair* o = out + p * ldb;
     const T* top = x + 2 * p * ld;
     const T* bottom = 2 * p + 1 < rows ? top + ld : nullptr;

@@ -33,9 +33,11 @@ std::vector<char> nonfinite_rows(const Operand<const T>& x, int64_t heads, int64
   std::vector<char> flags(heads * n);
   at::parallel_for(0, heads * n, 256, [&](int64_t first, int64_t last) {
     for (int64_t i = first; i < last; ++i) {
-      pairs::prefetch_row(x.row(i / n, 0), i % n, n, x.ld, width * sizeof(T));
+      const int64_t j = i % n;
+      const T* head = x.row(i / n, 0);
+      pairs::prefetch_row(head, j, n, width, x.ld);
       bool all_finite = true;
-      const T* row = x.row(i / n, i % n);
+      const T* row = head + j * x.ld;
 #pragma omp simd reduction(&& : all_finite)
       for (int64_t c = 0; c < width; ++c) all_finite = all_finite && finite_value(row[c]);
       flags[i] = !all_finite;
@@ -210,11 +212,10 @@ struct ForwardPass {
       std::fill(o, o + dv, static_cast<T>(poisoned[row] ? kNaN : 0.f));
       return;
     }
-    const char* nan_columns = touched.empty() ? nullptr : touched.data() + row * z.dv;
-    const float inverse = drop.scale / l[row];
-    for (int64_t c = 0; c < dv; ++c) {
-      o[c] = static_cast<T>(nan_columns && nan_columns[c] ? kNaN : a[c] * inverse);
-    }
+    store_row(o, a, dv, 1, 0, drop.scale / l[row]);
+    if (touched.empty()) return;
+    const char* nan_columns = touched.data() + row * z.dv;
+    for (int64_t c = 0; c < dv; ++c) o[c] = nan_columns[c] ? static_cast<T>(kNaN) : o[c];
   }
 
   // A query block's rows, done, from the thread's scratch (`a`, rows of `width`) into the result.
