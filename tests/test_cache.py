@@ -194,3 +194,35 @@ def test_bad_construction_raises(kwargs, error, message):
     args = {"batch_size": 1, "num_kv_heads": 1, "max_len": 8, "head_dim": 2} | kwargs
     with pytest.raises(error, match=message):
         KVCache(**args)
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_nonfinite_keys_records_the_rows_of_the_keys_each_update_returns(window, device):
+    """The record of the keys' non-finite rows follows the keys through updates, the window's
+    shifts, get and reset, each key looked at once."""
+    cache = KVCache(2, 3, 40, 5, window=window, max_chunk=3, device=device)
+    generator = torch.Generator().manual_seed(0)
+    for step, n in enumerate([3, 1, 2, 3, 1, 1, 3, 2] * 2):
+        if step == 8:
+            cache.reset()
+        k = torch.randn(2, 3, n, 5, generator=generator)
+        k[torch.rand(2, 3, n, generator=generator) < 0.2, 1] = [torch.nan, torch.inf][step % 2]
+        k_all, _ = cache.update(k.to(device), k.to(device))
+        assert torch.equal(cache.nonfinite_keys(), ~torch.isfinite(k_all).all(dim=-1))
+        if step % 3 == 0:  # asked for once per update, or not at all
+            assert torch.equal(cache.nonfinite_keys(), ~torch.isfinite(k_all).all(dim=-1))
+        held, _ = cache.get()
+        assert torch.equal(cache.nonfinite_keys(), ~torch.isfinite(held).all(dim=-1))
+
+
+def test_nonfinite_keys_looks_again_after_a_cast_or_a_compiled_steps_writes(device):
+    cache = KVCache(1, 1, 8, 2, device=device)
+    big = torch.full((1, 1, 2, 2), 1e5, device=device)  # finite in float32, not in float16
+    cache.update(big, big)
+    assert not cache.nonfinite_keys().any()
+    cache.to(torch.float16)
+    cache.get()
+    assert cache.nonfinite_keys().all()
+    nan = torch.full((1, 1, 1, 2), torch.nan, device=device, dtype=torch.float16)
+    cache.update_static(nan, nan)  # the slot filled as a compiled step fills it
+    assert cache.nonfinite_keys().shape == (1, 1, 8) and cache.nonfinite_keys()[0, 0, 2]

@@ -200,3 +200,22 @@ def test_heads_of_zero_are_named():
         attention(x, x, x)
     with pytest.raises(ValueError, match=r"k and v must have at least one head"):
         attention(torch.randn(1, 2, 3, 4), x, x)
+
+
+@pytest.mark.parametrize(
+    ("record", "error", "message"),
+    [
+        (
+            torch.zeros(1, 2, 3, dtype=torch.bool),
+            ValueError,
+            r"must have shape .* = \(1, 2, 4\), got \(1, 2, 3\)",
+        ),
+        (torch.zeros(1, 2, 4), TypeError, r"must be a bool tensor, got dtype torch.float32"),
+        ([[False] * 4] * 2, TypeError, r"must be a torch.Tensor, got list"),
+        (torch.zeros(1, 2, 4, dtype=torch.bool, device="meta"), ValueError, "is on meta but q"),
+    ],
+)
+def test_nonfinite_keys_must_be_a_bool_record_of_each_key_row(record, error, message):
+    q, k, v = qkv(h=4)
+    with pytest.raises(error, match=f"^nonfinite_keys {message}"):
+        attention(q, k, v, nonfinite_keys=record)

@@ -165,6 +165,19 @@ def check_key_mask(key_mask: Tensor, b: int, s: int, device: torch.device | None
         check_same_device(key_mask, "key_mask", device)
 
 
+def check_nonfinite_keys(nonfinite_keys: Tensor, shape: tuple[int, ...], device) -> None:
+    """``nonfinite_keys`` is bool of ``shape`` = ``(b, h_kv, s)``, on the keys' ``device``."""
+    check_tensor(nonfinite_keys, "nonfinite_keys")
+    if nonfinite_keys.dtype != torch.bool:
+        raise TypeError(f"nonfinite_keys must be a bool tensor, got dtype {nonfinite_keys.dtype}")
+    if tuple(nonfinite_keys.shape) != shape:
+        raise ValueError(
+            f"nonfinite_keys must have shape (batch, kv_heads, key_length) = {shape}, got "
+            f"{_shape(nonfinite_keys)}"
+        )
+    check_same_device(nonfinite_keys, "nonfinite_keys", device)
+
+
 def check_attn_mask(
     attn_mask: Tensor, dtype: torch.dtype, shape: tuple[int, ...], device: torch.device
 ) -> None:

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from attnkit import _checks
 from attnkit._tracing import traced
+from attnkit.backends.nonfinite import nonfinite_rows
 from attnkit.masks import alibi_bias, window_mask
 
 
@@ -91,6 +92,9 @@ class KVCache(nn.Module):
         # Tokens seen, as a tensor: under torch.compile the counters cannot be Python ints (each new
         # value would compile anew), so a compiled step reads and advances this one instead.
         self.register_buffer("filled", torch.zeros((), dtype=torch.long, device=device), False)
+        # Which held keys hold a NaN or an infinity (nonfinite_keys), filled in when asked for.
+        nonfinite = torch.zeros(batch_size, num_kv_heads, capacity, dtype=torch.bool, device=device)
+        self.register_buffer("nonfinite", nonfinite, False)
         self.padded = False
         self.reset()
 
@@ -100,6 +104,8 @@ class KVCache(nn.Module):
         self._position = 0  # tokens seen: the position of the next token
         self.filled.zero_()
         self._ints_behind = False  # compiled steps advanced `filled` but not the ints
+        self._checked = (0, self.dtype)  # slots [0, n) of keys of this dtype are in `nonfinite`
+        self._returned = (0, 0)  # the slots of the keys the last update or get returned
         if self.padded:
             self.real.fill_(True)
             self.padding_seen.zero_()
@@ -145,7 +151,25 @@ class KVCache(nn.Module):
 
     def get(self) -> tuple[Tensor, Tensor]:
         """Every held key and value, ``(b, h_kv, size, d)`` views in position order."""
+        self._returned = (0, self.size)
         return self.keys[:, :, : self.size], self.values[:, :, : self.size]
+
+    def nonfinite_keys(self) -> Tensor:
+        """``(b, h_kv, s)`` True where a key that the last [`update`][attnkit.cache.KVCache.update]
+        or [`get`][attnkit.cache.KVCache.get] returned holds a NaN or an infinity: what
+        [`attention`][attnkit.functional.attention]'s ``nonfinite_keys`` takes, so that a decoding
+        step on a GPU does not read the whole cache again to find them. Each key is looked at once,
+        at the first call after it arrived (a pass over the new keys only), and again after a
+        cast of the cache (``.to(torch.float16)`` may make a large key infinite)."""
+        keys, nonfinite = self._buffers["keys"], self._buffers["nonfinite"]
+        start, end = self.__dict__["_returned"]
+        checked, dtype = self.__dict__["_checked"]
+        if dtype != keys.dtype:
+            checked = 0
+        if checked < end:
+            nonfinite[:, :, checked:end] = nonfinite_rows(keys[:, :, checked:end])
+            self.__dict__["_checked"] = (end, keys.dtype)
+        return nonfinite[:, :, start:end]
 
     def next_slots(self, n: int) -> Tensor:
         """``(n,)`` the buffer slots of the next ``n`` tokens, from the tensor ``filled`` (for a
@@ -191,6 +215,10 @@ class KVCache(nn.Module):
             values[:, :, :kept] = values[:, :, size - kept : size].clone()
             if self.padded:
                 self.real[:, :kept] = self.real[:, size - kept : size].clone()
+            checked, dtype = self.__dict__["_checked"]  # the record of the kept keys moves too
+            if checked >= size:
+                self.nonfinite[:, :, :kept] = self.nonfinite[:, :, size - kept : size].clone()
+            self.__dict__["_checked"] = (kept if checked >= size else 0, dtype)
             size = kept
         end = size + n
         keys[:, :, size:end] = k.detach()
@@ -207,6 +235,7 @@ class KVCache(nn.Module):
         self.__dict__.update(_size=end, _position=position)
         self._buffers["filled"].fill_(position)
         start = 0 if self.window is None else max(0, end - (self.window - 1 + n))
+        self.__dict__["_returned"] = (start, end)
         return keys[:, :, start:end], values[:, :, start:end]
 
     def update_static(
@@ -249,6 +278,8 @@ class KVCache(nn.Module):
             self.padded = True
         filled.add_(n)
         self._ints_behind = True  # written, never read here: no recompile
+        # the whole buffers were returned, and slots written that the record does not know of
+        self._returned, self._checked = (0, keys.shape[2]), (0, keys.dtype)
         held = torch.arange(self.capacity, device=keys.device) < filled  # (capacity,)
         return keys, values, real & held
 

@@ -63,6 +63,7 @@ def attention(
     score_mod: ScoreMod | None = None,
     block_mask: BlockMask | None = None,
     mask_mod: MaskMod | None = None,
+    nonfinite_keys: Tensor | None = None,
     backend: str = "auto",
 ) -> Tensor | tuple[Tensor, ...]:
     """Scaled dot-product attention with every mask and score modifier, on any backend.
@@ -100,6 +101,11 @@ def attention(
             its blocks are masked, its ``mask_mod`` decides inside its partial blocks.
         mask_mod: ``mask_mod(b, h, q_idx, kv_idx) -> bool``, a shorthand for
             ``block_mask=create_block_mask(mask_mod, b, h, t, s)``.
+        nonfinite_keys: ``(b, h_kv, s)`` bool, True where a row of ``k`` holds a NaN or an
+            infinity, when the caller knows it already
+            ([`KVCache.nonfinite_keys`][attnkit.cache.KVCache.nonfinite_keys]): a backend that
+            would read ``k`` to find them (SDPA on a GPU, a whole cache each decoding step) takes it
+            instead. It must be right: attnkit trusts it.
         backend: ``"auto"`` (the fastest backend that computes exactly this request), or a name in
             [`attnkit.backends.BACKENDS`][attnkit.backends.BACKENDS].
 
@@ -136,6 +142,7 @@ def attention(
         score_mod=score_mod,
         block_mask=block_mask,
         mask_mod=mask_mod,
+        nonfinite_keys=nonfinite_keys,
     )
     if 0 in (q.shape[2], k.shape[2]):  # no query, or no key: a query with no key gets 0
         out, lse, weights = _empty(call)
@@ -179,6 +186,7 @@ def which_backend(
     score_mod: ScoreMod | None = None,
     block_mask: BlockMask | None = None,
     mask_mod: MaskMod | None = None,
+    nonfinite_keys: Tensor | None = None,
     backend: str = "auto",
 ) -> BackendChoice:
     """What [`attention`][attnkit.functional.attention] would run for these arguments, without running it: the backend, the
@@ -216,6 +224,7 @@ def which_backend(
         score_mod=score_mod,
         block_mask=block_mask,
         mask_mod=mask_mod,
+        nonfinite_keys=nonfinite_keys,
     )
     return choose_backend(backend, call)
 
@@ -239,6 +248,7 @@ def checked_call(
     score_mod: ScoreMod | None = None,
     block_mask: BlockMask | None = None,
     mask_mod: MaskMod | None = None,
+    nonfinite_keys: Tensor | None = None,
     shift: int = 0,
 ) -> Call:
     """Check the arguments of [`attention`][attnkit.functional.attention] and gather them into one
@@ -278,6 +288,9 @@ def checked_call(
         extras["dropout_p"] = _checks.check_probability(dropout_p, "dropout_p")
     if block_mask is not None or mask_mod is not None:
         extras["block_mask"] = _checks.check_block_mask(block_mask, mask_mod, b, h, t, s, q.device)
+    if nonfinite_keys is not None:
+        _checks.check_nonfinite_keys(nonfinite_keys, (b, k.shape[1], s), q.device)
+        extras["nonfinite_keys"] = nonfinite_keys
     if score_mod is not None:
         extras["score_mod"] = score_mod
         extras["mod_tensors"] = mods.tensors_to_train(score_mod, q)

@@ -191,3 +191,45 @@ def test_the_gpus_form_gives_the_same_output_and_gradients_as_a_look(causal):
     for blind, looked in zip(*results):
         torch.testing.assert_close(blind, looked, equal_nan=True, rtol=0, atol=0)
     assert results[0][0].isnan().any() and torch.isfinite(results[0][0]).any()
+
+
+@pytest.mark.parametrize("blind", [False, True])
+@pytest.mark.parametrize(
+    "masks",
+    [{}, {"causal": True}, {"window": (2, 0)}, {"key_mask": "pad"}],
+    ids=["none", "causal", "window", "padding"],
+)
+@pytest.mark.parametrize(("t", "s"), [(T, T), (T, T + 3), (1, T + 3)])
+def test_a_record_of_the_keys_rows_gives_what_a_read_of_the_keys_gives(device, blind, masks, t, s):
+    """``nonfinite_keys`` in place of a pass over k (on a GPU, a whole cache each decoding step):
+    the same output, NaN in the same rows, as or without force.blind (the GPU's form)."""
+    from attnkit.backends import force
+
+    q, k = torch.randn(B, H, t, D, device=device), torch.randn(B, H_KV, s, D, device=device)
+    v = torch.randn(B, H_KV, s, D, device=device)
+    k[0, 1, s - 1, 2], q[0, 3, t - 1, 0] = INF, NAN
+    if masks.get("key_mask") == "pad":
+        key_mask = torch.ones(B, s, dtype=torch.bool, device=device)
+        key_mask[0, 0] = False
+        k[0, 0, 0, 1] = NAN  # padding: never seen, whatever the record says
+        masks = {"key_mask": key_mask}
+    record = ~torch.isfinite(k).all(dim=-1)
+    with force.blind() if blind else torch.no_grad():
+        read = attention(q, k, v, backend="sdpa", **masks)
+        recorded = attention(q, k, v, backend="sdpa", nonfinite_keys=record, **masks)
+    torch.testing.assert_close(recorded, read, equal_nan=True, rtol=0, atol=0)
+    assert recorded[0, 2:, -1].isnan().all()  # the last queries of heads 2 and 3 see k[0, 1, s - 1]
+    assert torch.isfinite(recorded[0, :2]).all()
+
+
+def test_the_record_is_what_the_rule_reads_for_the_keys(device):
+    """The record decides the keys' rows: a key it marks makes the rows that see it NaN, and the
+    caller's record is trusted (attnkit does not read k for it)."""
+    q, k = finite_qk(device=device)
+    v = torch.randn(B, H_KV, T, D, device=device)
+    record = torch.zeros(B, H_KV, T, dtype=torch.bool, device=device)
+    record[0, 0, 2] = True
+    out = attention(q, k, v, causal=True, backend="sdpa", nonfinite_keys=record)
+    assert out[0, :2, 2:].isnan().all() and torch.isfinite(out[0, :2, :2]).all()
+    assert torch.isfinite(out[0, 2:]).all()
+    assert nans_seen(q, k, True, record)[0, :2, 2:].isnan().all()

@@ -246,3 +246,21 @@ def test_the_module_decodes_with_a_relative_bias_as_its_full_forward(device):
             for i in range(7, 20)
         ]
     torch.testing.assert_close(torch.cat(steps, dim=1), full)
+
+
+@pytest.mark.parametrize("config", ["gqa", "mqa"])
+def test_a_non_finite_token_reaches_the_decoded_rows_that_see_it(config, device):
+    """A token whose key holds an infinity: every later row is NaN, the rows before it are not,
+    each row as the last row of the full forward of its prefix (on a GPU the cache's record of
+    its keys' rows decides, on a CPU the decode kernel's look). Not the whole full forward: torch's
+    SDPA lets a NaN value reach the rows that the causal mask hides it from, as attnkit's rule
+    allows outside its own kernels."""
+    module = make(CONFIGS[config], device)
+    x = torch.randn(2, T, D_IN, device=device)
+    x[0, 3, :] = torch.inf
+    with torch.no_grad():
+        decoded = decode(module, x, SCHEDULES["mixed chunks"], cache_for(module, max_chunk=4))
+        last_rows = torch.stack([module(x[:, : i + 1])[:, -1] for i in range(T)], dim=1)
+    torch.testing.assert_close(decoded, last_rows, atol=1e-5, rtol=1e-5, equal_nan=True)
+    assert decoded[0, 3:].isnan().all() and torch.isfinite(decoded[0, :3]).all()
+    assert torch.isfinite(decoded[1]).all()

@@ -46,6 +46,9 @@ class Call(NamedTuple):
         mod_tensors: the tensors ``score_mod`` reads that require grad (gradients reach them).
         mod_adds: whether ``score_mod`` [adds to the score][attnkit.mods.adds_to_score] (read
             once per call; False without one).
+        nonfinite_keys: ``(b, h_kv, s)`` True where a row of ``k`` holds a NaN or an infinity, as
+            the caller knew it (a [`KVCache`][attnkit.cache.KVCache]), or None: a hint that a
+            backend may take instead of reading ``k``, not an option.
         options: the options in use, named as the arguments of ``attention``.
     """
 
@@ -64,6 +67,7 @@ class Call(NamedTuple):
     block_mask: BlockMask | None = None
     mod_tensors: tuple[Tensor, ...] = ()
     mod_adds: bool = False
+    nonfinite_keys: Tensor | None = None
     options: frozenset[str] = frozenset()
 
     def with_tensors(
@@ -77,10 +81,17 @@ class Call(NamedTuple):
         mod_tensors: tuple[Tensor, ...] = (),
     ) -> Call:
         """The same call on other tensors of the same shapes (those an autograd function or a
-        transform hands over, a chunk of a ring's pieces): nothing is checked again."""
+        transform hands over, a chunk of a ring's pieces): nothing is checked again, and nothing
+        is known of the new keys' rows."""
         masks = self.masks._replace(key_mask=key_mask, attn_mask=attn_mask)
         return self._replace(
-            q=q, k=k, v=v, masks=masks, alibi_slopes=alibi_slopes, mod_tensors=mod_tensors
+            q=q,
+            k=k,
+            v=v,
+            masks=masks,
+            alibi_slopes=alibi_slopes,
+            mod_tensors=mod_tensors,
+            nonfinite_keys=None,
         )
 
     def tensors(self) -> tuple[Tensor | None, ...]:

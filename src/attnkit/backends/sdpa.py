@@ -83,8 +83,8 @@ def sdpa(call: Call) -> AttentionOutput:
     )
     fused = _fused(out) or isinstance(attn_mask, CausalBias)  # the bias calls fused kernels
     twice = fused and wants_grad(q, k, v, call.alibi_slopes, masks.attn_mask)
-    if bias is not None or not all_finite(q, keys):  # a row may be one the rule makes NaN
-        causal = is_causal or isinstance(attn_mask, CausalBias)
+    if bias is not None or not _all_finite(q, keys=keys, nonfinite_keys=call.nonfinite_keys):
+        causal = is_causal or isinstance(attn_mask, CausalBias)  # a row the rule may make NaN
         out = _nan_rule(out, q, keys, allowed, causal, call)
     if empty_rows is not None:  # rows with no allowed key are 0, whatever the kernel does
         out = out.masked_fill(empty_rows, 0.0)
@@ -94,6 +94,15 @@ def sdpa(call: Call) -> AttentionOutput:
     return AttentionOutput(out)
 
 
+def _all_finite(*queries: Tensor, keys: Tensor, nonfinite_keys: Tensor | None) -> bool:
+    """Whether Python may look and every value of ``queries`` and ``keys`` is finite; for the keys,
+    from the caller's record of their rows where there is one (``s`` flags, not ``s * d`` values)."""
+    if nonfinite_keys is None:
+        return all_finite(*queries, keys)
+    flags = nonfinite_keys
+    return can_branch_on_data(flags) and not bool(flags.any()) and all_finite(*queries)
+
+
 def _nan_rule(
     out: Tensor, q: Tensor, k: Tensor, allowed: Tensor | None, causal: bool, call: Call
 ) -> Tensor:
@@ -101,7 +110,8 @@ def _nan_rule(
     [`rows_made_nan`][attnkit.backends.sdpa.rows_made_nan]), in place where no gradient is
     recorded."""
     with torch.no_grad():  # which rows attnkit's rules overwrite (no gradient flows there)
-        nan_rows = rows_made_nan(q, k, allowed, causal, call.masks.bias(), call.alibi_slopes)
+        bias, slopes, known = call.masks.bias(), call.alibi_slopes, call.nonfinite_keys
+        nan_rows = rows_made_nan(q, k, allowed, causal, bias, slopes, known)
     if can_branch_on_data(nan_rows) and not bool(nan_rows.any()):
         return out
     fill = out.masked_fill if out.requires_grad else out.masked_fill_  # in place: no copy
@@ -120,15 +130,17 @@ def lower_right(call: Call) -> CausalBias | None:
     return causal_lower_right(t, s) if q.shape[1] == k.shape[1] else None
 
 
-def nans_seen(q: Tensor, k: Tensor, causal: bool) -> Tensor:
+def nans_seen(q: Tensor, k: Tensor, causal: bool, nonfinite_keys: Tensor | None = None) -> Tensor:
     """``(b, h, t, 1)``: 0, or NaN for a row whose query is not finite or that sees a key that is
     not, where each query sees every key or, with ``causal`` (and ``t <= s``), the keys up to its
     own position (bottom-right). attnkit's rule with no look at the data: the path on a GPU and
-    under ``torch.compile``, where one read of q and one of k are followed by operations on
-    ``(b, h, t)`` values only (a sum of zeros and NaNs is exact)."""
+    under ``torch.compile``, where one read of q and one of k (none where ``nonfinite_keys``
+    records k's rows) are followed by operations on ``(b, h, t)`` values only (a sum of zeros and
+    NaNs is exact)."""
     b, h, t, _ = q.shape
     h_kv, s = k.shape[1], k.shape[2]
-    keys = zero_or_nan_rows(k)  # (b, h_kv, s)
+    known = nonfinite_keys
+    keys = zero_or_nan_rows(k) if known is None else torch.where(known, _NAN, 0.0)  # (b, h_kv, s)
     seen = keys.cumsum(dim=-1)[..., s - t :] if causal else keys.sum(dim=-1, keepdim=True)
     own = zero_or_nan_rows(q).reshape(b, h_kv, h // h_kv, t)  # query head i uses kv head i // g
     return (own + seen[:, :, None]).reshape(b, h, t, 1)
@@ -141,9 +153,11 @@ def rows_made_nan(
     is_causal: bool,
     bias: Tensor | None,
     slopes: Tensor | None,
+    nonfinite_keys: Tensor | None = None,
 ) -> Tensor:
     """``(b, h, t, 1)`` True for the rows that see a key whose score is not finite: a NaN or infinite
-    query row, or key row, a NaN or +inf entry of the float mask ``bias``, or a non-finite ALiBi
+    query row, or key row (where ``nonfinite_keys`` ``(b, h_kv, s)`` says, if given), a NaN or
+    +inf entry of the float mask ``bias``, or a non-finite ALiBi
     slope (whose ``-inf`` terms SDPA would take for a mask). attnkit makes those rows NaN; SDPA's
     fused CPU kernel returns zeros for a row whose every score is NaN or ``-inf``, and drops a key
     whose score is ``-inf``. (Values need nothing: SDPA multiplies them, so they spread.)
@@ -154,13 +168,14 @@ def rows_made_nan(
     [`can_branch_on_data`][attnkit.backends.nonfinite.can_branch_on_data]), so ``torch.compile`` and ``vmap`` stay
     whole."""
     h, h_kv = q.shape[1], k.shape[1]
-    if allowed is None and all_finite(k):  # the usual case: no key to see, only q's rows
-        bad = nonfinite_rows(q)[..., None]
+    known = nonfinite_keys
+    if allowed is None and _all_finite(keys=k, nonfinite_keys=known):  # the usual case: no key
+        bad = nonfinite_rows(q)[..., None]  # to see, only q's rows
     elif allowed is None:  # every key, or the causal ones: no look at the data needed
-        bad = torch.isnan(nans_seen(q, k, is_causal))
+        bad = torch.isnan(nans_seen(q, k, is_causal, known))
     else:
         bad_q = nonfinite_rows(q)[..., None]  # (b, h, t, 1)
-        bad_k = nonfinite_rows(k)  # (b, h_kv, s)
+        bad_k = nonfinite_rows(k) if known is None else known  # (b, h_kv, s)
         if can_branch_on_data(bad_k) and not bool(bad_k.any()):
             bad = bad_q  # no key to see: the passes below would find nothing
         else:  # (.., t, s) x (b, h, s, 1): the number of bad keys a row sees

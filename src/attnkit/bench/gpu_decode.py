@@ -64,9 +64,10 @@ def run_gpu_decode(config: GPUDecodeConfig) -> dict:
         torch.randn(shape, dtype=dtype, device=config.device),
     )
     q = torch.randn(config.b, config.h, 1, config.d, dtype=dtype, device=config.device)
+    known = cache.nonfinite_keys()  # as a decoding module passes it
     gqa = config.h != config.kv_heads
     calls = {
-        "attnkit": lambda: attention(q, k, v, causal=True),
+        "attnkit": lambda: attention(q, k, v, causal=True, nonfinite_keys=known),
         "torch-sdpa": lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa),
     }
     read = k.nbytes + v.nbytes
