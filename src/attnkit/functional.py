@@ -310,8 +310,8 @@ def checked_call(
 def _autocast(q, k, v):
     """q, k and v in autocast's dtype where it is on for their device, as torch's SDPA takes
     them (a model's rotary embedding may have left q and k in float32 and v in bf16)."""
-    if not isinstance(q, Tensor):  # the checks that follow name it
-        return q, k, v
+    if not isinstance(q, Tensor) or not torch._C._is_any_autocast_enabled():
+        return q, k, v  # (the checks that follow name a q that is not a tensor)
     device = q.device.type
     available = device in ("cpu", "cuda") or torch.amp.is_autocast_available(device)
     if not (available and torch.is_autocast_enabled(device)):  # dynamo (2.11) cannot trace the

@@ -90,8 +90,10 @@ def _why_not(backend: Backend, call: Call) -> str | None:
     return None if reason is None else f"cannot run {reason}"
 
 
-def _has_speed_rule(backend: Backend) -> bool:
-    return type(backend).faster_than is not Backend.faster_than
+_WITH_SPEED_RULES = frozenset(
+    name for name, b in BACKENDS.items() if type(b).faster_than is not Backend.faster_than
+)
+"""The backends with a speed rule of their own, which ``auto`` asks after it has chosen."""
 
 
 def _auto(call: Call, explain: bool = False) -> tuple[Backend, str]:
@@ -102,7 +104,7 @@ def _auto(call: Call, explain: bool = False) -> tuple[Backend, str]:
     for name in AUTO_ORDER:
         backend = BACKENDS[name]
         if chosen is not None:  # a later backend takes over where its own rule says it is faster
-            if not _has_speed_rule(backend):
+            if name not in _WITH_SPEED_RULES:
                 continue
             faster = backend.faster_than(chosen, call)
             if faster is not None and _why_not(backend, call) is None:

@@ -320,7 +320,7 @@ class FlexBackend(Backend):
         [`OVER_SDPA_SCORES`][attnkit.backends.flex.OVER_SDPA_SCORES] scores, or where the tiled
         backend's own rule would take the call (its PyTorch loop, on CUDA, is slower than this
         compiled kernel)."""
-        if other.name != "sdpa" or call.q.device.type != "cuda":
+        if other.name != "sdpa" or not call.q.is_cuda:
             return None
         _, h, t, _ = call.q.shape
         s, masks = call.k.shape[2], call.masks

@@ -55,8 +55,9 @@ def sdpa(call: Call) -> AttentionOutput:
     t, s = q.shape[-2], k.shape[-2]
     masks = call.masks
     keys, values = zero_padding(k, masks.key_mask), zero_padding(v, masks.key_mask)
-    is_causal = masks.is_causal_only and t == s and call.alibi_slopes is None
-    sees_all = masks.is_causal_only and t == 1  # the one query, last, sees every key
+    causal_only = masks.is_causal_only
+    is_causal = causal_only and t == s and call.alibi_slopes is None
+    sees_all = causal_only and t == 1  # the one query, last, sees every key
     allowed = None if is_causal or sees_all else masks.allowed(t, s, q.device)
     attn_mask = lower_right(call) if allowed is not None else None
     if attn_mask is not None:

@@ -68,6 +68,10 @@ NATIVE_MIN_SCORES = 256 * 256
 float mask; measured on AVX2 and AVX-512 CPUs (docs/bench/choices.md). (A window, causal with
 t != s and padding go to the tiled backend at any size on a CPU: no dense mask is built.)"""
 
+_OPTIONS_RULED = frozenset({"dropout_p", "window", "causal", "alibi_slopes"})
+"""The options that `TiledBackend.faster_than`'s rules ask about besides half precision: a call in
+float32 or float64 with none of them stays with SDPA."""
+
 HALF_NATIVE_FROM = {"inference": (128, 512 * 512), "training": (64, 128 * 128)}
 """The fewest query rows t and scores t * s from which the tiled C++ kernel's bf16 products
 (AVX512-BF16) overtake SDPA's bf16 kernel, without and with gradients (below that, packing K and V
@@ -116,12 +120,13 @@ class TiledBackend(Backend):
     def faster_than(self, other: Backend, call: Call) -> str | None:
         """Where SDPA would waste work or memory and this backend would not (measured with
         ``attnkit bench``, docs/bench/choices.md)."""
-        if other.name != "sdpa":
+        q = call.q
+        half = q.dtype in (torch.bfloat16, torch.float16)
+        if other.name != "sdpa" or not (half or call.options & _OPTIONS_RULED):
             return None
-        q, k, v = call.q, call.k, call.v
+        k, v = call.k, call.v
         _, h, t, _ = q.shape
         s = k.shape[-2]
-        half = q.dtype in (torch.bfloat16, torch.float16)
         grad = half and wants_grad(q, k, v)  # the rules below that ask apply to half precision
         if grad and not tiled_function.fast_half_matmul(q.dtype, q.device):
             return (
