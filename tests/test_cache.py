@@ -197,22 +197,40 @@ def test_bad_construction_raises(kwargs, error, message):
 
 
 @pytest.mark.parametrize("window", [None, 4])
-def test_nonfinite_keys_records_the_rows_of_the_keys_each_update_returns(window, device):
+@pytest.mark.parametrize("sometimes", [False, True], ids=["asked each step", "asked sometimes"])
+def test_nonfinite_keys_records_the_rows_of_the_keys_each_update_returns(
+    window, sometimes, device, monkeypatch
+):
     """The record of the keys' non-finite rows follows the keys through updates, the window's
-    shifts, get and reset, each key looked at once."""
+    shifts, get and reset, whether or not it is asked for after each update, and each key is
+    looked at once (again only after a reset, or where a shift left the record behind)."""
+    from attnkit import cache as cache_module
+
+    looked = []
+    rows = cache_module.nonfinite_rows
+    monkeypatch.setattr(
+        cache_module, "nonfinite_rows", lambda x: looked.append(x.shape[2]) or rows(x)
+    )
     cache = KVCache(2, 3, 40, 5, window=window, max_chunk=3, device=device)
     generator = torch.Generator().manual_seed(0)
+    arrived = 0
     for step, n in enumerate([3, 1, 2, 3, 1, 1, 3, 2] * 2):
         if step == 8:
             cache.reset()
         k = torch.randn(2, 3, n, 5, generator=generator)
         k[torch.rand(2, 3, n, generator=generator) < 0.2, 1] = [torch.nan, torch.inf][step % 2]
         k_all, _ = cache.update(k.to(device), k.to(device))
+        arrived += n
+        if sometimes and step % 3 == 2:  # not asked for after this update
+            continue
         assert torch.equal(cache.nonfinite_keys(), ~torch.isfinite(k_all).all(dim=-1))
-        if step % 3 == 0:  # asked for once per update, or not at all
-            assert torch.equal(cache.nonfinite_keys(), ~torch.isfinite(k_all).all(dim=-1))
+        assert torch.equal(cache.nonfinite_keys(), ~torch.isfinite(k_all).all(dim=-1))
         held, _ = cache.get()
         assert torch.equal(cache.nonfinite_keys(), ~torch.isfinite(held).all(dim=-1))
+    if not sometimes or window is None:  # each key once
+        assert sum(looked) == arrived
+    else:  # and a window's kept keys again where the record was behind when they moved
+        assert arrived < sum(looked) < 2 * arrived
 
 
 def test_nonfinite_keys_looks_again_after_a_cast_or_a_compiled_steps_writes(device):
@@ -220,9 +238,15 @@ def test_nonfinite_keys_looks_again_after_a_cast_or_a_compiled_steps_writes(devi
     big = torch.full((1, 1, 2, 2), 1e5, device=device)  # finite in float32, not in float16
     cache.update(big, big)
     assert not cache.nonfinite_keys().any()
-    cache.to(torch.float16)
+    cache.half().float()  # 1e5 -> inf -> inf
     cache.get()
     assert cache.nonfinite_keys().all()
-    nan = torch.full((1, 1, 1, 2), torch.nan, device=device, dtype=torch.float16)
-    cache.update_static(nan, nan)  # the slot filled as a compiled step fills it
-    assert cache.nonfinite_keys().shape == (1, 1, 8) and cache.nonfinite_keys()[0, 0, 2]
+    one = torch.ones(1, 1, 1, 2, device=device)
+    cache.update_static(one, one)  # the slot filled as a compiled step fills it
+    assert cache.nonfinite_keys().shape == (1, 1, 8) and not cache.nonfinite_keys()[0, 0, 2]
+    nan = torch.full((1, 1, 1, 2), torch.nan, device=device)
+    k_all, _ = cache.update(nan, nan)  # an eager step after it: slot 3, recorded past the keys
+    assert torch.equal(
+        cache.nonfinite_keys(), torch.tensor([[[True, True, False, True]]], device=device)
+    )
+    assert k_all.shape[2] == 4

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from attnkit import attention
+from attnkit.functional import which_backend
 
 
 def qkv(b=1, h=2, h_kv=2, t=3, s=4, d=8, dtype=torch.float32):
@@ -212,10 +213,15 @@ def test_heads_of_zero_are_named():
         ),
         (torch.zeros(1, 2, 4), TypeError, r"must be a bool tensor, got dtype torch.float32"),
         ([[False] * 4] * 2, TypeError, r"must be a torch.Tensor, got list"),
-        (torch.zeros(1, 2, 4, dtype=torch.bool, device="meta"), ValueError, "is on meta but q"),
+        (
+            torch.zeros(1, 2, 4, dtype=torch.bool, device="meta"),
+            ValueError,
+            "is on meta but k is on cpu",
+        ),
     ],
 )
 def test_nonfinite_keys_must_be_a_bool_record_of_each_key_row(record, error, message):
     q, k, v = qkv(h=4)
-    with pytest.raises(error, match=f"^nonfinite_keys {message}"):
-        attention(q, k, v, nonfinite_keys=record)
+    for call in (attention, which_backend):
+        with pytest.raises(error, match=f"^nonfinite_keys {message}"):
+            call(q, k, v, nonfinite_keys=record)

@@ -166,7 +166,7 @@ def check_key_mask(key_mask: Tensor, b: int, s: int, device: torch.device | None
 
 
 def check_nonfinite_keys(nonfinite_keys: Tensor, shape: tuple[int, ...], device) -> None:
-    """``nonfinite_keys`` is bool of ``shape`` = ``(b, h_kv, s)``, on the keys' ``device``."""
+    """``nonfinite_keys`` is bool of ``shape`` = ``(b, h_kv, s)``, on ``device``, the keys'."""
     check_tensor(nonfinite_keys, "nonfinite_keys")
     if nonfinite_keys.dtype != torch.bool:
         raise TypeError(f"nonfinite_keys must be a bool tensor, got dtype {nonfinite_keys.dtype}")
@@ -175,7 +175,8 @@ def check_nonfinite_keys(nonfinite_keys: Tensor, shape: tuple[int, ...], device)
             f"nonfinite_keys must have shape (batch, kv_heads, key_length) = {shape}, got "
             f"{_shape(nonfinite_keys)}"
         )
-    check_same_device(nonfinite_keys, "nonfinite_keys", device)
+    if nonfinite_keys.device != device:
+        raise ValueError(f"nonfinite_keys is on {nonfinite_keys.device} but k is on {device}")
 
 
 def check_attn_mask(

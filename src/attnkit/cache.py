@@ -104,7 +104,7 @@ class KVCache(nn.Module):
         self._position = 0  # tokens seen: the position of the next token
         self.filled.zero_()
         self._ints_behind = False  # compiled steps advanced `filled` but not the ints
-        self._checked = (0, self.dtype)  # slots [0, n) of keys of this dtype are in `nonfinite`
+        self._checked = 0  # slots [0, checked) have their row in `nonfinite`
         self._returned = (0, 0)  # the slots of the keys the last update or get returned
         if self.padded:
             self.real.fill_(True)
@@ -158,18 +158,23 @@ class KVCache(nn.Module):
         """``(b, h_kv, s)`` True where a key that the last [`update`][attnkit.cache.KVCache.update]
         or [`get`][attnkit.cache.KVCache.get] returned holds a NaN or an infinity: what
         [`attention`][attnkit.functional.attention]'s ``nonfinite_keys`` takes, so that a decoding
-        step on a GPU does not read the whole cache again to find them. Each key is looked at once,
-        at the first call after it arrived (a pass over the new keys only), and again after a
-        cast of the cache (``.to(torch.float16)`` may make a large key infinite)."""
+        step on a GPU does not read the whole cache again to find them. A view of a buffer, valid
+        until the next update. Each key is looked at once, at the first call after it arrived (a
+        pass over the new keys only), and again after the cache is cast or moved (``.half()`` may
+        make a large key infinite)."""
         keys, nonfinite = self._buffers["keys"], self._buffers["nonfinite"]
         start, end = self.__dict__["_returned"]
-        checked, dtype = self.__dict__["_checked"]
-        if dtype != keys.dtype:
-            checked = 0
+        checked = self.__dict__["_checked"]
         if checked < end:
             nonfinite[:, :, checked:end] = nonfinite_rows(keys[:, :, checked:end])
-            self.__dict__["_checked"] = (end, keys.dtype)
+            self.__dict__["_checked"] = end
         return nonfinite[:, :, start:end]
+
+    def _apply(self, fn, recurse=True):
+        """``nn.Module``'s way to cast or move the buffers (``.to()``, ``.half()``, ``.cuda()``):
+        the keys may change (float32 to float16 makes 1e5 infinite), so their record is made anew."""
+        self.__dict__["_checked"] = 0
+        return super()._apply(fn, recurse)
 
     def next_slots(self, n: int) -> Tensor:
         """``(n,)`` the buffer slots of the next ``n`` tokens, from the tensor ``filled`` (for a
@@ -215,12 +220,15 @@ class KVCache(nn.Module):
             values[:, :, :kept] = values[:, :, size - kept : size].clone()
             if self.padded:
                 self.real[:, :kept] = self.real[:, size - kept : size].clone()
-            checked, dtype = self.__dict__["_checked"]  # the record of the kept keys moves too
+            checked = self.__dict__["_checked"]  # the record of the kept keys moves with them
             if checked >= size:
                 self.nonfinite[:, :, :kept] = self.nonfinite[:, :, size - kept : size].clone()
-            self.__dict__["_checked"] = (kept if checked >= size else 0, dtype)
+            self.__dict__["_checked"] = kept if checked >= size else 0
             size = kept
         end = size + n
+        # slots from `size` on are written now (a record made of them past the held keys, after
+        # a compiled step returned the whole buffers, is of their old content)
+        self.__dict__["_checked"] = min(self.__dict__["_checked"], size)
         keys[:, :, size:end] = k.detach()
         values[:, :, size:end] = v.detach()
         if key_mask is not None and not self.padded:
@@ -279,7 +287,7 @@ class KVCache(nn.Module):
         filled.add_(n)
         self._ints_behind = True  # written, never read here: no recompile
         # the whole buffers were returned, and slots written that the record does not know of
-        self._returned, self._checked = (0, keys.shape[2]), (0, keys.dtype)
+        self._returned, self._checked = (0, keys.shape[2]), 0
         held = torch.arange(self.capacity, device=keys.device) < filled  # (capacity,)
         return keys, values, real & held
 

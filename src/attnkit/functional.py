@@ -104,8 +104,9 @@ def attention(
         nonfinite_keys: ``(b, h_kv, s)`` bool, True where a row of ``k`` holds a NaN or an
             infinity, when the caller knows it already
             ([`KVCache.nonfinite_keys`][attnkit.cache.KVCache.nonfinite_keys]): a backend that
-            would read ``k`` to find them (SDPA on a GPU, a whole cache each decoding step) takes it
-            instead. It must be right: attnkit trusts it.
+            would read ``k`` to find them takes it instead (SDPA, which on a GPU would read a whole
+            cache each decoding step). It must be right: attnkit trusts it (and leaves it out
+            where autocast casts ``k``).
         backend: ``"auto"`` (the fastest backend that computes exactly this request), or a name in
             [`attnkit.backends.BACKENDS`][attnkit.backends.BACKENDS].
 
@@ -255,6 +256,7 @@ def checked_call(
     [`Call`][attnkit.backends.base.Call]: the only place they are checked. ``shift``: the queries sit
     that many positions right of bottom-right alignment ([`Masks`][attnkit.masks.Masks]); ring
     attention's chunks, never a user's call."""
+    keys_as_given = k
     q, k, v = _autocast(q, k, v)
     _checks.check_qkv(q, k, v)
     b, h, t, _ = q.shape
@@ -289,8 +291,9 @@ def checked_call(
     if block_mask is not None or mask_mod is not None:
         extras["block_mask"] = _checks.check_block_mask(block_mask, mask_mod, b, h, t, s, q.device)
     if nonfinite_keys is not None:
-        _checks.check_nonfinite_keys(nonfinite_keys, (b, k.shape[1], s), q.device)
-        extras["nonfinite_keys"] = nonfinite_keys
+        _checks.check_nonfinite_keys(nonfinite_keys, (b, k.shape[1], s), k.device)
+        if k is keys_as_given:  # (autocast's cast may have made a large key infinite)
+            extras["nonfinite_keys"] = nonfinite_keys
     if score_mod is not None:
         extras["score_mod"] = score_mod
         extras["mod_tensors"] = mods.tensors_to_train(score_mod, q)
@@ -310,8 +313,10 @@ def checked_call(
 def _autocast(q, k, v):
     """q, k and v in autocast's dtype where it is on for their device, as torch's SDPA takes
     them (a model's rotary embedding may have left q and k in float32 and v in bf16)."""
-    if not isinstance(q, Tensor) or not torch._C._is_any_autocast_enabled():
-        return q, k, v  # (the checks that follow name a q that is not a tensor)
+    if not isinstance(q, Tensor):  # the checks that follow name it
+        return q, k, v
+    if (q.is_cpu or q.is_cuda) and not torch._C._is_any_autocast_enabled():  # (a quick look
+        return q, k, v  # that knows of the CPU's and CUDA's autocast, not of every device's)
     device = q.device.type
     available = device in ("cpu", "cuda") or torch.amp.is_autocast_available(device)
     if not (available and torch.is_autocast_enabled(device)):  # dynamo (2.11) cannot trace the

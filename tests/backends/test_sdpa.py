@@ -222,14 +222,38 @@ def test_a_record_of_the_keys_rows_gives_what_a_read_of_the_keys_gives(device, b
     assert torch.isfinite(recorded[0, :2]).all()
 
 
-def test_the_record_is_what_the_rule_reads_for_the_keys(device):
+@pytest.mark.parametrize(
+    ("masks", "seeing"),
+    [
+        ({"causal": True}, [2, 3, 4, 5]),  # no mask tensor: the GPU's form, from the record
+        ({"window": (2, 0)}, [2, 3, 4]),  # a mask: the record's keys counted by the rows
+        ({"causal": True, "key_mask": torch.ones(B, T, dtype=torch.bool)}, [2, 3, 4, 5]),
+    ],
+    ids=["causal", "window", "padding"],
+)
+def test_the_record_is_what_the_rule_reads_for_the_keys(device, masks, seeing):
     """The record decides the keys' rows: a key it marks makes the rows that see it NaN, and the
     caller's record is trusted (attnkit does not read k for it)."""
     q, k = finite_qk(device=device)
     v = torch.randn(B, H_KV, T, D, device=device)
     record = torch.zeros(B, H_KV, T, dtype=torch.bool, device=device)
     record[0, 0, 2] = True
-    out = attention(q, k, v, causal=True, backend="sdpa", nonfinite_keys=record)
-    assert out[0, :2, 2:].isnan().all() and torch.isfinite(out[0, :2, :2]).all()
-    assert torch.isfinite(out[0, 2:]).all()
-    assert nans_seen(q, k, True, record)[0, :2, 2:].isnan().all()
+    masks = {name: m.to(device) if torch.is_tensor(m) else m for name, m in masks.items()}
+    out = attention(q, k, v, backend="sdpa", nonfinite_keys=record, **masks)
+    nan_rows = out.isnan().any(dim=-1)
+    assert nan_rows[0, :2].equal(rows(*seeing, heads=[0], device=device)[0, :1, :, 0].expand(2, T))
+    assert not nan_rows[0, 2:].any()
+    if masks == {"causal": True}:
+        assert nans_seen(q, k, True, record)[0, :2, 2:].isnan().all()
+
+
+def test_a_record_of_keys_that_autocast_casts_is_left_out():
+    """Under autocast, k is cast inside the call (float32 1e5 is infinite in float16): the caller's
+    record, of the keys it passed, no longer says which rows are finite, and is not used."""
+    q, k = -finite_qk()[0].abs(), finite_qk()[1]
+    v = torch.randn(B, H_KV, T, D)
+    k[0, 0, 1] = 1e5  # infinite in float16: a -inf score with each query, a NaN by the rule
+    record = ~torch.isfinite(k).all(dim=-1)  # right for float32: no key marked
+    with torch.autocast("cpu", dtype=torch.float16):
+        out = attention(q, k, v, backend="sdpa", nonfinite_keys=record)
+    assert out[0, :2].isnan().all() and torch.isfinite(out[0, 2:]).all()

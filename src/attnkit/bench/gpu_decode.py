@@ -52,8 +52,10 @@ def _median_s(fn, repeats: int, warmups: int) -> float:
 
 
 def run_gpu_decode(config: GPUDecodeConfig) -> dict:
-    """The step's time and bandwidth for attnkit (a full :class:`KVCache`, ``causal=True`` as a
-    decoding module calls it) and torch SDPA on the same tensors, and the copy bandwidth."""
+    """The step's time and bandwidth for attnkit (a full :class:`KVCache`, ``causal=True`` and the
+    cache's record of its keys, as a decoding module calls it; a step's look at its one new key is
+    left out, with the cache's update) and torch SDPA on the same tensors, and the copy
+    bandwidth."""
     dtype = torch.bfloat16
     cache = KVCache(
         config.b, config.kv_heads, config.length, config.d, dtype=dtype, device=config.device
@@ -64,10 +66,9 @@ def run_gpu_decode(config: GPUDecodeConfig) -> dict:
         torch.randn(shape, dtype=dtype, device=config.device),
     )
     q = torch.randn(config.b, config.h, 1, config.d, dtype=dtype, device=config.device)
-    known = cache.nonfinite_keys()  # as a decoding module passes it
     gqa = config.h != config.kv_heads
-    calls = {
-        "attnkit": lambda: attention(q, k, v, causal=True, nonfinite_keys=known),
+    calls = {  # attnkit with the cache's record of its keys, as a decoding module passes it
+        "attnkit": lambda: attention(q, k, v, causal=True, nonfinite_keys=cache.nonfinite_keys()),
         "torch-sdpa": lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa),
     }
     read = k.nbytes + v.nbytes
