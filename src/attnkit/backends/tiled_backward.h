@@ -7,6 +7,11 @@
 // key blocks, so no two threads write the same rows. dQ, which every key block adds to, goes to one
 // buffer per part, summed at the end (extra memory: split x dq, with split <= threads / (b h_kv));
 // the slopes' gradient likewise goes to one (b, h) buffer per part.
+//
+// Where one item makes whole gradients (a call in one tile, each key/value head one item), they are
+// summed in the thread's scratch and written into the caller's tensors as soon as they are whole:
+// dQ of a query block after its key blocks, dK and dV of a head after its query blocks. The
+// buffers of the whole call, in float32, are then not needed.
 
 #pragma once
 
@@ -29,8 +34,8 @@
 namespace {
 
 // The backward of one call: the gradients w.r.t. q, k, v and (if `alibi_grad`) the ALiBi slopes,
-// summed in float32, then written into the caller's tensors; lse and delta (b, h, t) as the
-// backward entry point takes them.
+// summed in float32 and written into the caller's tensors (`grads`, times `q_scale` for q's); lse
+// and delta (b, h, t) as the backward entry point takes them.
 template <typename Blocks>
 struct BackwardPass {
   const Blocks& blocks;
@@ -41,46 +46,54 @@ struct BackwardPass {
   const bool alibi_grad, capping;
   const int64_t dq_width, dk_width, dv_width;  // the rows of dq, dk, dv: blocks.width(d or dv)
   const int64_t split;                         // parts of a key/value head's key blocks
-  at::Tensor dq_parts;      // (split, b, h, t, dq_width)
+  const bool in_scratch;    // the sums in each thread's scratch, not in the buffers below
+  const std::array<at::Tensor, 3> grads;
+  const float q_scale;
+  at::Tensor dq_parts;      // (split, b, h, t, dq_width), unless in_scratch
   at::Tensor dalibi_parts;  // (split, b, h) with alibi_grad, else empty
-  at::Tensor dk, dvv;       // (b, h_kv, s, dk_width), (b, h_kv, s, dv_width)
+  at::Tensor dk, dvv;       // (b, h_kv, s, dk_width), (b, h_kv, s, dv_width), unless in_scratch
   const float *lp, *dlp;    // lse and delta, (b h t)
   float *dqp, *dap, *dkp, *dvp;
 
   // A thread's buffers: P and dS of one block (dS in place of dP), P after dropout, its rows'
-  // tanh from Scoring::apply (for the gradient through the soft-cap), and the block products' own.
+  // tanh from Scoring::apply (for the gradient through the soft-cap), and the block products' own;
+  // in_scratch, the sums of a query block's dQ and of a key/value head's dK and dV.
   struct Scratch {
-    std::vector<float> probs, dscores, dropped, capped;
+    std::vector<float> probs, dscores, dropped, capped, dq, dk, dv;
     typename Blocks::Scratch products;
     explicit Scratch(const BackwardPass& pass)
         : probs(pass.block_q * pass.blocks.score_stride(pass.block_k)),
           dscores(pass.block_q * pass.blocks.score_stride(pass.block_k)),
           dropped(pass.drop.active() ? pass.block_q * pass.blocks.score_stride(pass.block_k) : 0),
           capped(pass.capping ? pass.block_q * pass.block_k : 0),
+          dq(pass.in_scratch ? pass.block_q * pass.dq_width : 0),
+          dk(pass.in_scratch ? pass.z.s * pass.dk_width : 0),
+          dv(pass.in_scratch ? pass.z.s * pass.dv_width : 0),
           products(pass.blocks, pass.block_q, pass.block_k) {}
   };
 
   BackwardPass(const Blocks& blocks_, const Sizes& z_, const Scoring& sc_, const Dropout& drop_,
                const at::Tensor& lse, const at::Tensor& delta, int64_t block_q_, int64_t block_k_,
-               bool alibi_grad_)
+               bool alibi_grad_, bool one_tile, const std::array<at::Tensor, 3>& grads_,
+               double q_scale_)
       : blocks(blocks_), z(z_), sc(sc_), drop(drop_), block_q(block_q_), block_k(block_k_),
         alibi_grad(alibi_grad_), capping(sc.softcap > 0.f), dq_width(blocks.width(z.d)),
         dk_width(dq_width), dv_width(blocks.width(z.dv)),
         split(std::max<int64_t>(1, std::min((z.s + block_k - 1) / block_k,
                                             at::get_num_threads() / (z.b * z.h_kv)))),
-        dq_parts(at::zeros({split, z.b, z.h, z.t, dq_width}, at::kFloat)),
+        in_scratch(one_tile && split == 1), grads(grads_), q_scale(static_cast<float>(q_scale_)),
+        dq_parts(at::zeros({in_scratch ? 0 : split, z.b, z.h, z.t, dq_width}, at::kFloat)),
         dalibi_parts(at::zeros({alibi_grad ? split : 0, z.b, z.h}, at::kFloat)),
-        dk(at::zeros({z.b, z.h_kv, z.s, dk_width}, at::kFloat)),
-        dvv(at::zeros({z.b, z.h_kv, z.s, dv_width}, at::kFloat)), lp(lse.data_ptr<float>()),
-        dlp(delta.data_ptr<float>()), dqp(dq_parts.data_ptr<float>()),
+        dk(at::zeros({in_scratch ? 0 : z.b, z.h_kv, z.s, dk_width}, at::kFloat)),
+        dvv(at::zeros({in_scratch ? 0 : z.b, z.h_kv, z.s, dv_width}, at::kFloat)),
+        lp(lse.data_ptr<float>()), dlp(delta.data_ptr<float>()), dqp(dq_parts.data_ptr<float>()),
         dap(dalibi_parts.data_ptr<float>()), dkp(dk.data_ptr<float>()),
         dvp(dvv.data_ptr<float>()) {}
 
   // Writes the gradients of the pre-scaled q (times `q_scale`: those of q itself), k and v into
   // `grads` (see store_rows); returns them and the slopes' gradient (b, h), empty without
   // alibi_grad.
-  std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> run(
-      const Tiles& tiles, const std::array<at::Tensor, 3>& grads, double q_scale) {
+  std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> run(const Tiles& tiles) {
     const bool bias_grad = !tiles.mod_bias_grad.is_none();
     tiles.walk(z, sc, [&](const Tile& tile) {
       // dL/df over the tile: dS where a block was visited, 0 elsewhere
@@ -98,10 +111,12 @@ struct BackwardPass {
       if (bias_grad) tiles.mod_bias_grad(tile.r0, tile.r1, tile.c0, tile.c1, dbias);
     });
     auto dalibi = alibi_grad ? dalibi_parts.sum(at::IntArrayRef{0, 1}) : dalibi_parts;
-    const int64_t dq_part = z.b * z.h * z.t * dq_width;
-    store_rows(grads[0], dqp, dq_width, split, dq_part, static_cast<float>(q_scale));
-    store_rows(grads[1], dkp, dk_width, 1, 0, 1.f);
-    store_rows(grads[2], dvp, dv_width, 1, 0, 1.f);
+    if (!in_scratch) {
+      const int64_t dq_part = z.b * z.h * z.t * dq_width;
+      store_rows(grads[0], dqp, dq_width, split, dq_part, q_scale);
+      store_rows(grads[1], dkp, dk_width, 1, 0, 1.f);
+      store_rows(grads[2], dvp, dv_width, 1, 0, 1.f);
+    }
     return {grads[0], grads[1], grads[2], dalibi};
   }
 
@@ -111,6 +126,10 @@ struct BackwardPass {
   void key_value_part(int64_t kv, int64_t part, const Tile& tile, float* dbias, Scratch& scratch) {
     const int64_t groups = z.h / z.h_kv, batch = kv / z.h_kv, kv_head = kv % z.h_kv;
     const int64_t q_blocks = (tile.r1 - tile.r0 + block_q - 1) / block_q;
+    if (in_scratch) {
+      std::fill(scratch.dk.begin(), scratch.dk.end(), 0.f);
+      std::fill(scratch.dv.begin(), scratch.dv.end(), 0.f);
+    }
     for (int64_t head = kv_head * groups; head < (kv_head + 1) * groups; ++head) {
       for (int64_t qb = 0; qb < q_blocks; ++qb) {
         const int64_t i0 = tile.r0 + qb * block_q;
@@ -118,22 +137,30 @@ struct BackwardPass {
         query_block(QueryBlock::of(z, batch * z.h + head, i0, i1), part, tile, dbias, scratch);
       }
     }
+    if (in_scratch) {  // this head's dK and dV are whole
+      store_head_rows(grads[1], kv, 0, z.s, scratch.dk.data(), dk_width, 1.f);
+      store_head_rows(grads[2], kv, 0, z.s, scratch.dv.data(), dv_width, 1.f);
+    }
   }
 
   // One query block against this part's key blocks of the tile that it may see.
   void query_block(const QueryBlock& qb, int64_t part, const Tile& tile, float* dbias,
                    Scratch& scratch) {
-    float* dq_blk = dqp + ((part * z.b * z.h + qb.bh) * z.t + qb.i0) * dq_width;
+    float* dq_blk = in_scratch ? scratch.dq.data()
+                               : dqp + ((part * z.b * z.h + qb.bh) * z.t + qb.i0) * dq_width;
+    if (in_scratch) std::fill(dq_blk, dq_blk + qb.bq * dq_width, 0.f);
     const auto [row_lo, row_hi] = sc.block_range(qb.i0, qb.i1);
     const int64_t from = std::max(row_lo, tile.c0), to = std::min(row_hi, tile.c1);
-    if (from >= to) return;  // no key of the tile visible to this query block
-    blocks.prepare(qb.bh, qb.i0, qb.bq, scratch.products);
-    // This part's key blocks: those of index part, part + split, ... on the grid of block_k.
-    const int64_t first_block = from / block_k + (part - from / block_k % split + split) % split;
-    for (int64_t grid = first_block * block_k; grid < to; grid += split * block_k) {
-      const int64_t j0 = std::max(grid, from), n = std::min(grid + block_k, to) - j0;
-      key_block(qb, j0, n, part, tile, dq_blk, dbias, scratch);
+    if (from < to) {  // else no key of the tile visible to this query block
+      blocks.prepare(qb.bh, qb.i0, qb.bq, scratch.products);
+      // This part's key blocks: those of index part, part + split, ... on the grid of block_k.
+      const int64_t first_block = from / block_k + (part - from / block_k % split + split) % split;
+      for (int64_t grid = first_block * block_k; grid < to; grid += split * block_k) {
+        const int64_t j0 = std::max(grid, from), n = std::min(grid + block_k, to) - j0;
+        key_block(qb, j0, n, part, tile, dq_blk, dbias, scratch);
+      }
     }
+    if (in_scratch) store_head_rows(grads[0], qb.bh, qb.i0, qb.bq, dq_blk, dq_width, q_scale);
   }
 
   // One query block against the keys [j0, j0 + n): P again, then the products and dS.
@@ -141,8 +168,8 @@ struct BackwardPass {
                  float* dq_blk, float* dbias, Scratch& scratch) {
     const int64_t ld = blocks.score_stride(n);
     float *p = scratch.probs.data(), *ds = scratch.dscores.data();
-    float* dk_head = dkp + qb.kv * z.s * dk_width;
-    float* dv_head = dvp + qb.kv * z.s * dv_width;
+    float* dk_head = in_scratch ? scratch.dk.data() : dkp + qb.kv * z.s * dk_width;
+    float* dv_head = in_scratch ? scratch.dv.data() : dvp + qb.kv * z.s * dv_width;
     auto& w = scratch.products;
     blocks.scores(qb.bh, qb.i0, qb.bq, qb.kv, j0, n, p, w);  // S = Q K^T
     for (int64_t r = 0; r < qb.bq; ++r) {
@@ -213,8 +240,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_blocks(
     const at::Tensor& lse, const at::Tensor& delta, int64_t block_q, int64_t block_k,
     bool alibi_grad, const Tiles& tiles, const std::array<at::Tensor, 3>& grads, double q_scale) {
   TORCH_CHECK(!alibi_grad || sc.alibi != nullptr, "tiled: alibi_grad without ALiBi slopes");
-  return BackwardPass<Blocks>(blocks, z, sc, drop, lse, delta, block_q, block_k, alibi_grad)
-      .run(tiles, grads, q_scale);
+  const bool one_tile = tiles.rows >= z.t && tiles.keys >= z.s;
+  return BackwardPass<Blocks>(blocks, z, sc, drop, lse, delta, block_q, block_k, alibi_grad,
+                              one_tile, grads, q_scale)
+      .run(tiles);
 }
 
 }  // namespace

@@ -71,4 +71,17 @@ inline void store_rows(const at::Tensor& out, const float* rows, int64_t ld, int
   });
 }
 
+// Rows [i0, i0 + count) of head `bh` of `out` (as store_rows takes it): `factor` times the float32
+// rows at `rows`, `ld` apart, rounded as store_row rounds.
+inline void store_head_rows(const at::Tensor& out, int64_t bh, int64_t i0, int64_t count,
+                            const float* rows, int64_t ld, float factor) {
+  with_element_type(out, [&](auto tag) {
+    using T = decltype(tag);
+    const Operand<T> o(out, out.data_ptr<T>());
+    for (int64_t r = 0; r < count; ++r) {
+      store_row(o.row(bh, i0 + r), rows + r * ld, out.size(3), 1, 0, factor);
+    }
+  });
+}
+
 }  // namespace
