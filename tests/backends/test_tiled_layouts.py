@@ -206,3 +206,35 @@ def test_half_precision_gradients_are_the_float32_ones_rounded_once(dtype):
 
     for got, wide in zip(grads(dtype), grads(torch.float32)):
         torch.testing.assert_close(got, wide.to(dtype), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gradients_summed_in_each_threads_scratch_are_those_summed_in_buffers(dtype):
+    """In one tile, each key/value head one item, the backward sums a query block's dq and a
+    head's dk and dv in the thread's scratch and writes them when whole; tile by tile it sums
+    them in buffers of the whole call. The same gradients bit for bit, and every row written
+    whatever the tensors held: 0 for the queries that see no key (t > s, causal)."""
+    kernel = _kernel()
+    b, h, t, s, d = 2, 2, 70, 40, 8
+    q, k, v, dout = (_heads(b, n, h, d, dtype) for n in (t, s, s, t))
+    delta = torch.randn(b, h, t)
+
+    def grads(tile):
+        options = _options(kernel, tile=tile)
+        options.window_right = 0  # causal: the first t - s queries see no key
+        lse = kernel.forward(q, k, v, torch.empty(b, h, t, d), options)[1]
+        lse = lse.masked_fill(lse == -math.inf, 0.0)  # as attnkit passes it
+        into = tuple(torch.full_like(x, math.nan) for x in (q, k, v))
+        return kernel.backward(dout, q, k, v, lse, delta, *into, 0.5, options)[:3]
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)  # b h_kv = 4 items: no part of a head's keys
+        in_scratch, in_buffers = grads((80, 64)), grads((16, 32))
+    finally:
+        torch.set_num_threads(threads)
+    for got, want in zip(in_scratch, in_buffers):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert (in_scratch[0][:, :, : t - s] == 0).all() and in_scratch[0][
+        :, :, t - s :
+    ].abs().sum() > 0
