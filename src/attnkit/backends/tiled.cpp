@@ -232,8 +232,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
     return backward_blocks(Float32Blocks(z, q, k, v, &dout), z, sc, drop, lse, delta, block_q,
                            block_k, alibi_grad, tiles, grads, q_scale);
   }
-  return backward_blocks(Bf16Blocks(z, q, k, v, &dout, fast_pairs(options.route)), z, sc, drop,
-                         lse, delta, block_q, block_k, alibi_grad, tiles, grads, q_scale);
+  const bool per_head = backward_in_scratch(z, block_k, tiles);  // its items are whole heads
+  return backward_blocks(Bf16Blocks(z, q, k, v, &dout, fast_pairs(options.route), per_head), z,
+                         sc, drop, lse, delta, block_q, block_k, alibi_grad, tiles, grads,
+                         q_scale);
 }
 
 // The dropout's factors over the queries [i0, i1) and keys [j0, j1) of `heads` (batch x heads)

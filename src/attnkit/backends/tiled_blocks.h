@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "pair_products.h"
@@ -100,6 +101,7 @@ struct Float32Blocks {
     gemm(false, false, bq, z.dv, n, P, n, block, ld, acc, acc_ld, true);
   }
   void prepare(int64_t, int64_t, int64_t, Scratch&) const {}
+  void pack_head(int64_t, Scratch&) const {}  // the float32 operands are read where they lie
   // dV += P^T dO
   void add_dv(const float* P, int64_t bh, int64_t i0, int64_t bq, int64_t j0, int64_t n,
               float* dv_head, Scratch&) const {
@@ -123,8 +125,10 @@ struct Float32Blocks {
   }
 };
 
-// bf16 operands, packed once per call for the products that read them whole (K and V, each in the
-// two orientations it is multiplied in) and once per query block for the rest.
+// bf16 operands, packed for the products that read them whole (K and V, each in the two
+// orientations it is multiplied in) and once per query block for the rest. K and V are packed once
+// per call, every head at once, or, `per_head`, one key/value head at a time into the scratch of
+// the thread that works on it (pack_head: the backward's items are whole heads).
 struct Bf16Blocks {
   using Pair = pairs::Pair;
   using Bf16 = pairs::Bf16;
@@ -133,48 +137,76 @@ struct Bf16Blocks {
   Operand<const Bf16> q, k, v, dout;  // rows of pairs: even strides, 4-byte aligned
   int64_t key_cols;             // columns of the packs whose columns are keys: s + kCols, zero-padded
   int64_t d_cols, dv_cols;      // d and dv padded to kCols
-  std::vector<Pair> k_by_dim;   // per kv head, (d / 2) x key_cols: pairs along d (for Q K^T)
-  std::vector<Pair> v_by_dim;   // (dv / 2) x key_cols, for dO V^T (backward)
-  std::vector<Pair> v_by_key;   // ceil(s / 2) x dv_cols: pairs of keys, for P V
-  std::vector<Pair> k_by_key;   // ceil(s / 2) x d_cols, for dS K (backward)
+  bool per_head;                // the packs below are in each thread's Scratch, one head's
+
+  // The packs of K and V, per kv head, or of one (in a Scratch, `head` the one packed there).
+  struct Packs {
+    std::vector<Pair> k_by_dim;  // (d / 2) x key_cols: pairs along d (for Q K^T)
+    std::vector<Pair> v_by_dim;  // (dv / 2) x key_cols, for dO V^T (backward)
+    std::vector<Pair> v_by_key;  // ceil(s / 2) x dv_cols: pairs of keys, for P V
+    std::vector<Pair> k_by_key;  // ceil(s / 2) x d_cols, for dS K (backward)
+    int64_t head = -1;
+  } whole;
 
   struct Scratch {
     std::vector<Bf16> rows;                       // P or dS rounded, aligned on pairs of keys
     std::vector<Pair> transposed;                 // P or dS, pairs of query rows
     std::vector<Pair> q_rows, dout_rows;          // the query block's Q and dO, pairs of rows
+    Packs head;                                   // per_head: one key/value head's packs
     Scratch(const Bf16Blocks& blocks, int64_t block_q, int64_t block_k)
         : rows(block_q * (block_k + 3)),
           transposed((block_q + 1) / 2 * pairs::padded(block_k)),
           q_rows((block_q + 1) / 2 * blocks.d_cols),
-          dout_rows(blocks.dout.data ? (block_q + 1) / 2 * blocks.dv_cols : 0) {}
+          dout_rows(blocks.dout.data ? (block_q + 1) / 2 * blocks.dv_cols : 0) {
+      if (blocks.per_head) blocks.size_packs(head, 1);
+    }
   };
 
   Bf16Blocks(const Sizes& sizes, const at::Tensor& q_, const at::Tensor& k_,
-             const at::Tensor& v_, const at::Tensor* dout_, bool fast_)
+             const at::Tensor& v_, const at::Tensor* dout_, bool fast_, bool per_head_ = false)
       : z(sizes), fast(fast_), q(of(q_)), k(of(k_)), v(of(v_)),
         dout(dout_ ? of(*dout_) : Operand<const Bf16>()), key_cols(z.s + pairs::kCols),
-        d_cols(pairs::padded(z.d)), dv_cols(pairs::padded(z.dv)) {
-    const int64_t heads = z.b * z.h_kv, key_pairs = (z.s + 1) / 2;
-    k_by_dim.resize(heads * z.d / 2 * key_cols);
-    v_by_key.resize(heads * key_pairs * dv_cols);
-    if (dout.data) {
-      v_by_dim.resize(heads * z.dv / 2 * key_cols);
-      k_by_key.resize(heads * key_pairs * d_cols);
-    }
-    at::parallel_for(0, heads, 1, [&](int64_t first, int64_t last) {
-      for (int64_t kv = first; kv < last; ++kv) {
-        const Bf16 *kh = k.row(kv, 0), *vh = v.row(kv, 0);
-        pairs::pack_transposed(kh, z.s, z.d, k.ld, &k_by_dim[kv * z.d / 2 * key_cols], key_cols);
-        pairs::pack_row_pairs(vh, z.s, z.dv, v.ld, &v_by_key[kv * key_pairs * dv_cols], dv_cols,
-                              true);
-        if (dout.data) {
-          pairs::pack_transposed(vh, z.s, z.dv, v.ld, &v_by_dim[kv * z.dv / 2 * key_cols],
-                                 key_cols);
-          pairs::pack_row_pairs(kh, z.s, z.d, k.ld, &k_by_key[kv * key_pairs * d_cols], d_cols,
-                                true);
-        }
-      }
+        d_cols(pairs::padded(z.d)), dv_cols(pairs::padded(z.dv)), per_head(per_head_) {
+    if (per_head) return;
+    size_packs(whole, z.b * z.h_kv);
+    at::parallel_for(0, z.b * z.h_kv, 1, [&](int64_t first, int64_t last) {
+      for (int64_t kv = first; kv < last; ++kv) pack(kv, whole, kv);
     });
+  }
+
+  void size_packs(Packs& p, int64_t heads) const {
+    const int64_t key_pairs = (z.s + 1) / 2;
+    p.k_by_dim.resize(heads * z.d / 2 * key_cols);
+    p.v_by_key.resize(heads * key_pairs * dv_cols);
+    if (dout.data) {
+      p.v_by_dim.resize(heads * z.dv / 2 * key_cols);
+      p.k_by_key.resize(heads * key_pairs * d_cols);
+    }
+  }
+  // Head kv's K and V into the `slot`-th head of `p`.
+  void pack(int64_t kv, Packs& p, int64_t slot) const {
+    const int64_t key_pairs = (z.s + 1) / 2;
+    const Bf16 *kh = k.row(kv, 0), *vh = v.row(kv, 0);
+    pairs::pack_transposed(kh, z.s, z.d, k.ld, &p.k_by_dim[slot * z.d / 2 * key_cols], key_cols);
+    pairs::pack_row_pairs(vh, z.s, z.dv, v.ld, &p.v_by_key[slot * key_pairs * dv_cols], dv_cols,
+                          true);
+    if (dout.data) {
+      pairs::pack_transposed(vh, z.s, z.dv, v.ld, &p.v_by_dim[slot * z.dv / 2 * key_cols],
+                             key_cols);
+      pairs::pack_row_pairs(kh, z.s, z.d, k.ld, &p.k_by_key[slot * key_pairs * d_cols], d_cols,
+                            true);
+    }
+  }
+  // Before the products of head kv in a thread: per_head, its packs into the thread's scratch.
+  void pack_head(int64_t kv, Scratch& w) const {
+    if (!per_head || w.head.head == kv) return;
+    pack(kv, w.head, 0);
+    w.head.head = kv;
+  }
+  // Where head kv's packs are: (the packs, the head's slot in them).
+  std::pair<const Packs&, int64_t> packs(int64_t kv, const Scratch& w) const {
+    if (per_head) return {w.head, 0};
+    return {whole, kv};
   }
 
   static Operand<const Bf16> of(const at::Tensor& x) {
@@ -187,8 +219,9 @@ struct Bf16Blocks {
   const Operand<const Bf16>& values() const { return v; }
 
   void scores(int64_t bh, int64_t i0, int64_t bq, int64_t kv, int64_t j0, int64_t n, float* S,
-              Scratch&) const {
-    const Pair* b = &k_by_dim[kv * z.d / 2 * key_cols] + j0;
+              Scratch& w) const {
+    const auto [p, slot] = packs(kv, w);
+    const Pair* b = &p.k_by_dim[slot * z.d / 2 * key_cols] + j0;
     pairs::gemm(fast, bq, pairs::padded(n), z.d / 2, words(q.row(bh, i0)), q.ld / 2, 1, b,
                 key_cols, S, pairs::padded(n), false);
   }
@@ -218,7 +251,8 @@ struct Bf16Blocks {
   // from the selection in the forward, which reads the values themselves).
   void add_values(const float*, int64_t bq, int64_t kv, int64_t j0, int64_t n, bool, float* acc,
                   int64_t acc_ld, Scratch& w) const {
-    const Pair* b = &v_by_key[(kv * ((z.s + 1) / 2) + j0 / 2) * dv_cols];
+    const auto [p, slot] = packs(kv, w);
+    const Pair* b = &p.v_by_key[(slot * ((z.s + 1) / 2) + j0 / 2) * dv_cols];
     pairs::gemm(fast, bq, dv_cols, key_pairs(j0, n), words(w.rows.data()), key_width(n) / 2, 1, b,
                 dv_cols, acc, acc_ld, true);
   }
@@ -240,8 +274,9 @@ struct Bf16Blocks {
                 dv_cols, dv_head + j0 * dv_cols, dv_cols, true);
   }
   void dprobs(int64_t bh, int64_t i0, int64_t bq, int64_t kv, int64_t j0, int64_t n, float* dP,
-              Scratch&) const {
-    const Pair* b = &v_by_dim[kv * z.dv / 2 * key_cols] + j0;
+              Scratch& w) const {
+    const auto [p, slot] = packs(kv, w);
+    const Pair* b = &p.v_by_dim[slot * z.dv / 2 * key_cols] + j0;
     pairs::gemm(fast, bq, pairs::padded(n), z.dv / 2, words(dout.row(bh, i0)), dout.ld / 2, 1, b,
                 key_cols, dP, pairs::padded(n), false);
   }
@@ -252,7 +287,8 @@ struct Bf16Blocks {
       pairs::round_row(dS + r * pairs::padded(n), n, key_row(w, r, j0, n));
     }
     const int64_t count = key_pairs(j0, n);
-    const Pair* b = &k_by_key[(kv * ((z.s + 1) / 2) + j0 / 2) * d_cols];
+    const auto [p, slot] = packs(kv, w);
+    const Pair* b = &p.k_by_key[(slot * ((z.s + 1) / 2) + j0 / 2) * d_cols];
     pairs::gemm(fast, bq, d_cols, count, words(w.rows.data()), width / 2, 1, b, d_cols, dq_rows,
                 d_cols, true);
   }
