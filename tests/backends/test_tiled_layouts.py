@@ -238,3 +238,18 @@ def test_gradients_summed_in_each_threads_scratch_are_those_summed_in_buffers(dt
     assert (in_scratch[0][:, :, : t - s] == 0).all() and in_scratch[0][
         :, :, t - s :
     ].abs().sum() > 0
+
+
+def test_a_call_whose_queries_see_no_key_writes_zero_gradients():
+    """Queries shifted before every key (a ring's chunk of queries ahead of its keys): no tile is
+    visited, and the gradients are still written, as zeros."""
+    kernel = _kernel()
+    q, k, v, dout = (torch.randn(2, 2, n, 8) for n in (20, 30, 30, 20))
+    options = _options(kernel, tile=(80, 64))
+    options.window_right, options.shift = 0, -40  # causal, the queries 30 positions before key 0
+    out, lse = kernel.forward(q, k, v, torch.full((2, 2, 20, 8), 5.0), options)
+    assert (out == 0).all() and (lse == -math.inf).all()
+    into = tuple(torch.full_like(x, math.nan) for x in (q, k, v))
+    zeros = torch.zeros_like(lse)
+    grads = kernel.backward(dout, q, k, v, zeros, torch.randn(2, 2, 20), *into, 0.5, options)[:3]
+    assert all((g == 0).all() for g in grads)

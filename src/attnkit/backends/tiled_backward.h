@@ -103,11 +103,13 @@ struct BackwardPass {
         dvp(dvv.data_ptr<float>()) {}
 
   // Writes the gradients of the pre-scaled q (times `q_scale`: those of q itself), k and v into
-  // `grads` (see store_rows); returns them and the slopes' gradient (b, h), empty without
+  // `grads` (see store_rows and store_head_rows); returns them and the slopes' gradient (b, h), empty without
   // alibi_grad.
   std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> run(const Tiles& tiles) {
     const bool bias_grad = !tiles.mod_bias_grad.is_none();
+    bool walked = false;  // a call whose queries see no key at all visits no tile
     tiles.walk(z, sc, [&](const Tile& tile) {
+      walked = true;
       // dL/df over the tile: dS where a block was visited, 0 elsewhere
       const at::Tensor dbias =
           bias_grad ? at::zeros({z.b, z.h, tile.r1 - tile.r0, tile.c1 - tile.c0}, at::kFloat)
@@ -123,6 +125,9 @@ struct BackwardPass {
       if (bias_grad) tiles.mod_bias_grad(tile.r0, tile.r1, tile.c0, tile.c1, dbias);
     });
     auto dalibi = alibi_grad ? dalibi_parts.sum(at::IntArrayRef{0, 1}) : dalibi_parts;
+    if (in_scratch && !walked) {
+      for (const at::Tensor& g : grads) g.zero_();
+    }
     if (!in_scratch) {
       const int64_t dq_part = z.b * z.h * z.t * dq_width;
       store_rows(grads[0], dqp, dq_width, split, dq_part, q_scale);

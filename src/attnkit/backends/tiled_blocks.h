@@ -137,7 +137,7 @@ struct Bf16Blocks {
   Operand<const Bf16> q, k, v, dout;  // rows of pairs: even strides, 4-byte aligned
   int64_t key_cols;             // columns of the packs whose columns are keys: s + kCols, zero-padded
   int64_t d_cols, dv_cols;      // d and dv padded to kCols
-  bool per_head;                // the packs below are in each thread's Scratch, one head's
+  bool per_head;                // the packs are in each thread's Scratch, one head's; else `whole`
 
   // The packs of K and V, per kv head, or of one (in a Scratch, `head` the one packed there).
   struct Packs {
