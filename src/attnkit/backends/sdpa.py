@@ -100,8 +100,8 @@ def _all_finite(*queries: Tensor, keys: Tensor, nonfinite_keys: Tensor | None) -
     from the caller's record of their rows where there is one (``s`` flags, not ``s * d`` values)."""
     if nonfinite_keys is None:
         return all_finite(*queries, keys)
-    flags = nonfinite_keys
-    return can_branch_on_data(flags) and not bool(flags.any()) and all_finite(*queries)
+    known = nonfinite_keys
+    return can_branch_on_data(known) and not bool(known.any()) and all_finite(*queries)
 
 
 def _nan_rule(

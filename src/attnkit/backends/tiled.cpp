@@ -228,13 +228,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
   const Dropout drop = dropout_of(options.dropout_p, options.dropout_seed);
   const int64_t block_q = options.block_q, block_k = options.block_k;
   const bool alibi_grad = options.alibi_grad;
+  const BackwardPlan plan = BackwardPlan::of(z, block_k, tiles);
   if (dtype == at::kFloat) {
     return backward_blocks(Float32Blocks(z, q, k, v, &dout), z, sc, drop, lse, delta, block_q,
-                           block_k, alibi_grad, tiles, grads, q_scale);
+                           block_k, alibi_grad, plan, tiles, grads, q_scale);
   }
-  const bool per_head = backward_in_scratch(z, block_k, tiles);  // its items are whole heads
+  const bool per_head = plan.in_scratch;  // its items are whole heads: each packs its own
   return backward_blocks(Bf16Blocks(z, q, k, v, &dout, fast_pairs(options.route), per_head), z,
-                         sc, drop, lse, delta, block_q, block_k, alibi_grad, tiles, grads,
+                         sc, drop, lse, delta, block_q, block_k, alibi_grad, plan, tiles, grads,
                          q_scale);
 }
 

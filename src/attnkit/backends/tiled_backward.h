@@ -33,18 +33,21 @@
 
 namespace {
 
-// Parts of a key/value head's key blocks that the threads share: more than one where there are
-// fewer key/value heads (b h_kv) than threads.
-inline int64_t backward_split(const Sizes& z, int64_t block_k) {
-  const int64_t blocks = (z.s + block_k - 1) / block_k;
-  return std::max<int64_t>(1, std::min(blocks, at::get_num_threads() / (z.b * z.h_kv)));
-}
+// How the backward shares a call among threads: `split` parts of each key/value head's key
+// blocks (more than one where there are fewer key/value heads, b h_kv, than threads), and whether
+// each item makes whole gradients, summed in its thread's scratch (see above: a call in one tile,
+// each key/value head one item).
+struct BackwardPlan {
+  int64_t split;
+  bool in_scratch;
 
-// Whether each item makes whole gradients, summed in its thread's scratch (see above): a call in
-// one tile, each key/value head one item.
-inline bool backward_in_scratch(const Sizes& z, int64_t block_k, const Tiles& tiles) {
-  return tiles.rows >= z.t && tiles.keys >= z.s && backward_split(z, block_k) == 1;
-}
+  static BackwardPlan of(const Sizes& z, int64_t block_k, const Tiles& tiles) {
+    const int64_t blocks = (z.s + block_k - 1) / block_k;
+    const int64_t split =
+        std::max<int64_t>(1, std::min(blocks, at::get_num_threads() / (z.b * z.h_kv)));
+    return {split, tiles.rows >= z.t && tiles.keys >= z.s && split == 1};
+  }
+};
 
 // The backward of one call: the gradients w.r.t. q, k, v and (if `alibi_grad`) the ALiBi slopes,
 // summed in float32 and written into the caller's tensors (`grads`, times `q_scale` for q's); lse
@@ -87,12 +90,12 @@ struct BackwardPass {
 
   BackwardPass(const Blocks& blocks_, const Sizes& z_, const Scoring& sc_, const Dropout& drop_,
                const at::Tensor& lse, const at::Tensor& delta, int64_t block_q_, int64_t block_k_,
-               bool alibi_grad_, bool in_scratch_, const std::array<at::Tensor, 3>& grads_,
-               double q_scale_)
+               bool alibi_grad_, const BackwardPlan& plan,
+               const std::array<at::Tensor, 3>& grads_, double q_scale_)
       : blocks(blocks_), z(z_), sc(sc_), drop(drop_), block_q(block_q_), block_k(block_k_),
         alibi_grad(alibi_grad_), capping(sc.softcap > 0.f), dq_width(blocks.width(z.d)),
         dk_width(dq_width), dv_width(blocks.width(z.dv)),
-        split(backward_split(z, block_k)), in_scratch(in_scratch_ && split == 1), grads(grads_),
+        split(plan.split), in_scratch(plan.in_scratch), grads(grads_),
         q_scale(static_cast<float>(q_scale_)),
         dq_parts(at::zeros({in_scratch ? 0 : split, z.b, z.h, z.t, dq_width}, at::kFloat)),
         dalibi_parts(at::zeros({alibi_grad ? split : 0, z.b, z.h}, at::kFloat)),
@@ -256,10 +259,11 @@ template <typename Blocks>
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_blocks(
     const Blocks& blocks, const Sizes& z, const Scoring& sc, const Dropout& drop,
     const at::Tensor& lse, const at::Tensor& delta, int64_t block_q, int64_t block_k,
-    bool alibi_grad, const Tiles& tiles, const std::array<at::Tensor, 3>& grads, double q_scale) {
+    bool alibi_grad, const BackwardPlan& plan, const Tiles& tiles,
+    const std::array<at::Tensor, 3>& grads, double q_scale) {
   TORCH_CHECK(!alibi_grad || sc.alibi != nullptr, "tiled: alibi_grad without ALiBi slopes");
-  return BackwardPass<Blocks>(blocks, z, sc, drop, lse, delta, block_q, block_k, alibi_grad,
-                              backward_in_scratch(z, block_k, tiles), grads, q_scale)
+  return BackwardPass<Blocks>(blocks, z, sc, drop, lse, delta, block_q, block_k, alibi_grad, plan,
+                              grads, q_scale)
       .run(tiles);
 }
 

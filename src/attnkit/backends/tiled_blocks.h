@@ -139,20 +139,20 @@ struct Bf16Blocks {
   int64_t d_cols, dv_cols;      // d and dv padded to kCols
   bool per_head;                // the packs are in each thread's Scratch, one head's; else `whole`
 
-  // The packs of K and V, per kv head, or of one (in a Scratch, `head` the one packed there).
+  // The packs of K and V, per kv head, or of one (in a Scratch).
   struct Packs {
     std::vector<Pair> k_by_dim;  // (d / 2) x key_cols: pairs along d (for Q K^T)
     std::vector<Pair> v_by_dim;  // (dv / 2) x key_cols, for dO V^T (backward)
     std::vector<Pair> v_by_key;  // ceil(s / 2) x dv_cols: pairs of keys, for P V
     std::vector<Pair> k_by_key;  // ceil(s / 2) x d_cols, for dS K (backward)
-    int64_t head = -1;
   } whole;
 
   struct Scratch {
     std::vector<Bf16> rows;                       // P or dS rounded, aligned on pairs of keys
     std::vector<Pair> transposed;                 // P or dS, pairs of query rows
     std::vector<Pair> q_rows, dout_rows;          // the query block's Q and dO, pairs of rows
-    Packs head;                                   // per_head: one key/value head's packs
+    Packs head;                                   // per_head: the packs of one key/value head,
+    int64_t packed = -1;                          // which one (-1: none yet)
     Scratch(const Bf16Blocks& blocks, int64_t block_q, int64_t block_k)
         : rows(block_q * (block_k + 3)),
           transposed((block_q + 1) / 2 * pairs::padded(block_k)),
@@ -199,9 +199,9 @@ struct Bf16Blocks {
   }
   // Before the products of head kv in a thread: per_head, its packs into the thread's scratch.
   void pack_head(int64_t kv, Scratch& w) const {
-    if (!per_head || w.head.head == kv) return;
+    if (!per_head || w.packed == kv) return;
     pack(kv, w.head, 0);
-    w.head.head = kv;
+    w.packed = kv;
   }
   // Where head kv's packs are: (the packs, the head's slot in them).
   std::pair<const Packs&, int64_t> packs(int64_t kv, const Scratch& w) const {

@@ -128,9 +128,6 @@ class CrossAttention(ProjectedAttention):
                 if key_mask is not None:
                     _checks.check_key_mask(key_mask, *memory.shape[:2], x.device)
                 keys, values = cache.update(keys, values, key_mask=key_mask)
-        known = {}  # the rows of a cached memory that hold a NaN or an infinity, looked at once
-        if cache is not None and not keys.is_cpu:  # (on a CPU the decode kernel finds them)
-            known["nonfinite_keys"] = cache.nonfinite_keys()
         result = self._attend(
             queries,
             keys,
@@ -140,7 +137,7 @@ class CrossAttention(ProjectedAttention):
             attn_mask=None,
             need_weights=need_weights,
             average_weights=average_weights,
-            **known,
+            **self._known_of(cache, keys),
         )
         return unbatch(result, unbatched)
 

@@ -215,8 +215,7 @@ class MultiHeadAttention(ProjectedAttention):
             keys, values = cache.update(keys, values, key_mask=key_mask)
             key_mask = None if cache.key_mask is None else cache.key_mask[:, -keys.shape[2] :]
             mods = at_positions(mods, cache.position - t, cache.position - keys.shape[2])
-            if not keys.is_cpu:  # a CPU's decode kernel finds them as it streams the keys; SDPA
-                mods["nonfinite_keys"] = cache.nonfinite_keys()  # elsewhere would read them all
+            mods |= self._known_of(cache, keys)
         result = self._attend(
             queries,
             keys,

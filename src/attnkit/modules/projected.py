@@ -121,6 +121,15 @@ class ProjectedAttention(nn.Module):
             return out
         return out, weights.mean(dim=1) if average_weights else weights  # (b, t, s) | (b, h, t, s)
 
+    @staticmethod
+    def _known_of(cache: KVCache | None, keys: Tensor) -> dict[str, Tensor]:
+        """What a cache knows of the keys it returned, for ``attention``: which rows hold a NaN or
+        an infinity, off the CPU, where SDPA would read the whole cache to find them (on a CPU the
+        decode kernel finds them as it streams the keys)."""
+        if cache is None or keys.is_cpu:
+            return {}
+        return {"nonfinite_keys": cache.nonfinite_keys()}
+
     def _check_cache(self, cache: KVCache, x: Tensor) -> None:
         if not isinstance(cache, KVCache):
             raise TypeError(f"cache must be an attnkit.KVCache, got {type(cache).__name__}")
