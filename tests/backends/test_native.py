@@ -357,3 +357,17 @@ def test_a_wheel_for_an_unknown_cpu_level_is_refused_naming_it(tmp_path):
     assert "ATTNKIT_WHEEL_LEVELS: unknown levels ['avx9']" in said
     assert "known: ['none', 'avx2', 'avx512', 'avx512_bf16']" in said
     assert not list(tmp_path.glob("dist/*.whl"))  # no wheel without its kernels
+
+
+def test_whether_a_kernel_is_at_hand_is_read_once_per_setting(tmp_path, monkeypatch):
+    """A helper asks at_hand on every call: the extensions folder is looked at (its sources
+    hashed) once per setting, and again when the setting changes."""
+    monkeypatch.setattr(_native, "PREBUILT", tmp_path / "no-wheel")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "a"))
+    kernel = _native.Kernel("tiled")
+    looks = []
+    cached = kernel.cached
+    monkeypatch.setattr(kernel, "cached", lambda: looks.append(1) or cached())
+    assert not any(kernel.at_hand() for _ in range(3)) and len(looks) == 1
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "b"))
+    assert not kernel.at_hand() and len(looks) == 2

@@ -545,3 +545,64 @@ def test_weights_of_a_nan_row_are_nan_where_it_looks_and_0_where_masked(path, gr
     _, _, expected = selected_attention(q, k, v, causal=True)
     assert_same(weights.detach(), expected)
     assert torch.equal(weights[0, 0, 3, 4:].detach(), torch.zeros(2))
+
+
+def _native_check():
+    """The C++ check of values in the tiled kernel's build (skips where none can be had)."""
+    from attnkit.backends import nonfinite
+
+    kernel = nonfinite.KERNEL.load()
+    if kernel is None:
+        pytest.skip(f"no build of the tiled kernel: {nonfinite.KERNEL.available()[1]}")
+    return kernel
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("bad", [NAN, math.inf, -math.inf, None])
+@pytest.mark.parametrize("where", [0, 4095, 70_000, 199_999])  # past one thread's share too
+def test_the_native_check_of_values_finds_each_kind_in_each_dtype(dtype, bad, where):
+    """The C++ check reads each value's exponent bits: exact where a sum would overflow, for the
+    largest and the smallest (subnormal) finite values, on each thread's share of a long tensor."""
+    kernel = _native_check()
+    info = torch.finfo(dtype)
+    x = torch.randn(200_000).to(dtype)
+    x[1], x[2], x[3], x[-1] = info.max, -info.max, info.smallest_normal / 4, -0.0
+    if bad is not None:
+        x[where] = bad
+    expected = bool(torch.isfinite(x).all())
+    assert expected == (bad is None)
+    assert kernel.all_finite([x]) == expected
+    assert kernel.all_finite([x[:4096].clone(), x]) == expected  # the bad one second
+    assert kernel.all_finite([x[:0], x[1:4].clone()])  # nothing, and huge finite values
+
+
+def test_the_native_check_takes_only_what_it_reads_whole():
+    kernel = _native_check()
+    with pytest.raises(RuntimeError, match="contiguous CPU tensors"):
+        kernel.all_finite([torch.randn(4, 6).t()])
+    with pytest.raises(RuntimeError, match="float32, float64, bfloat16 or float16"):
+        kernel.all_finite([torch.ones(4, dtype=torch.int32)])
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_values_are_checked_natively_where_they_can_be_and_alike_elsewhere(native, monkeypatch):
+    """`all_finite` and `nonfinite_rows` call the C++ check for contiguous tensors where a build is
+    at hand, and torch's passes elsewhere (no build, a transposed view): the same answers."""
+    from attnkit.backends import _native, nonfinite
+
+    if native:
+        _native_check()
+    else:  # no build: the kernel is disabled before it loads
+        monkeypatch.setenv("ATTNKIT_NATIVE", "0")
+        monkeypatch.setattr(nonfinite, "KERNEL", _native.Kernel("tiled"))
+    seen = []
+    torchs = nonfinite._finite
+    monkeypatch.setattr(nonfinite, "_finite", lambda x: seen.append(x.shape) or torchs(x))
+    q, k = torch.randn(1, 2, 5, 8), torch.randn(1, 1, 7, 8)
+    k[0, 0, 3, 2] = math.inf
+    assert nonfinite.all_finite(q) and not nonfinite.all_finite(q, k)
+    assert torch.equal(nonfinite.nonfinite_rows(k)[0, 0], torch.arange(7) == 3)
+    assert (seen == []) == native
+    seen.clear()
+    assert not nonfinite.all_finite(q, k.transpose(-1, -2))  # not contiguous: torch's pass
+    assert (7, 8) not in seen and seen[-1] == (1, 1, 8, 7)

@@ -61,6 +61,7 @@ class Kernel:
     _failure: str | None = field(default=None, repr=False)
     _loading: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _found: dict = field(default_factory=dict, repr=False)  # usable(), by setting
+    _at_hand: dict = field(default_factory=dict, repr=False)  # at_hand(), by setting
 
     @property
     def source(self) -> str:
@@ -89,12 +90,7 @@ class Kernel:
             return True, None
         if self._failure is not None:
             return False, self._failure
-        setting = (
-            _cpu.build_level(),
-            os.environ.get("TORCH_EXTENSIONS_DIR"),
-            _build.compiler(),
-            os.environ.get("ATTNKIT_NATIVE", "1"),
-        )
+        setting = _setting()
         if setting not in self._found:
             self._found[setting] = self._find()
         return self._found[setting]
@@ -114,12 +110,16 @@ class Kernel:
     def at_hand(self) -> bool:
         """Whether [`load`][attnkit.backends._native.Kernel.load] would load the kernel without
         compiling it: it is loaded, or a build is in the wheel or the extensions folder. For a
-        helper that only speeds up work the PyTorch operations can do, and must not start a build."""
+        helper that only speeds up work the PyTorch operations can do, and must not start a build.
+        Read once per setting, as `usable` is (a helper may ask on every call)."""
         if self._module is not None:
             return True
         if self._failure is not None or os.environ.get("ATTNKIT_NATIVE", "1") == "0":
             return False
-        return self.prebuilt() is not None or self.cached().exists()
+        setting = _setting()
+        if setting not in self._at_hand:
+            self._at_hand[setting] = self.prebuilt() is not None or self.cached().exists()
+        return self._at_hand[setting]
 
     def has_avx512_bf16(self) -> bool:
         """Whether its build multiplies bf16 with AVX512-BF16: that of the ``avx512_bf16`` level
@@ -185,6 +185,17 @@ class Kernel:
     def available(self) -> tuple[bool, str | None]:
         """Whether the kernel is usable, building it if need be, and why not."""
         return self.load() is not None, self._failure
+
+
+def _setting() -> tuple[str | None, ...]:
+    """What decides whether a kernel can be had, besides this process's own attempts: the CPU
+    level, the extensions folder, the compiler and ``ATTNKIT_NATIVE``."""
+    return (
+        _cpu.build_level(),
+        os.environ.get("TORCH_EXTENSIONS_DIR"),
+        _build.compiler(),
+        os.environ.get("ATTNKIT_NATIVE", "1"),
+    )
 
 
 def _import(path: Path) -> ModuleType:

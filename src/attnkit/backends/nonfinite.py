@@ -19,9 +19,12 @@ import torch
 from torch import Tensor
 
 from attnkit._tracing import traced
-from attnkit.backends import force
+from attnkit.backends import _native, force
 
 NAN = float("nan")
+
+KERNEL = _native.KERNELS["tiled"]
+"""The C++ build whose check of values `_values_finite` calls, where one is at hand."""
 
 
 def nan_unless_finite(scores: Tensor) -> Tensor:
@@ -47,10 +50,10 @@ def can_branch_on_data(*tensors: Tensor) -> bool:
 
 
 def _finite(x: Tensor) -> bool:
-    """Whether every value of ``x`` is finite, in one pass: for float32 and float64 their sum (not
-    finite if a value is not, and, rarely, on overflow: a caller's exact check then decides); for
-    half precision their min and max, since widening them to sum in float32 runs at a fifth of the
-    speed (0.3 against 1.3-2.2 ms over 12 x 4096 x 64 bf16 values, Intel Xeon, AMX class)."""
+    """Whether every value of ``x`` is finite, in one pass of torch's: for float32 and float64
+    their sum (not finite if a value is not, and, rarely, on overflow: a caller's exact check then
+    decides); for half precision their min and max, since widening them to sum in float32 runs at
+    a fifth of the speed (docs/bench/choices.md)."""
     if x.numel() == 0:
         return True
     if x.requires_grad:  # no graph for a look
@@ -61,19 +64,35 @@ def _finite(x: Tensor) -> bool:
     return math.isfinite(x.sum().item())  # a Python float: no tensor operation more
 
 
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _values_finite(tensors: tuple[Tensor, ...]) -> bool:
+    """Whether every value of each tensor is finite, where Python may look at them: in one call of
+    the C++ check of the tiled kernel's build (``finite_values.h``, exact, no tensor made) where
+    one is at hand and the tensors are contiguous; else by `_finite` for each. On a small call the
+    check is a good part of attnkit's own time around SDPA, and torch's way costs a dispatch, a
+    tensor and a read back per input (docs/bench/choices.md)."""
+    if all(x.is_contiguous() and x.dtype in _NATIVE_DTYPES for x in tensors) and KERNEL.at_hand():
+        kernel = KERNEL.load()
+        if kernel is not None:
+            return kernel.all_finite(tensors)
+    return all(_finite(x) for x in tensors)
+
+
 def all_finite(*tensors: Tensor) -> bool:
     """Whether Python may look at the tensors (`can_branch_on_data`) and every value of each is
     finite, in one pass over each: the common case, in which no row needs the exact check."""
-    return can_branch_on_data(*tensors) and all(_finite(x) for x in tensors)
+    return can_branch_on_data(*tensors) and _values_finite(tensors)
 
 
 def nonfinite_rows(x: Tensor) -> Tensor:
     """``(...)`` True where a row ``x[..., :]`` holds a NaN or an infinity.
 
-    Where Python may look, one pass over the whole of ``x`` decides (`_finite`), and the exact
+    Where Python may look, one pass over the whole of ``x`` decides (`_values_finite`), and the exact
     check by rows (`zero_or_nan_rows`) runs only when it finds a value that is not finite (a sum is
     more than ten times faster than torch's ``isfinite(x).all(-1)``: docs/bench/choices.md)."""
-    if can_branch_on_data(x) and _finite(x):
+    if can_branch_on_data(x) and _values_finite((x,)):
         return torch.zeros(x.shape[:-1], dtype=torch.bool, device=x.device)
     return torch.isnan(zero_or_nan_rows(x))
 
@@ -131,4 +150,4 @@ def may_hold_nonfinite(*tensors: Tensor) -> bool:
     careful path is right then too, only slower); elsewhere, always."""
     if not can_branch_on_data(*tensors):
         return True
-    return not all(_finite(x) for x in tensors)
+    return not _values_finite(tensors)

@@ -34,7 +34,9 @@
 // softmax), tiled_scores.h (masks and score modifiers), tiled_walk.h (sizes, tiles, query blocks),
 // tiled_rows.h (the tensors it reads and writes in place), tiled_blocks.h (the block products,
 // float32 or bf16 with pair_products.h), tiled_forward.h and tiled_backward.h. This file holds the
-// options, the entry points and the Python module.
+// options, the entry points and the Python module, which also carries two helpers for Python code
+// that runs without the kernel: the dropout factors (tiled_dropout.h) and a check that values are
+// finite (finite_values.h).
 
 // ATen and torch's pybind11 glue, not <torch/extension.h>: the whole C++ API's headers tripled
 // the build's time, and a first call waits for it.
@@ -48,6 +50,7 @@
 #include <tuple>
 #include <vector>
 
+#include "finite_values.h"
 #include "pair_products.h"
 #include "tiled_backward.h"
 #include "tiled_blocks.h"
@@ -290,6 +293,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Dropout factors (heads, i1 - i0, j1 - j0): 1 / (1 - p) where kept, 0 where dropped",
         py::arg("heads"), py::arg("t"), py::arg("i0"), py::arg("i1"), py::arg("j0"), py::arg("j1"),
         py::arg("p"), py::arg("seed"));
+  m.def("all_finite", &all_finite,
+        "Whether every value of each contiguous CPU tensor is finite (finite_values.h)",
+        py::arg("tensors"));
   m.def("has_avx512_bf16", [] { return pairs::kHasAvx512Bf16; },
         "Whether this build multiplies bf16 blocks with AVX512-BF16");
 }
