@@ -187,6 +187,8 @@ class Masks(NamedTuple):
         """Bool mask broadcastable to ``(b, h, t, s)`` (or to the block ``rows x cols`` of it),
         True = may attend; None when every key is allowed. ``with_window=False`` leaves out the
         positional part, for a block that a tiled kernel knows lies inside the window."""
+        if self.window is None and self.key_mask is None and self.attn_mask is None:
+            return None  # the usual call: nothing to build
         allowed: Tensor | None = None
 
         def combine(m: Tensor) -> None:

@@ -96,6 +96,21 @@ def test_auto_takes_tiled_for_a_narrow_window():
 
 
 @pytest.mark.usefixtures("pytorch_loop")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_auto_takes_tiled_where_sdpa_would_need_a_dense_causal_mask(dtype):
+    """On a CPU, SDPA's causal kernel aligns top-left and knows no padding: causal with t != s, or
+    with padding, would make it read a dense mask, which the tiled backend never builds."""
+    q, k, v = (torch.empty(1, 2, n, 8, dtype=dtype) for n in (64, 80, 80))
+    pad = torch.ones(1, 80, dtype=torch.bool)
+    causal = Masks(window=(-1, 0))
+    assert picked("auto", call((q, k, v), causal)) == "tiled"  # t = 64, s = 80
+    assert picked("auto", call((k, k, v), Masks(window=(-1, 0), key_mask=pad))) == "tiled"
+    assert picked("auto", call((k, k, v), causal)) == "sdpa"  # t = s: SDPA's own causal kernel
+    assert picked("auto", call((k, k, v), Masks(key_mask=pad))) == "sdpa"  # no positions
+    assert picked("auto", call((q, k, v), Masks(key_mask=pad))) == "sdpa"
+
+
+@pytest.mark.usefixtures("pytorch_loop")
 def test_auto_takes_tiled_rather_than_a_huge_dense_alibi_mask():
     causal = Masks(window=(-1, 0))
     long = call(qkv(n=2048), causal, alibi_slopes=torch.ones(12))

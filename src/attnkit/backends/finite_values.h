@@ -11,6 +11,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 namespace {
@@ -44,11 +45,11 @@ bool finite_bits(const at::Tensor& x, Bits exponent) {
   return finite.load();
 }
 
-// Whether every value of each tensor is finite: contiguous CPU tensors of float32, float64, bf16
-// or float16 (the caller checks that: others raise).
-bool all_finite(const std::vector<at::Tensor>& tensors) {
+// Whether every value of each tensor is finite; nullopt where a tensor is not one it reads whole
+// (a contiguous CPU tensor of float32, float64, bf16 or float16): the caller checks it otherwise.
+std::optional<bool> all_finite(const std::vector<at::Tensor>& tensors) {
   for (const at::Tensor& x : tensors) {
-    TORCH_CHECK(x.is_cpu() && x.is_contiguous(), "all_finite takes contiguous CPU tensors");
+    if (!x.is_cpu() || !x.is_contiguous()) return std::nullopt;
     bool finite = true;
     switch (x.scalar_type()) {
       case at::kFloat:
@@ -64,8 +65,7 @@ bool all_finite(const std::vector<at::Tensor>& tensors) {
         finite = finite_bits<uint16_t>(x, uint16_t{0x7C00});
         break;
       default:
-        TORCH_CHECK(false, "all_finite takes float32, float64, bfloat16 or float16, not ",
-                    x.scalar_type());
+        return std::nullopt;
     }
     if (!finite) return false;
   }

@@ -64,20 +64,15 @@ def _finite(x: Tensor) -> bool:
     return math.isfinite(x.sum().item())  # a Python float: no tensor operation more
 
 
-_NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-
-
 def _values_finite(tensors: tuple[Tensor, ...]) -> bool:
     """Whether every value of each tensor is finite, where Python may look at them: in one call of
-    the C++ check of the tiled kernel's build (``finite_values.h``, exact, no tensor made) where
-    one is at hand and the tensors are contiguous; else by `_finite` for each. On a small call the
-    check is a good part of attnkit's own time around SDPA, and torch's way costs a dispatch, a
-    tensor and a read back per input (docs/bench/choices.md)."""
-    if all(x.is_contiguous() and x.dtype in _NATIVE_DTYPES for x in tensors) and KERNEL.at_hand():
-        kernel = KERNEL.load()
-        if kernel is not None:
-            return kernel.all_finite(tensors)
-    return all(_finite(x) for x in tensors)
+    the C++ check of the tiled kernel's build (``finite_values.h``: exact, no tensor made) where
+    one is at hand and it reads the tensors whole (contiguous, of a float type); else by `_finite`
+    for each. On a small call the check is a good part of attnkit's own time around SDPA, and
+    torch's way costs a dispatch, a tensor and a read back per input (docs/bench/choices.md)."""
+    kernel = KERNEL.load() if KERNEL.at_hand() else None
+    finite = None if kernel is None else kernel.all_finite(tensors)
+    return all(_finite(x) for x in tensors) if finite is None else finite
 
 
 def all_finite(*tensors: Tensor) -> bool:

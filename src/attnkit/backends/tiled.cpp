@@ -294,7 +294,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("heads"), py::arg("t"), py::arg("i0"), py::arg("i1"), py::arg("j0"), py::arg("j1"),
         py::arg("p"), py::arg("seed"));
   m.def("all_finite", &all_finite,
-        "Whether every value of each contiguous CPU tensor is finite (finite_values.h)",
+        "Whether every value of each tensor is finite; None where one is not a contiguous CPU "
+        "tensor of a float type (finite_values.h)",
         py::arg("tensors"));
   m.def("has_avx512_bf16", [] { return pairs::kHasAvx512Bf16; },
         "Whether this build multiplies bf16 blocks with AVX512-BF16");

@@ -68,9 +68,9 @@ NATIVE_MIN_SCORES = 256 * 256
 float mask; measured on AVX2 and AVX-512 CPUs (docs/bench/choices.md). (A window, causal with
 t != s and padding go to the tiled backend at any size on a CPU: no dense mask is built.)"""
 
-_OPTIONS_RULED = frozenset({"dropout_p", "window", "causal", "alibi_slopes"})
-"""The options that `TiledBackend.faster_than`'s rules ask about besides half precision: a call in
-float32 or float64 with none of them stays with SDPA."""
+_OPTIONS_RULED = frozenset({"dropout_p", "window", "alibi_slopes"})
+"""The options that `TiledBackend.faster_than`'s rules ask about besides half precision and a
+causal mask (`_may_be_faster`)."""
 
 HALF_NATIVE_FROM = {"inference": (128, 512 * 512), "training": (64, 128 * 128)}
 """The fewest query rows t and scores t * s from which the tiled C++ kernel's bf16 products
@@ -90,6 +90,18 @@ def _call_dtype(call: Call) -> torch.dtype:
 
 def _products(call: Call) -> torch.dtype:
     return tiled_function.matmul_dtype(_call_dtype(call), call.q.device)
+
+
+def _may_be_faster(call: Call) -> bool:
+    """Whether one of `TiledBackend.faster_than`'s rules may apply (a quick look, on every call
+    ``auto`` takes to SDPA): half precision, an option of `_OPTIONS_RULED`, or a causal mask that
+    SDPA would need dense (``t != s``, or with padding). A float32 or float64 call with none of
+    them stays with SDPA."""
+    options = call.options
+    if call.q.dtype in (torch.bfloat16, torch.float16) or options & _OPTIONS_RULED:
+        return True
+    causal = "causal" in options
+    return causal and (call.q.shape[2] != call.k.shape[2] or "key_mask" in options)
 
 
 class TiledBackend(Backend):
@@ -120,11 +132,10 @@ class TiledBackend(Backend):
     def faster_than(self, other: Backend, call: Call) -> str | None:
         """Where SDPA would waste work or memory and this backend would not (measured with
         ``attnkit bench``, docs/bench/choices.md)."""
-        q = call.q
-        half = q.dtype in (torch.bfloat16, torch.float16)
-        if other.name != "sdpa" or not (half or call.options & _OPTIONS_RULED):
+        if other.name != "sdpa" or not _may_be_faster(call):
             return None
-        k, v = call.k, call.v
+        q, k, v = call.q, call.k, call.v
+        half = q.dtype in (torch.bfloat16, torch.float16)
         _, h, t, _ = q.shape
         s = k.shape[-2]
         grad = half and wants_grad(q, k, v)  # the rules below that ask apply to half precision
