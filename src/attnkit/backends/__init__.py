@@ -83,9 +83,8 @@ class BackendChoice(NamedTuple):
 
 def _why_not(backend: Backend, call: Call) -> str | None:
     """Why ``backend`` cannot run ``call`` (None if it can)."""
-    missing = call.options - backend.supports
-    if missing:
-        return f"does not support {', '.join(sorted(missing))}"
+    if not call.options <= backend.supports:
+        return f"does not support {', '.join(sorted(call.options - backend.supports))}"
     reason = backend.refuses(call)
     return None if reason is None else f"cannot run {reason}"
 
