@@ -84,9 +84,10 @@ def all_finite(*tensors: Tensor) -> bool:
 def nonfinite_rows(x: Tensor) -> Tensor:
     """``(...)`` True where a row ``x[..., :]`` holds a NaN or an infinity.
 
-    Where Python may look, one pass over the whole of ``x`` decides (`_values_finite`), and the exact
-    check by rows (`zero_or_nan_rows`) runs only when it finds a value that is not finite (a sum is
-    more than ten times faster than torch's ``isfinite(x).all(-1)``: docs/bench/choices.md)."""
+    Where Python may look, one pass over the whole of ``x`` decides (`_values_finite`), and the
+    exact check by rows (`zero_or_nan_rows`) runs only when it finds a value that is not finite
+    (torch's sum alone is more than ten times faster than its ``isfinite(x).all(-1)``:
+    docs/bench/choices.md)."""
     if can_branch_on_data(x) and _values_finite((x,)):
         return torch.zeros(x.shape[:-1], dtype=torch.bool, device=x.device)
     return torch.isnan(zero_or_nan_rows(x))
