@@ -161,6 +161,7 @@ def test_a_kernel_is_at_hand_only_where_loading_it_builds_nothing(tmp_path, monk
     monkeypatch.setattr(_native, "PREBUILT", tmp_path / "no-wheel")
     kernel = _native.Kernel("tiled")
     assert kernel.usable()[0] == (_build.compiler() is not None) and not kernel.at_hand()
+    assert kernel.load_at_hand() is None
     assert not (tmp_path / "empty").exists()  # asking built and wrote nothing
     monkeypatch.undo()  # the usual extensions folder and wheel
     assert _native.Kernel("tiled").at_hand() == (
@@ -168,6 +169,7 @@ def test_a_kernel_is_at_hand_only_where_loading_it_builds_nothing(tmp_path, monk
     )
     loaded = _native.KERNELS["tiled"]
     assert loaded.at_hand() == (loaded.load() is not None)
+    assert loaded.load_at_hand() is loaded.load()
     monkeypatch.setenv("ATTNKIT_NATIVE", "0")
     assert not _native.Kernel("tiled").at_hand()
 

@@ -121,6 +121,14 @@ class Kernel:
             self._at_hand[setting] = self.prebuilt() is not None or self.cached().exists()
         return self._at_hand[setting]
 
+    def load_at_hand(self) -> ModuleType | None:
+        """The compiled module where [`at_hand`][attnkit.backends._native.Kernel.at_hand] says a
+        build needs no compiling (loaded now if need be), else None: for a helper that only speeds
+        up work the PyTorch operations can do, and asks on every call."""
+        if self._module is not None:
+            return self._module
+        return self.load() if self.at_hand() else None
+
     def has_avx512_bf16(self) -> bool:
         """Whether its build multiplies bf16 with AVX512-BF16: that of the ``avx512_bf16`` level
         (the loaded module says so itself)."""

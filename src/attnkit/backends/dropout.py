@@ -99,9 +99,7 @@ def _native_factors(
     of it is at hand: a call that runs the PyTorch loop never waits for a build for this."""
     if device.type != "cpu" or dtype != torch.float32 or traced() or force.loop_only():
         return None
-    if not KERNEL.at_hand():
-        return None
-    kernel = KERNEL.load()
+    kernel = KERNEL.load_at_hand()
     if kernel is None:
         return None
     factors = kernel.dropout_factors(b * h, t, i0, i1, j0, j1, dropout.p, dropout.seed)

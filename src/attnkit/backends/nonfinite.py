@@ -70,7 +70,7 @@ def _values_finite(tensors: tuple[Tensor, ...]) -> bool:
     one is at hand and it reads the tensors whole (contiguous, of a float type); else by `_finite`
     for each. On a small call the check is a good part of attnkit's own time around SDPA, and
     torch's way costs a dispatch, a tensor and a read back per input (docs/bench/choices.md)."""
-    kernel = KERNEL.load() if KERNEL.at_hand() else None
+    kernel = KERNEL.load_at_hand()
     finite = None if kernel is None else kernel.all_finite(tensors)
     return all(_finite(x) for x in tensors) if finite is None else finite
 
