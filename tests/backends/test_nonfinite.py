@@ -308,6 +308,7 @@ def test_a_nan_row_leaves_the_gradients_of_other_rows_finite(path, device, monke
     assert torch.isfinite(dv[0, 0, 7:]).all()  # keys the NaN query never saw
 
 
+@pytest.mark.usefixtures("values_check")
 def test_rows_of_huge_finite_values_are_finite(device):
     """A row sum that overflows is not a non-finite value: the exact check decides."""
     from attnkit.backends.nonfinite import nan_rows, nonfinite_rows
@@ -326,6 +327,7 @@ def test_rows_of_huge_finite_values_are_finite(device):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
 @pytest.mark.parametrize("bad", [NAN, math.inf, -math.inf, None])
+@pytest.mark.usefixtures("values_check")
 def test_nonfinite_rows_finds_each_kind_in_each_dtype(dtype, bad, device):
     from attnkit.backends.nonfinite import nonfinite_rows
 
@@ -557,38 +559,70 @@ def _native_check():
     return kernel
 
 
+@pytest.fixture(params=["native", "torch"])
+def values_check(request, monkeypatch):
+    """The look at a tensor's values that decides whether its rows need the exact check: the C++
+    check (where a build is at hand), or torch's passes (as without one)."""
+    from attnkit.backends import _native, nonfinite
+
+    if request.param == "native":
+        _native_check()
+    else:
+        monkeypatch.setenv("ATTNKIT_NATIVE", "0")
+        monkeypatch.setattr(nonfinite, "KERNEL", _native.Kernel("tiled"))
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
-@pytest.mark.parametrize("bad", [NAN, math.inf, -math.inf, None])
+@pytest.mark.parametrize("bad", [NAN, math.inf, -math.inf])
 @pytest.mark.parametrize("where", [0, 4095, 70_000, 199_999])  # past one thread's share too
 def test_the_native_check_of_values_finds_each_kind_in_each_dtype(dtype, bad, where):
-    """The C++ check reads each value's exponent bits: exact where a sum would overflow, for the
-    largest and the smallest (subnormal) finite values, on each thread's share of a long tensor."""
+    """The C++ check reads each value's exponent bits, on each thread's share of a long tensor."""
+    kernel = _native_check()
+    x = torch.randn(200_000).to(dtype)
+    assert kernel.all_finite([x])
+    x[where] = bad
+    assert not kernel.all_finite([x])
+    assert not kernel.all_finite([torch.ones(3, dtype=dtype), x])  # found in the second tensor
+    assert kernel.all_finite([x[where + 1 :]])  # a view that starts past it
+    if where > 0:
+        assert kernel.all_finite([x[:where]]) and not kernel.all_finite([x[where - 1 :]])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_the_native_check_is_exact_where_a_sum_would_overflow(dtype):
+    """The largest and the smallest (subnormal) finite values and -0 are finite, and a sum of
+    huge values that overflows says nothing: the check reads values, not sums."""
     kernel = _native_check()
     info = torch.finfo(dtype)
-    x = torch.randn(200_000).to(dtype)
-    x[1], x[2], x[3], x[-1] = info.max, -info.max, info.smallest_normal / 4, -0.0
-    if bad is not None:
-        x[where] = bad
-    expected = bool(torch.isfinite(x).all())
-    assert expected == (bad is None)
-    assert kernel.all_finite([x]) == expected
-    assert kernel.all_finite([x[:4096].clone(), x]) == expected  # the bad one second
-    assert kernel.all_finite([x[:0], x[1:4].clone()])  # nothing, and huge finite values
+    x = torch.tensor([info.max, info.max, -info.max, info.smallest_normal / 4, -0.0], dtype=dtype)
+    assert not torch.isfinite(x[:2].sum())  # twice the largest: a sum in the dtype overflows
+    assert kernel.all_finite([x]) and kernel.all_finite([x[:0], x[1:]])
 
 
 def test_the_native_check_answers_only_for_what_it_reads_whole():
-    """None (the caller checks) for a tensor that is not contiguous or not of a float type."""
+    """None, before reading anything, where a tensor is not a dense CPU tensor of a float type
+    (the caller checks them all then); a transposed view of a contiguous tensor is dense."""
     kernel = _native_check()
     finite = torch.ones(4)
-    assert kernel.all_finite([finite, torch.randn(4, 6).t()]) is None
-    assert kernel.all_finite([finite, torch.ones(4, dtype=torch.int32)]) is None
-    assert kernel.all_finite([finite]) is True
+    heads_second = torch.randn(1, 6, 2, 8).transpose(1, 2)  # (b, t, h, d) seen as (b, h, t, d)
+    assert kernel.all_finite([finite, heads_second]) is True
+    heads_second[0, 1, 4, 0] = math.inf
+    assert kernel.all_finite([finite, heads_second]) is False
+    for other in (
+        torch.randn(4, 6)[:, :3],  # not dense
+        torch.ones(4, dtype=torch.int32),
+        torch._efficientzerotensor((3,)),  # no memory
+        torch.eye(3).to_sparse(),
+    ):
+        assert kernel.all_finite([finite, other]) is None
+        assert kernel.all_finite([torch.tensor([math.nan]), other]) is None
 
 
 @pytest.mark.parametrize("native", [True, False])
 def test_values_are_checked_natively_where_they_can_be_and_alike_elsewhere(native, monkeypatch):
-    """`all_finite` and `nonfinite_rows` call the C++ check for contiguous tensors where a build is
-    at hand, and torch's passes elsewhere (no build, a transposed view): the same answers."""
+    """`all_finite` and `nonfinite_rows` call the C++ check for dense tensors where a build is
+    at hand, and torch's passes elsewhere (no build, a slice of a cache): the same answers."""
     from attnkit.backends import _native, nonfinite
 
     if native:
@@ -599,11 +633,13 @@ def test_values_are_checked_natively_where_they_can_be_and_alike_elsewhere(nativ
     seen = []
     torchs = nonfinite._finite
     monkeypatch.setattr(nonfinite, "_finite", lambda x: seen.append(x.shape) or torchs(x))
-    q, k = torch.randn(1, 2, 5, 8), torch.randn(1, 1, 7, 8)
+    q, k = torch.randn(1, 2, 5, 8, requires_grad=True), torch.randn(1, 1, 7, 8)
     k[0, 0, 3, 2] = math.inf
     assert nonfinite.all_finite(q) and not nonfinite.all_finite(q, k)
     assert torch.equal(nonfinite.nonfinite_rows(k)[0, 0], torch.arange(7) == 3)
     assert (seen == []) == native
     seen.clear()
-    assert not nonfinite.all_finite(q, k.transpose(-1, -2))  # not contiguous: torch's pass
-    assert seen == [q.shape, (1, 1, 8, 7)]
+    cache = torch.zeros(1, 2, 9, 8)  # 2 heads, room for 9 keys, 7 written
+    cache[:, :, :7] = k
+    assert not nonfinite.all_finite(q, cache[:, :, :7])  # not dense: torch's pass, for both
+    assert seen == [q.shape, (1, 2, 7, 8)]

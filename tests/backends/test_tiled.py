@@ -3,6 +3,7 @@ what it stores, which blocks it visits, determinism, autocast, and its memory at
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -384,3 +385,37 @@ def test_the_cpp_kernel_refuses_operands_that_do_not_fit_with_a_message():
     options.alibi_grad = True
     with pytest.raises(RuntimeError, match="alibi_grad without ALiBi slopes"):
         backward()
+
+
+def test_the_quick_look_before_the_speed_rules_skips_no_rule(monkeypatch):
+    """`faster_than` first asks `_may_be_faster`, on every call `auto` takes to SDPA: over
+    dtypes, lengths, masks and options, its answer is the rules' own, asked with no quick look."""
+    from attnkit.backends import sdpa, tiled
+    from attnkit.backends.base import call_of
+    from attnkit.masks import Masks
+
+    pad = torch.ones(1, 2048, dtype=torch.bool)
+    masks = {
+        "none": Masks(),
+        "causal": Masks(window=(-1, 0)),
+        "causal, padded": Masks(window=(-1, 0), key_mask=pad),
+        "padded": Masks(key_mask=pad),
+        "window": Masks(window=(63, 0)),
+    }
+    options = [{}, {"alibi_slopes": torch.ones(4)}, {"dropout_p": 0.1}]
+    answers = []
+    for dtype, (t, s), grad, name, extra in itertools.product(
+        (torch.float32, torch.float64, torch.bfloat16),
+        ((2048, 2048), (1024, 2048)),
+        (False, True),
+        masks,
+        options,
+    ):
+        q, k, v = (torch.empty(1, 4, n, 64, dtype=dtype, requires_grad=grad) for n in (t, s, s))
+        call = call_of(q, k, v, masks[name], 0.125, **extra)
+        quick = tiled.BACKEND.faster_than(sdpa.BACKEND, call)
+        with monkeypatch.context() as m:
+            m.setattr(tiled, "_may_be_faster", lambda call: True)
+            assert tiled.BACKEND.faster_than(sdpa.BACKEND, call) == quick, (dtype, t, s, name)
+        answers.append(quick)
+    assert any(answers) and not all(answers)  # the rules took some calls and left others

@@ -45,11 +45,25 @@ bool finite_bits(const at::Tensor& x, Bits exponent) {
   return finite.load();
 }
 
-// Whether every value of each tensor is finite; nullopt where a tensor is not one it reads whole
-// (a contiguous CPU tensor of float32, float64, bf16 or float16): the caller checks it otherwise.
+// Whether the check reads `x` whole: a dense CPU tensor of float32, float64, bf16 or float16, its
+// values the `numel` elements from its data pointer in some order (contiguous, or a permutation of
+// a contiguous layout such as a transposed (b, t, h, d) view), not a sparse tensor nor torch's
+// ZeroTensor (which has no memory).
+bool reads_whole(const at::Tensor& x) {
+  const auto type = x.scalar_type();
+  return x.layout() == at::kStrided && x.is_cpu() && !x._is_zerotensor() && x.has_storage() &&
+         (type == at::kFloat || type == at::kDouble || type == at::kBFloat16 ||
+          type == at::kHalf) &&
+         x.is_non_overlapping_and_dense() && (x.numel() == 0 || x.const_data_ptr() != nullptr);
+}
+
+// Whether every value of each tensor is finite; nullopt, before reading any, where one tensor is
+// not one it reads whole (`reads_whole`): the caller checks them otherwise.
 std::optional<bool> all_finite(const std::vector<at::Tensor>& tensors) {
   for (const at::Tensor& x : tensors) {
-    if (!x.is_cpu() || !x.is_contiguous()) return std::nullopt;
+    if (!reads_whole(x)) return std::nullopt;
+  }
+  for (const at::Tensor& x : tensors) {
     bool finite = true;
     switch (x.scalar_type()) {
       case at::kFloat:
@@ -61,11 +75,8 @@ std::optional<bool> all_finite(const std::vector<at::Tensor>& tensors) {
       case at::kBFloat16:
         finite = finite_bits<uint16_t>(x, uint16_t{0x7F80});
         break;
-      case at::kHalf:
+      default:  // float16
         finite = finite_bits<uint16_t>(x, uint16_t{0x7C00});
-        break;
-      default:
-        return std::nullopt;
     }
     if (!finite) return false;
   }

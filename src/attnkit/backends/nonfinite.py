@@ -52,8 +52,8 @@ def can_branch_on_data(*tensors: Tensor) -> bool:
 def _finite(x: Tensor) -> bool:
     """Whether every value of ``x`` is finite, in one pass of torch's: for float32 and float64
     their sum (not finite if a value is not, and, rarely, on overflow: a caller's exact check then
-    decides); for half precision their min and max, since widening them to sum in float32 runs at
-    a fifth of the speed (docs/bench/choices.md)."""
+    decides); for half precision their min and max, faster than a sum widened to float32
+    (docs/bench/choices.md)."""
     if x.numel() == 0:
         return True
     if x.requires_grad:  # no graph for a look
@@ -67,8 +67,8 @@ def _finite(x: Tensor) -> bool:
 def _values_finite(tensors: tuple[Tensor, ...]) -> bool:
     """Whether every value of each tensor is finite, where Python may look at them: in one call of
     the C++ check of the tiled kernel's build (``finite_values.h``: exact, no tensor made) where
-    one is at hand and it reads the tensors whole (contiguous, of a float type); else by `_finite`
-    for each. On a small call the check is a good part of attnkit's own time around SDPA, and
+    one is at hand and it reads the tensors whole (dense, of a float type); else by `_finite` for
+    each. On a small call the check is a good part of attnkit's own time around SDPA, and
     torch's way costs a dispatch, a tensor and a read back per input (docs/bench/choices.md)."""
     kernel = KERNEL.load_at_hand()
     finite = None if kernel is None else kernel.all_finite(tensors)
@@ -86,8 +86,7 @@ def nonfinite_rows(x: Tensor) -> Tensor:
 
     Where Python may look, one pass over the whole of ``x`` decides (`_values_finite`), and the
     exact check by rows (`zero_or_nan_rows`) runs only when it finds a value that is not finite
-    (torch's sum alone is more than ten times faster than its ``isfinite(x).all(-1)``:
-    docs/bench/choices.md)."""
+    (the one pass is much faster than torch's ``isfinite(x).all(-1)``: docs/bench/choices.md)."""
     if can_branch_on_data(x) and _values_finite((x,)):
         return torch.zeros(x.shape[:-1], dtype=torch.bool, device=x.device)
     return torch.isnan(zero_or_nan_rows(x))
@@ -142,8 +141,8 @@ def nan_rows(x: Tensor) -> Tensor:
 
 def may_hold_nonfinite(*tensors: Tensor) -> bool:
     """Whether to take a careful path for non-finite values: where Python may look, whether one of
-    the tensors' sums is not finite (a NaN or an infinity in it, or, rarely, an overflow: the
-    careful path is right then too, only slower); elsewhere, always."""
+    the tensors may hold a NaN or an infinity (`_values_finite`; with torch's sums, rarely, an
+    overflow says so too: the careful path is right then too, only slower); elsewhere, always."""
     if not can_branch_on_data(*tensors):
         return True
     return not _values_finite(tensors)

@@ -294,9 +294,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("heads"), py::arg("t"), py::arg("i0"), py::arg("i1"), py::arg("j0"), py::arg("j1"),
         py::arg("p"), py::arg("seed"));
   m.def("all_finite", &all_finite,
-        "Whether every value of each tensor is finite; None where one is not a contiguous CPU "
-        "tensor of a float type (finite_values.h)",
-        py::arg("tensors"));
+        "Whether every value of each tensor is finite; None where one is not a dense CPU tensor "
+        "of a float type (finite_values.h)",
+        py::arg("tensors"), py::call_guard<py::gil_scoped_release>());
   m.def("has_avx512_bf16", [] { return pairs::kHasAvx512Bf16; },
         "Whether this build multiplies bf16 blocks with AVX512-BF16");
 }
