@@ -269,8 +269,8 @@ def checked_call(
         _checks.check_alibi_slopes(alibi_slopes, h, q.device)
     if score_mod is not None and not callable(score_mod):
         raise TypeError(f"score_mod must be a function, got {type(score_mod).__name__}")
-    for flag, name in ((causal, "causal"), (return_lse, "return_lse")):
-        _checks.check_flag(flag, name)
+    _checks.check_flag(causal, "causal")
+    _checks.check_flag(return_lse, "return_lse")
     if not (isinstance(return_weights, bool) or return_weights == "dropped"):
         raise TypeError(
             "return_weights must be a bool or 'dropped', got "
