@@ -416,6 +416,7 @@ def test_the_quick_look_before_the_speed_rules_skips_no_rule(monkeypatch):
         quick = tiled.BACKEND.faster_than(sdpa.BACKEND, call)
         with monkeypatch.context() as m:
             m.setattr(tiled, "_may_be_faster", lambda call: True)
-            assert tiled.BACKEND.faster_than(sdpa.BACKEND, call) == quick, (dtype, t, s, name)
+            full = tiled.BACKEND.faster_than(sdpa.BACKEND, call)
+            assert full == quick, (dtype, t, s, grad, name, sorted(extra))
         answers.append(quick)
     assert any(answers) and not all(answers)  # the rules took some calls and left others

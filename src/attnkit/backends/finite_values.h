@@ -48,10 +48,11 @@ bool finite_bits(const at::Tensor& x, Bits exponent) {
 // Whether the check reads `x` whole: a dense CPU tensor of float32, float64, bf16 or float16, its
 // values the `numel` elements from its data pointer in some order (contiguous, or a permutation of
 // a contiguous layout such as a transposed (b, t, h, d) view), not a sparse tensor nor torch's
-// ZeroTensor (which has no memory).
+// ZeroTensor (which has no memory), nor a nested tensor (whose parts may leave gaps).
 bool reads_whole(const at::Tensor& x) {
   const auto type = x.scalar_type();
-  return x.layout() == at::kStrided && x.is_cpu() && !x._is_zerotensor() && x.has_storage() &&
+  return x.layout() == at::kStrided && x.is_cpu() && !x.is_nested() && !x._is_zerotensor() &&
+         x.has_storage() &&
          (type == at::kFloat || type == at::kDouble || type == at::kBFloat16 ||
           type == at::kHalf) &&
          x.is_non_overlapping_and_dense() && (x.numel() == 0 || x.const_data_ptr() != nullptr);
@@ -75,8 +76,11 @@ std::optional<bool> all_finite(const std::vector<at::Tensor>& tensors) {
       case at::kBFloat16:
         finite = finite_bits<uint16_t>(x, uint16_t{0x7F80});
         break;
-      default:  // float16
+      case at::kHalf:
         finite = finite_bits<uint16_t>(x, uint16_t{0x7C00});
+        break;
+      default:  // not a type reads_whole lets through
+        TORCH_CHECK(false, "all_finite: unexpected dtype ", x.scalar_type());
     }
     if (!finite) return false;
   }
