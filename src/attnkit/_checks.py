@@ -144,9 +144,10 @@ def check_flag(value: object, name: str) -> bool:
     return value
 
 
-def check_same_device(x: Tensor, name: str, device: torch.device) -> None:
+def check_same_device(x: Tensor, name: str, device: torch.device, of: str = "q") -> None:
+    """``x`` is on ``device``, the device of the tensor named ``of``."""
     if x.device != device:
-        raise ValueError(f"{name} is on {x.device} but q is on {device}")
+        raise ValueError(f"{name} is on {x.device} but {of} is on {device}")
 
 
 def check_key_mask(key_mask: Tensor, b: int, s: int, device: torch.device | None = None) -> None:
@@ -175,8 +176,7 @@ def check_nonfinite_keys(nonfinite_keys: Tensor, shape: tuple[int, ...], device)
             f"nonfinite_keys must have shape (batch, kv_heads, key_length) = {shape}, got "
             f"{_shape(nonfinite_keys)}"
         )
-    if nonfinite_keys.device != device:
-        raise ValueError(f"nonfinite_keys is on {nonfinite_keys.device} but k is on {device}")
+    check_same_device(nonfinite_keys, "nonfinite_keys", device, of="k")
 
 
 def check_attn_mask(

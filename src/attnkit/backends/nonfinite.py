@@ -84,10 +84,10 @@ def all_finite(*tensors: Tensor) -> bool:
 def nonfinite_rows(x: Tensor) -> Tensor:
     """``(...)`` True where a row ``x[..., :]`` holds a NaN or an infinity.
 
-    Where Python may look, one pass over the whole of ``x`` decides (`_values_finite`), and the
+    Where Python may look, one pass over the whole of ``x`` decides (`all_finite`), and the
     exact check by rows (`zero_or_nan_rows`) runs only when it finds a value that is not finite
     (the one pass is much faster than torch's ``isfinite(x).all(-1)``: docs/bench/choices.md)."""
-    if can_branch_on_data(x) and _values_finite((x,)):
+    if all_finite(x):
         return torch.zeros(x.shape[:-1], dtype=torch.bool, device=x.device)
     return torch.isnan(zero_or_nan_rows(x))
 
@@ -133,16 +133,13 @@ def nan_rows(x: Tensor) -> Tensor:
     """``x`` with every row that holds a NaN or an infinity made all NaN: its scores are then NaN
     with every partner, before any product (``tanh(inf)`` would hide an infinite score, a ``-inf``
     one pass for a mask). ``x`` itself when every row is finite, where Python may look."""
-    bad = nonfinite_rows(x)
-    if can_branch_on_data(x) and not bool(bad.any()):
+    if all_finite(x):
         return x
-    return x.masked_fill(bad[..., None], NAN)
+    return x.masked_fill(nonfinite_rows(x)[..., None], NAN)
 
 
 def may_hold_nonfinite(*tensors: Tensor) -> bool:
     """Whether to take a careful path for non-finite values: where Python may look, whether one of
-    the tensors may hold a NaN or an infinity (`_values_finite`; with torch's sums, rarely, an
+    the tensors may hold a NaN or an infinity (not `all_finite`; with torch's sums, rarely, an
     overflow says so too: the careful path is right then too, only slower); elsewhere, always."""
-    if not can_branch_on_data(*tensors):
-        return True
-    return not _values_finite(tensors)
+    return not all_finite(*tensors)
