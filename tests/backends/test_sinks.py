@@ -203,14 +203,14 @@ def test_a_score_mod_and_a_block_mask_take_sinks_too(device):
         torch.testing.assert_close(g, g_ref)
 
 
-def test_auto_passes_over_sdpa_which_has_no_sinks_and_sdpa_named_refuses(device):
+def test_auto_passes_over_sdpa_where_its_flash_kernel_cannot_take_sinks(device):
     (q, k, v, sinks), _ = inputs((1, 4, 2, 64, 64, 16), device=device)
-    choice = which_backend(q, k, v, sinks=sinks)
+    choice = which_backend(q, k, v, sinks=sinks, window=(8, 0))
     if device.type == "cpu":  # on CUDA a later backend with sinks may take the call
         assert choice.backend == "tiled"
-    assert "sdpa does not support sinks" in choice.reason
-    with pytest.raises(ValueError, match="backend 'sdpa' does not support sinks"):
-        attention(q, k, v, sinks=sinks, backend="sdpa")
+    assert "sdpa cannot run sinks with a mask other than causal" in choice.reason
+    with pytest.raises(ValueError, match="backend 'sdpa' cannot run sinks with a mask"):
+        attention(q, k, v, sinks=sinks, window=(8, 0), backend="sdpa")
 
 
 @pytest.mark.parametrize(

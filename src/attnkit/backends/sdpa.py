@@ -5,7 +5,9 @@ the two agree only when ``t == s``, so ``is_causal`` is used only then; a single
 (no mask); on CUDA, torch's ``causal_lower_right`` takes ``t < s`` to its fused kernels; otherwise an
 explicit mask.
 ALiBi becomes a float mask added to the scores. SDPA has no soft-capping and returns neither weights
-nor the log-sum-exp: asking for those raises in the dispatcher.
+nor the log-sum-exp: asking for those raises in the dispatcher. Learned sinks run on torch's flash
+kernels, which return the log-sum-exp the sinks join through, where no mask but the causal one
+applies ([`attnkit.backends.sdpa_sinks`][attnkit.backends.sdpa_sinks]).
 
 Three things around the call keep it to attnkit's rules:
 
@@ -44,6 +46,8 @@ from attnkit.backends.nonfinite import (
     zero_or_nan_rows,
 )
 from attnkit.backends.reference import differentiable_grads
+from attnkit.backends.sdpa_sinks import attention_with_sinks
+from attnkit.backends.sdpa_sinks import refuses as refuses_sinks
 from attnkit.masks import alibi_bias, zero_padding
 
 _NAN = float("nan")
@@ -72,16 +76,19 @@ def sdpa(call: Call) -> AttentionOutput:
         attn_mask = bias if allowed is None else bias.masked_fill(~allowed, float("-inf"))
 
     empty_rows = None if allowed is None else ~allowed.any(dim=-1, keepdim=True)
-    out = F.scaled_dot_product_attention(  # first: on a GPU the checks below queue behind it
-        q,
-        keys,
-        values,
-        attn_mask=attn_mask,
-        dropout_p=call.dropout_p,
-        is_causal=is_causal,
-        scale=call.scale,
-        enable_gqa=bool(q.shape[1] != k.shape[1]),  # bool: under jit.trace the sizes are tensors
-    )
+    if call.sinks is not None:  # no mask but the causal one: see sdpa_sinks.refuses
+        out = attention_with_sinks(call)
+    else:  # first: on a GPU the checks below queue behind it
+        out = F.scaled_dot_product_attention(
+            q,
+            keys,
+            values,
+            attn_mask=attn_mask,
+            dropout_p=call.dropout_p,
+            is_causal=is_causal,
+            scale=call.scale,
+            enable_gqa=bool(q.shape[1] != k.shape[1]),  # bool: under jit.trace sizes are tensors
+        )
     fused = _fused(out) or isinstance(attn_mask, CausalBias)  # the bias calls fused kernels
     twice = fused and wants_grad(q, k, v, call.alibi_slopes, masks.attn_mask)
     if bias is not None or not _all_finite(q, keys=keys, nonfinite_keys=call.nonfinite_keys):
@@ -240,9 +247,16 @@ class SdpaBackend(Backend):
     name = "sdpa"
     supports = frozenset(
         {"causal", "window", "attn_mask", "key_mask", "alibi_slopes", "dropout_p", "attn_mask_grad"}
+        | {"sinks"}
     )
 
     def refuses(self, call: Call) -> str | None:
+        if call.sinks is not None:
+            if traced() or torch.jit.is_tracing() or torch._C._are_functorch_transforms_active():
+                return "sinks while compiling, tracing or under a torch.func transform: they join in an autograd function of torch's private flash kernels"
+            reason = refuses_sinks(call)
+            if reason is not None:
+                return reason
         if forward_ad_active():
             return "forward-mode AD (torch.func.jvp, jacfwd, forward_ad): torch's fused kernels have no jvp rule"
         if gradient_levels(call.q, call.k, call.v, call.alibi_slopes) >= 2:

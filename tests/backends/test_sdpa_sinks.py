@@ -1,0 +1,130 @@
+"""Learned sinks on torch's flash kernels (backends/sdpa_sinks.py): the CPU's flash kernel here,
+CUDA's in half precision where a GPU is present, against the float64 oracle."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnkit import attention
+from attnkit.functional import which_backend
+from oracle import naive_attention
+
+# (b, h, h_kv, t, s, d), and causal: the flash kernel masks causally with t == s, or one query
+CASES = {
+    "mha": ((2, 4, 4, 9, 9, 16), False),
+    "mha causal": ((2, 4, 4, 9, 9, 16), True),
+    "gqa causal d=40": ((1, 4, 2, 13, 13, 40), True),
+    "mqa t!=s d=64": ((2, 3, 1, 11, 6, 64), False),
+    "one query causal": ((1, 4, 2, 1, 17, 32), True),
+}
+
+
+def leaves(shape, dtype, device, sink_scale=2.0):
+    b, h, h_kv, t, s, d = shape
+    q, k, v = (
+        torch.randn(b, n, m, d, dtype=dtype, device=device)
+        for n, m in ((h, t), (h_kv, s), (h_kv, s))
+    )
+    sinks = torch.randn(h, dtype=dtype, device=device) * sink_scale
+    return [x.requires_grad_() for x in (q, k, v, sinks)]
+
+
+def oracle(xs, causal):
+    xs64 = [x.detach().double().requires_grad_() for x in xs]
+    return xs64, naive_attention(*xs64[:3], sinks=xs64[3], causal=causal)[0]
+
+
+def test_auto_runs_sinks_on_sdpa_where_the_flash_kernel_takes_them():
+    q, k, v, sinks = leaves((1, 2, 2, 8, 8, 16), torch.float32, "cpu")
+    assert which_backend(q, k, v, sinks=sinks, causal=True).backend == "sdpa"
+    for options, words in [
+        ({"key_mask": torch.ones(1, 8, dtype=torch.bool)}, "a mask other than causal"),
+        ({"window": (2, 0)}, "a mask other than causal"),
+        ({"return_lse": True}, "does not support return_lse"),
+        ({"alibi_slopes": torch.ones(2)}, "sinks with alibi_slopes"),
+        ({"dropout_p": 0.1}, "sinks with dropout_p"),
+    ]:
+        choice = which_backend(q, k, v, sinks=sinks, **options)
+        assert choice.backend != "sdpa" and words in choice.reason
+        with pytest.raises(ValueError, match=words):
+            attention(q, k, v, sinks=sinks, backend="sdpa", **options)
+    q, k, v, sinks = leaves((1, 2, 2, 5, 8, 16), torch.float32, "cpu")  # causal with t < s
+    with pytest.raises(ValueError, match="a mask other than causal"):
+        attention(q, k, v, sinks=sinks, causal=True, backend="sdpa")
+
+
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_fp32_output_and_every_gradient_match_the_oracle(case):
+    shape, causal = case
+    xs = leaves(shape, torch.float32, "cpu")
+    out = attention(*xs[:3], sinks=xs[3], causal=causal, backend="sdpa")
+    xs64, out64 = oracle(xs, causal)
+    torch.testing.assert_close(out, out64.float())
+    dout = torch.randn_like(out)
+    got = torch.autograd.grad(out, xs, dout)
+    want = torch.autograd.grad(out64, xs64, dout.double())
+    for g, g64 in zip(got, want):
+        torch.testing.assert_close(g, g64.float())
+
+
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_half_precision_within_the_naive_paths_error(case, device):
+    """bf16 on the CPU's flash kernel, and on CUDA's: within 2x the naive path's error in the
+    same precision, gradients within 3x."""
+    shape, causal = case
+    xs = leaves(shape, torch.bfloat16, device)
+    if device.type == "cuda":  # on a CPU the tiled kernel may be faster in bf16
+        assert which_backend(*xs[:3], sinks=xs[3], causal=causal).backend == "sdpa"
+    out = attention(*xs[:3], sinks=xs[3], causal=causal, backend="sdpa")
+    naive_xs = [x.detach().clone().requires_grad_() for x in xs]
+    naive_out = naive_attention(*naive_xs[:3], sinks=naive_xs[3], causal=causal)[0]
+    xs64, out64 = oracle(xs, causal)
+
+    def error(x, ref):
+        return (x.double() - ref).abs().max().item()
+
+    assert out.dtype == torch.bfloat16
+    assert error(out, out64) <= 2 * error(naive_out, out64) + 1e-6
+    dout = torch.randn_like(out)
+    for g, g_naive, g64 in zip(
+        torch.autograd.grad(out, xs, dout),
+        torch.autograd.grad(naive_out, naive_xs, dout),
+        torch.autograd.grad(out64, xs64, dout.double()),
+    ):
+        assert g.dtype == torch.bfloat16
+        assert error(g, g64) <= 3 * error(g_naive, g64) + 1e-6
+
+
+def test_gradcheck_and_gradgradcheck_in_float64():
+    """Twice differentiable: a backward with create_graph=True differentiates the reference."""
+    q, k, v, sinks = leaves((1, 2, 1, 5, 5, 4), torch.float64, "cpu")
+
+    def fn(q, k, v, sinks):
+        return attention(q, k, v, sinks=sinks, causal=True, backend="sdpa")
+
+    assert torch.autograd.gradcheck(fn, (q, k, v, sinks))
+    assert torch.autograd.gradgradcheck(fn, (q, k, v, sinks))
+
+
+def test_non_finite_inputs_and_sinks_follow_attnkits_rule(device):
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    q, k, v, sinks = (x.detach() for x in leaves((1, 2, 2, 6, 6, 16), dtype, device))
+    q[0, 1, 2, 0] = float("-inf")  # a query row that SDPA's kernels would take for a masked one
+    k[0, 0, 3, 5] = float("nan")  # a key that rows 3.. of head 0 see, causally
+    out = attention(q, k, v, sinks=sinks, causal=True, backend="sdpa")
+    expected = torch.zeros(2, 6, dtype=torch.bool, device=device)
+    expected[1, 2] = True
+    expected[0, 3:] = True
+    assert torch.equal(out[0].isnan().all(-1), expected)
+    assert not out[0][~expected].isnan().any()
+    none = torch.full_like(sinks, float("-inf"))  # a sink of -inf is no sink
+    q[0, 1, 2, 0] = 0.0
+    k[0, 0, 3, 5] = 0.0
+    torch.testing.assert_close(
+        attention(q, k, v, sinks=none, backend="sdpa"), attention(q, k, v, backend="sdpa")
+    )
+    infinite = sinks.clone()
+    infinite[1] = float("inf")  # an infinite score: the head's rows are NaN
+    out = attention(q, k, v, sinks=infinite, backend="sdpa")
+    assert out[0, 1].isnan().all() and not out[0, 0].isnan().any()
