@@ -38,6 +38,8 @@ timeout "${MODS_SECONDS:-100}" $PY -m attnkit.cli bench --device cuda --variants
   --modes fwd+bwd --causal yes --out "$OUT/mods"
 stage "bench: one decoding step over a 32k bf16 cache"
 timeout "${DECODE_SECONDS:-30}" $PY -m attnkit.cli bench --device cuda --decode --out "$OUT/decode"
+stage "plain attention: attnkit's time around SDPA, and the NaN rule's check beside it"
+timeout 60 $PY scripts/gpu-overhead.py
 stage "the NaN rule's row check: candidates"
 timeout 30 $PY scripts/gpu-row-checks.py
 stage "where attnkit's time goes around SDPA (torch.profiler)"
