@@ -491,6 +491,12 @@ def test_gradients_of_every_input_reach_the_callers_graph(name):
 
 
 @pytest.mark.usefixtures("eager_with_graph")
+def test_non_finite_inputs_follow_attnkits_rule_where_the_kernel_gives_an_lse():
+    """The rows fixed from the lse as on CUDA: NaN where a bad query sees a key, 0 without one."""
+    test_non_finite_inputs_follow_attnkits_rule(torch.device("cpu"))
+
+
+@pytest.mark.usefixtures("eager_with_graph")
 def test_second_derivatives_on_the_cpu_are_the_reference_backends():
     test_second_derivatives_are_the_reference_backends(torch.device("cpu"))
 
@@ -513,8 +519,8 @@ def test_a_backward_that_does_not_fit_runs_again_with_smaller_blocks(monkeypatch
 
     def backward_unfit(call, small_blocks=False):
         tried.append(small_blocks)
-        out, lse = run_kernel(call)
-        return (out, lse) if small_blocks else (Unfit.apply(out), lse)
+        out, lse, bad_rows = run_kernel(call)
+        return (out, lse, bad_rows) if small_blocks else (Unfit.apply(out), lse, bad_rows)
 
     monkeypatch.setattr(flex, "_run_kernel", backward_unfit)
     monkeypatch.setattr(flex, "_NEEDS_SMALL_BLOCKS", set())

@@ -17,6 +17,7 @@ CASES = {
     "gqa causal d=40": ((1, 4, 2, 13, 13, 40), True),
     "mqa t!=s d=64": ((2, 3, 1, 11, 6, 64), False),
     "one query causal": ((1, 4, 2, 1, 17, 32), True),
+    "mha causal d=128": ((1, 2, 2, 80, 80, 128), True),  # cuDNN's kernel on an H100
 }
 
 

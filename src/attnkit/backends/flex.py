@@ -128,8 +128,13 @@ def _kernel_options(call: Call) -> dict:
     return options
 
 
-def _run_kernel(call: Call, small_blocks: bool = False) -> tuple[Tensor, Tensor | None]:
-    """FlexAttention's ``(out, lse)`` for the call (lse None on a CPU, whose kernel has none)."""
+def _run_kernel(
+    call: Call, small_blocks: bool = False
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """FlexAttention's ``(out, lse)`` for the call (lse None on a CPU, whose kernel has none), and
+    the ``(b, h, t)`` rows of q that are not finite (None where Python saw none), whose scores
+    entered the kernel as 0 and whose output [`_rows_fixed`][attnkit.backends.flex._rows_fixed]
+    makes NaN."""
     q, masks = call.q, call.masks
     keys, values = zero_padding(call.k, masks.key_mask), zero_padding(call.v, masks.key_mask)
     block_mask, hidden = flex_masks.masks_of(call)
@@ -150,11 +155,28 @@ def _run_kernel(call: Call, small_blocks: bool = False) -> tuple[Tensor, Tensor 
         return_aux=torch_flex.AuxRequest(lse=True) if with_lse else None,
     )
     out, lse = (result[0], result[1].lse) if with_lse else (result, None)
-    if bad_rows is not None:  # (without an lse, on the CPU of the tests: every such row)
-        bad_rows = bad_rows if lse is None else bad_rows & (lse != -_INF)
-        out = out.masked_fill(bad_rows[..., None], _NAN)
-        lse = None if lse is None else lse.masked_fill(bad_rows, _NAN)
-    return out, lse
+    return out, lse, bad_rows
+
+
+def _rows_fixed(
+    out: Tensor, lse: Tensor | None, bad_rows: Tensor | None, hiding: bool
+) -> tuple[Tensor, Tensor | None]:
+    """``out`` and ``lse`` with attnkit's rows: NaN where a query that is not finite sees a key,
+    0 where a row has no key (``hiding``: where a mask can leave one none), in one pass over
+    ``out`` (a ``where`` whose backward is one pass too; two fills took four each way)."""
+    if lse is None:  # the CPU of the tests: no lse, every bad row is NaN
+        if bad_rows is not None:
+            out = out.masked_fill(bad_rows[..., None], _NAN)
+        return out, None
+    no_key = lse == -_INF if hiding else None
+    if bad_rows is None and no_key is None:
+        return out, lse
+    if bad_rows is None:
+        return torch.where(no_key[..., None], 0.0, out), lse
+    bad_rows = bad_rows & (lse != -_INF)  # torch's kernel gives a row of NaN scores no key
+    fill = torch.zeros_like(bad_rows, dtype=out.dtype).masked_fill_(bad_rows, _NAN)
+    fixed = bad_rows if no_key is None else bad_rows | no_key
+    return torch.where(fixed[..., None], fill[..., None], out), lse.masked_fill(bad_rows, _NAN)
 
 
 SMALL_BLOCKS = {"BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 1}
@@ -196,12 +218,12 @@ def flex(call: Call) -> AttentionOutput:
     with_graph = not traced() and call.q.device.type in GRAPH_DEVICES
     if with_graph and base.wants_grad(*call.tensors(), *call.mod_tensors):
         template = call._replace(sinks=None).with_tensors(*[None] * 6)  # tensors saved apart
-        out, lse = _Flex.apply(template, *call.tensors(), *call.mod_tensors)
+        out, lse, bad_rows = _Flex.apply(template, *call.tensors(), *call.mod_tensors)
     else:
-        out, lse = _fitting(call, functools.partial(_run_kernel, call))
+        out, lse, bad_rows = _fitting(call, functools.partial(_run_kernel, call))
     hiding = (call.block_mask, call.score_mod, masks.window, masks.attn_mask, masks.key_mask)
-    if lse is not None and any(x is not None for x in hiding):  # what can leave a row no key
-        out = out.masked_fill((lse == -_INF)[..., None], 0.0)  # a row with no key is 0
+    hiding = any(x is not None for x in hiding)  # what can leave a row no key
+    out, lse = _rows_fixed(out, lse, bad_rows, hiding)
     if call.sinks is not None:
         return join_sinks(AttentionOutput(out, lse), call.sinks, call.return_lse)
     return AttentionOutput(out, lse if call.return_lse else None)
@@ -217,7 +239,8 @@ class _Flex(torch.autograd.Function):
     runs in a plain backward. A backward with ``create_graph=True``, which torch's compiled
     backward cannot take, returns for q, k, v, the slopes and the tensors a ``score_mod`` reads
     the gradients of the reference backend's recomputation, which autograd differentiates again
-    (at the reference's ``O(t s)`` memory for that call). Its outputs are ``out`` and ``lse``."""
+    (at the reference's ``O(t s)`` memory for that call). Its outputs are ``out``, ``lse`` and the
+    rows of q that are not finite (see `_run_kernel`)."""
 
     @staticmethod
     def forward(ctx, template: Call, q, k, v, slopes, attn_mask, key_mask, *mods):
@@ -228,17 +251,19 @@ class _Flex(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, slopes, attn_mask, key_mask, *mods)
         ctx.template = template
         ctx.set_materialize_grads(False)
-        return ctx.out.detach(), ctx.lse.detach()
+        if ctx.bad_rows is not None:
+            ctx.mark_non_differentiable(ctx.bad_rows)
+        return ctx.out.detach(), ctx.lse.detach(), ctx.bad_rows
 
     @staticmethod
     def run(ctx, small_blocks: bool) -> None:
         """The kernel on the leaves, its graph kept in ``ctx``."""
         with torch.enable_grad():  # the caller's mod tensors join this graph as its inputs
-            ctx.out, ctx.lse = _run_kernel(ctx.call, small_blocks)
+            ctx.out, ctx.lse, ctx.bad_rows = _run_kernel(ctx.call, small_blocks)
         ctx.small_blocks = small_blocks
 
     @staticmethod
-    def backward(ctx, dout, dlse):
+    def backward(ctx, dout, dlse, _bad_rows):
         needs = ctx.needs_input_grad
         if torch.is_grad_enabled():  # create_graph=True: the reference's recomputation
             q, k, v, slopes, attn_mask, key_mask, *mods = ctx.saved_tensors

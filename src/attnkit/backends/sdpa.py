@@ -95,7 +95,7 @@ def sdpa(call: Call) -> AttentionOutput:
         causal = is_causal or isinstance(attn_mask, CausalBias)  # a row the rule may make NaN
         out = _nan_rule(out, q, keys, allowed, causal, call)
     if empty_rows is not None:  # rows with no allowed key are 0, whatever the kernel does
-        out = out.masked_fill(empty_rows, 0.0)
+        out = torch.where(empty_rows, 0.0, out)
     if twice:  # torch's fused kernel made it, whose backward cannot run twice
         template = call.with_tensors(*[None] * 6)  # its tensors are saved apart
         out = _TwiceDifferentiable.apply(out, *call.tensors(), template)
@@ -116,14 +116,15 @@ def _nan_rule(
 ) -> Tensor:
     """``out`` with NaN in the rows attnkit's rule makes NaN (see
     [`rows_made_nan`][attnkit.backends.sdpa.rows_made_nan]), in place where no gradient is
-    recorded."""
+    recorded, else by a ``where``."""
     with torch.no_grad():  # which rows attnkit's rules overwrite (no gradient flows there)
         bias, slopes, known = call.masks.bias(), call.alibi_slopes, call.nonfinite_keys
         nan_rows = rows_made_nan(q, k, allowed, causal, bias, slopes, known)
     if can_branch_on_data(nan_rows) and not bool(nan_rows.any()):
         return out
-    fill = out.masked_fill if out.requires_grad else out.masked_fill_  # in place: no copy
-    return fill(nan_rows, _NAN)
+    if out.requires_grad:  # one pass each way, where masked_fill copies first and fills again
+        return torch.where(nan_rows, _NAN, out)
+    return out.masked_fill_(nan_rows, _NAN)  # in place: no copy
 
 
 def lower_right(call: Call) -> CausalBias | None:

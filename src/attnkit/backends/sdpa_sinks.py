@@ -1,36 +1,39 @@
-"""Learned sinks on torch's fused flash kernels, through the log-sum-exp they return.
+"""Learned sinks on torch's fused kernels, through the log-sum-exp they return.
 
-torch's public ``scaled_dot_product_attention`` returns the output only. Its flash kernels (CUDA's,
-for half precision, and the CPU's) also return the row's log-sum-exp ``lse``, from which a sink joins
-the output exactly ([`attnkit.backends.sinks`][attnkit.backends.sinks]):
+torch's public ``scaled_dot_product_attention`` returns the output only. Its flash kernels (the
+CPU's, and CUDA's for half precision) and cuDNN's also return each row's log-sum-exp ``lse``, from
+which a sink joins the output exactly ([`attnkit.backends.sinks`][attnkit.backends.sinks]):
 
     lse' = logaddexp(lse, z_h),    y = out * exp(lse - lse')
 
 ``y`` is the attention output of a softmax whose denominator holds the sink, so its backward is
-the flash kernel's own backward asked about ``y`` and ``lse'`` instead of ``out`` and ``lse``: the
-kernel recomputes the weights as ``exp(score - lse')``, which are those of ``y``, and takes its row
-term ``D = dy . y`` from the output it is given. The sink's own gradient is
-``-sum(dy . y * exp(z_h - lse'))`` over the batch and the rows. One kernel each way, as plain
-attention, and one pass over the output.
+the kernel's own backward asked about ``y`` and ``lse'`` instead of ``out`` and ``lse``: the kernel
+recomputes the weights as ``exp(score - lse')``, which are those of ``y``, and takes its row term
+``D = dy . y`` from the output it is given. The sink's own gradient is
+``-sum(dy . y * exp(z_h - lse'))`` over the batch and the rows. One kernel each way, the one torch's
+SDPA picks for the same call (on an H100, cuDNN's), and one pass over the output.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.nn.attention import SDPBackend
 
 from attnkit.backends.base import AttentionOutput, Call
 from attnkit.backends.reference import reference
 from attnkit.backends.sinks import join as join_sinks
 from attnkit.masks import Masks
 
-_FLASH_DTYPES = (torch.float16, torch.bfloat16)
+_WITH_LSE = {SDPBackend.FLASH_ATTENTION.value: "flash", SDPBackend.CUDNN_ATTENTION.value: "cudnn"}
+"""torch's fused CUDA kernels whose lse this path takes, by the number `_fused_sdp_choice` gives."""
 
 
 def refuses(call: Call) -> str | None:
-    """Why torch's flash kernel cannot run ``call``, which has sinks, on this path (None if it can):
-    the kernel masks causally (``t == s``, or one query) or not at all and takes no bias; its
-    dropout would have to be drawn again in the backward."""
+    """Why torch's fused kernels cannot run ``call``, which has sinks, on this path (None if they
+    can): they mask causally (``t == s``, or one query) or not at all here, and their dropout
+    would have to be drawn again in the backward; on CUDA, torch would pick its flash or cuDNN
+    kernel for the call (half precision, a head dim they take)."""
     q, k = call.q, call.k
     t, s = q.shape[-2], k.shape[-2]
     masks = call.masks
@@ -40,81 +43,110 @@ def refuses(call: Call) -> str | None:
     others = call.options & {"alibi_slopes", "dropout_p"}
     if others:
         return f"sinks with {', '.join(sorted(others))}"
-    if q.is_cuda:
-        if q.dtype not in _FLASH_DTYPES or q.shape[-1] % 8 or q.shape[-1] > 256:
-            return "sinks on CUDA other than float16/bfloat16 with a head dim of 8, 16, ... 256"
-        if q.shape[-1] != call.v.shape[-1]:
-            return "sinks on CUDA with values of another width than the keys"
-        if torch.cuda.get_device_capability(q.device) < (8, 0):
-            return "sinks on a GPU older than sm80, which has no flash kernel"
-    elif not q.is_cpu:
-        return f"sinks on {q.device.type}: torch's flash kernel runs on CPU and CUDA"
+    if q.is_cuda and _cuda_kernel(call.q, call.k, call.v, _causal(call), call.scale) is None:
+        return (
+            "sinks where torch's SDPA would run neither its flash nor its cuDNN kernel (float32, "
+            "or a head dim they do not take): those return the lse the sinks join through"
+        )
+    if not (q.is_cuda or q.is_cpu):
+        return f"sinks on {q.device.type}: torch's fused kernels with an lse run on CPU and CUDA"
     return None
 
 
 def attention_with_sinks(call: Call) -> Tensor:
-    """The output of ``call`` with its sinks joined, on torch's flash kernel; the caller applies
+    """The output of ``call`` with its sinks joined, on torch's fused kernel; the caller applies
     attnkit's rule for non-finite inputs."""
-    causal = call.masks.is_causal_only and call.q.shape[-2] > 1
-    return _SinksJoined.apply(call.q, call.k, call.v, call.sinks, causal, call.scale)
+    q, k, v, causal = call.q, call.k, call.v, _causal(call)
+    kernel = "cpu" if q.is_cpu else _cuda_kernel(q, k, v, causal, call.scale)
+    if kernel == "cudnn":  # cuDNN's kernels read strided inputs wrongly through these ops
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    return _SinksJoined.apply(q, k, v, call.sinks, kernel, causal, call.scale)
 
 
-def _flash_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float):
-    """``(out, lse, state)``: torch's flash kernel, where ``state`` is what its backward takes."""
-    if q.is_cuda:
-        out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = (
-            torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, scale=scale)
+def _causal(call: Call) -> bool:
+    return call.masks.is_causal_only and call.q.shape[-2] > 1
+
+
+def _cuda_kernel(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> str | None:
+    """``"flash"`` or ``"cudnn"``: the kernel torch's SDPA picks for the call, or None for one
+    without the lse this path needs (its memory-efficient kernel pads it, its math path has none)."""
+    gqa = q.shape[1] != k.shape[1]
+    choice = torch._fused_sdp_choice(q, k, v, None, 0.0, causal, scale=scale, enable_gqa=gqa)
+    return _WITH_LSE.get(choice)
+
+
+def _forward(kernel: str, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float):
+    """``(out, lse, state)`` from ``kernel``: ``lse`` ``(b, h, t)``, ``state`` what its backward
+    takes."""
+    aten = torch.ops.aten
+    if kernel == "cpu":
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, scale=scale
         )
-        return out, lse, (cum_q, cum_k, max_q, max_k, seed, offset)
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, 0.0, causal, scale=scale
-    )
-    return out, lse, ()
+        return out, lse, ()
+    if kernel == "flash":
+        out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = (
+            aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, scale=scale)
+        )
+    else:
+        out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = (
+            aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, scale=scale)
+        )
+    return out, lse.view(lse.shape[:3]), (cum_q, cum_k, max_q, max_k, seed, offset)
 
 
-def _flash_backward(dy, q, k, v, y, lse, state, causal: bool, scale: float):
-    """``(dq, dk, dv)`` from torch's flash backward, asked about the output ``y`` of weights
-    ``exp(score - lse)``."""
-    if q.is_cuda:
-        cum_q, cum_k, max_q, max_k, seed, offset = state
-        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+def _backward(kernel: str, dy, q, k, v, y, lse, state, causal: bool, scale: float):
+    """``(dq, dk, dv)`` from ``kernel``'s backward, asked about the output ``y`` of weights
+    ``exp(score - lse)``; ``dy`` laid out as ``y``, as cuDNN's backward needs."""
+    aten = torch.ops.aten
+    if kernel == "cpu":
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dy, q, k, v, y, lse, 0.0, causal, scale=scale
+        )
+    cum_q, cum_k, max_q, max_k, seed, offset = state
+    if kernel == "flash":
+        return aten._scaled_dot_product_flash_attention_backward(
             dy, q, k, v, y, lse, cum_q, cum_k, max_q, max_k, 0.0, causal, seed, offset, scale=scale
         )
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dy, q, k, v, y, lse, 0.0, causal, scale=scale
-    )
+    lse = lse.unsqueeze(-1)  # (b, h, t, 1), as cuDNN's forward gave it
+    return aten._scaled_dot_product_cudnn_attention_backward(
+        dy, q, k, v, y, lse, seed, offset, None, cum_q, cum_k, max_q, max_k, 0.0, causal,
+        scale=scale,
+    )  # fmt: skip
 
 
 class _SinksJoined(torch.autograd.Function):
-    """Attention with sinks on the flash kernel, forward and backward (see the module's note). A
-    backward with ``create_graph=True`` differentiates the reference backend's recomputation."""
+    """Attention with sinks on one of torch's fused kernels, forward and backward (see the
+    module's note). A backward with ``create_graph=True`` differentiates the reference backend's
+    recomputation."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, causal: bool, scale: float):
-        out, lse, state = _flash_forward(q, k, v, causal, scale)
+    def forward(ctx, q, k, v, sinks, kernel: str, causal: bool, scale: float):
+        out, lse, state = _forward(kernel, q, k, v, causal, scale)
         y, joined_lse, _ = join_sinks(AttentionOutput(out, lse), sinks, return_lse=True)
         ctx.save_for_backward(q, k, v, sinks, out, lse, joined_lse, *state[:2], *state[4:])
-        ctx.state_sizes = state[2:4]
-        ctx.causal, ctx.scale = causal, scale
+        ctx.sizes = state[2:4]  # the longest lengths: numbers, not tensors
+        ctx.kernel, ctx.causal, ctx.scale = kernel, causal, scale
         return y
 
     @staticmethod
     def backward(ctx, dy):
         q, k, v, sinks, out, lse, joined_lse, *state = ctx.saved_tensors
-        if torch.is_grad_enabled():  # create_graph=True: the flash backward has no backward
-            return (*_differentiable_grads(ctx, dy, q, k, v, sinks), None, None)
+        if torch.is_grad_enabled():  # create_graph=True: the kernel's backward has no backward
+            return (*_differentiable_grads(ctx, dy, q, k, v, sinks), None, None, None)
         if state:
-            state = (*state[:2], *ctx.state_sizes, *state[2:])
-        dy = dy.contiguous()
+            state = (*state[:2], *ctx.sizes, *state[2:])
         keep = torch.exp(lse - joined_lse).unsqueeze(-1)  # the keys' share of each row
-        y = (out * keep).to(out.dtype)  # the output, made again: saved, it would double the memory
-        dq, dk, dv = _flash_backward(dy, q, k, v, y, joined_lse, state, ctx.causal, ctx.scale)
+        y = (out * keep).to(out.dtype)  # made again: saved, it would double the memory
+        if dy.stride() != y.stride():
+            dy = torch.empty_like(y).copy_(dy)
+        dq, dk, dv = _backward(ctx.kernel, dy, q, k, v, y, joined_lse, state, ctx.causal, ctx.scale)
         dsinks = None
         if ctx.needs_input_grad[3]:  # each row's sink share times -(dy . y), y unrounded
             share = torch.exp(sinks.to(lse.dtype).view(1, -1, 1) - joined_lse)
             row = (dy.to(lse.dtype) * out.to(lse.dtype) * keep).sum(dim=-1)
             dsinks = -(row * share).sum(dim=(0, 2)).to(sinks.dtype)
-        return dq, dk, dv, dsinks, None, None
+        return dq, dk, dv, dsinks, None, None, None
 
 
 def _differentiable_grads(ctx, dy, q, k, v, sinks) -> list[Tensor | None]:
