@@ -61,7 +61,7 @@ test-hf-oldest: kernels
 
 # The tests of CUDA paths (the `gpu` marker), with the Python at hand and nothing installed: on a
 # machine with a GPU (scripts/gpu-check.sh runs it on a lent one); without one they all skip.
-GPU_WORKERS ?= $(shell $(PYTHON) -c 'import xdist' 2>/dev/null && echo "-n 12")
+GPU_WORKERS ?= $(shell $(PYTHON) -c 'import xdist' 2>/dev/null && echo "-n logical")
 test-gpu:
 	PYTHONPATH=src$${PYTHONPATH:+:$$PYTHONPATH} $(PYTHON) -m pytest -m gpu -p no:cacheprovider \
 	  $(GPU_WORKERS) --durations=10 $(PYTEST_ARGS) tests

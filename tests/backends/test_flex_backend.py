@@ -470,6 +470,11 @@ def eager_with_graph(monkeypatch):
     monkeypatch.setattr(flex, "_compiled", lambda: torch_flex.flex_attention)
     monkeypatch.setattr(torch_flex, "_validate_device", lambda *tensors: None)
     monkeypatch.setattr(torch_flex, "_warn_once", lambda *args, **kwargs: None)
+    # torch runs FlexAttention uncompiled through one compiled wrapper, process-wide: after a few
+    # lengths it would mark them dynamic for the tests that follow, which its CPU path cannot take
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
 
 
 @pytest.mark.usefixtures("eager_with_graph")

@@ -55,6 +55,19 @@ def test_auto_runs_sinks_on_sdpa_where_the_flash_kernel_takes_them():
         attention(q, k, v, sinks=sinks, causal=True, backend="sdpa")
 
 
+def test_on_a_cpu_auto_takes_the_tiled_kernel_for_sinks_from_512_x_512_scores():
+    """On a CPU torch's flash kernel and the passes that join the sinks ran slower than the tiled
+    C++ kernel and the same passes from 512 x 512 scores (docs/bench/choices.md), where it runs."""
+    from attnkit.backends import tiled
+
+    assert tiled.SINKS_NATIVE_FROM == 512 * 512  # the threshold the lengths below straddle
+    for n, fastest in [(511, "sdpa"), (512, "tiled")]:
+        q, k, v, sinks = leaves((1, 1, 1, n, n, 8), torch.float32, "cpu")
+        native = which_backend(q, k, v, sinks=sinks, backend="tiled").path == "native"
+        choice = which_backend(q, k, v, sinks=sinks, causal=True)
+        assert choice.backend == (fastest if native else "sdpa")
+
+
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
 def test_fp32_output_and_every_gradient_match_the_oracle(case):
     shape, causal = case

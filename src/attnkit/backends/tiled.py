@@ -68,7 +68,11 @@ NATIVE_MIN_SCORES = 256 * 256
 float mask; measured on AVX2 and AVX-512 CPUs (docs/bench/choices.md). (A window, causal with
 t != s and padding go to the tiled backend at any size on a CPU: no dense mask is built.)"""
 
-_OPTIONS_RULED = frozenset({"dropout_p", "window", "alibi_slopes"})
+SINKS_NATIVE_FROM = 512 * 512
+"""The fewest scores t * s from which the tiled C++ kernel with sinks overtakes SDPA's path for
+them (torch's CPU flash kernel, through its lse) in float32 (docs/bench/choices.md)."""
+
+_OPTIONS_RULED = frozenset({"dropout_p", "window", "alibi_slopes", "sinks"})
 """The options that `TiledBackend.faster_than`'s rules ask about besides half precision and a
 causal mask (`_may_be_faster`)."""
 
@@ -158,6 +162,12 @@ class TiledBackend(Backend):
             return (  # SDPA's CPU kernels have none: its math path takes the call
                 "SDPA's CPU kernels have no dropout: torch's math path would materialise the "
                 "scores, the weights and the dropout mask"
+            )
+        sinks = call.sinks is not None and q.device.type == "cpu" and t * s >= SINKS_NATIVE_FROM
+        if sinks and self.path(call).path == "native":
+            return (  # SDPA's path adds passes around torch's CPU flash kernel, as this one does
+                "with sinks, torch's CPU flash kernel and the passes that join them run slower "
+                "than the C++ kernel and the same passes"
             )
         window = call.masks.window
         limited = window is not None and window != (-1, 0)  # a window, not just causal
