@@ -174,3 +174,17 @@ def selected_attention(
                 lse[bi, hi, i] = torch.logsumexp(scores, dim=0)
                 weights[bi, hi, i, keys] = w
     return out.to(device), lse.to(device), weights.to(device)
+
+
+def max_error(x: Tensor, reference: Tensor) -> float:
+    """The largest absolute difference from ``reference``, in float64."""
+    return (x.detach().double() - reference.detach().double()).abs().max().item()
+
+
+def assert_within_the_naive_error(out, naive_out, exact_out, gradients) -> None:
+    """The bound for half precision: ``out``'s error against the float64 ``exact_out`` at most twice
+    the naive path's in the same precision, and each gradient's (``gradients``: triples of the
+    tested, the naive and the exact gradient) at most three times."""
+    assert max_error(out, exact_out) <= 2 * max_error(naive_out, exact_out) + 1e-6
+    for got, naive, exact in gradients:
+        assert max_error(got, exact) <= 3 * max_error(naive, exact) + 1e-6

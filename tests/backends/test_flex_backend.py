@@ -251,6 +251,7 @@ def test_non_finite_inputs_follow_attnkits_rule(device):
     inf, nan = float("inf"), float("nan")
     q, k, v = torch.randn(1, 2, 6, 16), torch.randn(1, 2, 9, 16), torch.randn(1, 2, 9, 16)
     q[0, 0, 4, 3] = inf  # every score of this row: NaN
+    q[0, 1, 0, 5] = inf  # a row that is not finite and sees no key: 0 all the same
     k[0, 1, 2, 0] = -inf  # a key whose scores are infinite: NaN where seen
     bias = torch.randn(1, 2, 6, 9)
     bias[0, 0, 5, 1], bias[0, 1, 4, 7], bias[..., 0, :] = inf, nan, -inf  # row 0 sees nothing
@@ -499,6 +500,36 @@ def test_gradients_of_every_input_reach_the_callers_graph(name):
 def test_non_finite_inputs_follow_attnkits_rule_where_the_kernel_gives_an_lse():
     """The rows fixed from the lse as on CUDA: NaN where a bad query sees a key, 0 without one."""
     test_non_finite_inputs_follow_attnkits_rule(torch.device("cpu"))
+
+
+@pytest.mark.parametrize("hiding", [False, True])
+@pytest.mark.parametrize("bad", [False, True])
+def test_the_rows_are_fixed_in_one_pass_as_by_two_fills(hiding, bad):
+    """`_rows_fixed`'s one ``where`` gives the output, lse and gradients of the two fills it
+    replaced: NaN in a bad query's row that sees a key, then 0 in a row with no key."""
+    out = torch.randn(2, 3, 8, 4, requires_grad=True)
+    lse = torch.randn(2, 3, 8, requires_grad=True)
+    with torch.no_grad():
+        lse[0, 1, :3] = -float("inf")  # rows with no key, one of them bad
+    bad_rows = torch.zeros(2, 3, 8, dtype=torch.bool)
+    bad_rows[0, 1, 2:5] = bad_rows[1, 2, 7] = True
+    bad_rows = bad_rows if bad else None
+    got_out, got_lse = flex._rows_fixed(out, lse, bad_rows, hiding)
+    want_out, want_lse = out, lse
+    if bad_rows is not None:
+        seen = bad_rows & (lse != -float("inf"))
+        want_out = want_out.masked_fill(seen[..., None], float("nan"))
+        want_lse = want_lse.masked_fill(seen, float("nan"))
+    if hiding:
+        want_out = want_out.masked_fill((lse == -float("inf"))[..., None], 0.0)
+    torch.testing.assert_close(got_out, want_out, equal_nan=True)
+    torch.testing.assert_close(got_lse, want_lse, equal_nan=True)
+    assert got_out.isnan().any() == bad
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+    got = torch.autograd.grad((got_out, got_lse), (out, lse), (dout, dlse))
+    want = torch.autograd.grad((want_out, want_lse), (out, lse), (dout, dlse))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
 
 
 @pytest.mark.usefixtures("eager_with_graph")

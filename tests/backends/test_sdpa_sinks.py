@@ -3,12 +3,17 @@ CUDA's in half precision where a GPU is present, against the float64 oracle."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from attnkit import attention
+from attnkit.backends import sdpa_sinks
 from attnkit.functional import which_backend
-from oracle import naive_attention
+from conftest import CUDA
+from oracle import assert_within_the_naive_error, naive_attention
 
 # (b, h, h_kv, t, s, d), and causal: the flash kernel masks causally with t == s, or one query
 CASES = {
@@ -55,6 +60,47 @@ def test_auto_runs_sinks_on_sdpa_where_the_flash_kernel_takes_them():
         attention(q, k, v, sinks=sinks, causal=True, backend="sdpa")
 
 
+def test_calls_torchs_sdpa_would_not_give_a_flash_kernel_go_elsewhere(device):
+    """Values wider than the keys (torch's math path), torch's own choice narrowed by
+    ``sdpa_kernel``, and on CUDA float32 or a head dim that is not a multiple of 8."""
+    words = "would run neither its flash nor its cuDNN kernel"
+    cases = [((1, 2, 2, 8, 8, 16), torch.bfloat16, 12, None)]  # d_v = 12
+    cases.append(((1, 2, 2, 8, 8, 16), torch.bfloat16, None, SDPBackend.MATH))
+    if device.type == "cuda":
+        cases += [((1, 2, 2, 8, 8, 16), torch.float32, None, None)]
+        cases += [((1, 2, 2, 8, 8, 20), torch.bfloat16, None, None)]
+    for shape, dtype, d_v, only in cases:
+        q, k, v, sinks = leaves(shape, dtype, device)
+        if d_v is not None:
+            v = v[..., :d_v]
+        with sdpa_kernel([only]) if only is not None else contextlib.nullcontext():
+            choice = which_backend(q, k, v, sinks=sinks, causal=True)
+            assert choice.backend != "sdpa" and words in choice.reason
+            with pytest.raises(ValueError, match=words):
+                attention(q, k, v, sinks=sinks, causal=True, backend="sdpa")
+            out = attention(q, k, v, sinks=sinks, causal=True)
+        want = naive_attention(*(x.double() for x in (q, k, v)), sinks=sinks.double(), causal=True)
+        assert (out.double() - want[0]).abs().max() < 0.05
+
+
+@pytest.mark.parametrize("device", [CUDA])
+@pytest.mark.parametrize("kernel", [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION])
+def test_each_cuda_kernel_with_an_lse_runs_sinks_within_the_naive_paths_error(device, kernel):
+    """torch's flash and cuDNN kernels, each as ``sdpa_kernel`` narrows torch's choice: the same
+    output and gradients, within the bf16 bounds, as where torch picks."""
+    name = {SDPBackend.FLASH_ATTENTION: "flash", SDPBackend.CUDNN_ATTENTION: "cudnn"}[kernel]
+    ran = []
+    for case in ("mha causal d=128", "mha"):
+        shape, causal = CASES[case]
+        xs = leaves(shape, torch.bfloat16, device)
+        with sdpa_kernel([kernel]):
+            if sdpa_sinks.fused_kernel(*xs[:3], causal, shape[-1] ** -0.5) != name:
+                continue  # this kernel does not take these shapes on this GPU
+            ran.append(case)
+            check_half_precision(xs, causal)
+    assert ran or kernel == SDPBackend.CUDNN_ATTENTION  # the flash kernel takes both
+
+
 def test_on_a_cpu_auto_takes_the_tiled_kernel_for_sinks_from_512_x_512_scores():
     """On a CPU torch's flash kernel and the passes that join the sinks ran slower than the tiled
     C++ kernel and the same passes from 512 x 512 scores (docs/bench/choices.md), where it runs."""
@@ -90,24 +136,22 @@ def test_half_precision_within_the_naive_paths_error(case, device):
     xs = leaves(shape, torch.bfloat16, device)
     if device.type == "cuda":  # on a CPU the tiled kernel may be faster in bf16
         assert which_backend(*xs[:3], sinks=xs[3], causal=causal).backend == "sdpa"
+    check_half_precision(xs, causal)
+
+
+def check_half_precision(xs, causal):
     out = attention(*xs[:3], sinks=xs[3], causal=causal, backend="sdpa")
     naive_xs = [x.detach().clone().requires_grad_() for x in xs]
     naive_out = naive_attention(*naive_xs[:3], sinks=naive_xs[3], causal=causal)[0]
     xs64, out64 = oracle(xs, causal)
-
-    def error(x, ref):
-        return (x.double() - ref).abs().max().item()
-
     assert out.dtype == torch.bfloat16
-    assert error(out, out64) <= 2 * error(naive_out, out64) + 1e-6
     dout = torch.randn_like(out)
-    for g, g_naive, g64 in zip(
+    gradients = zip(
         torch.autograd.grad(out, xs, dout),
         torch.autograd.grad(naive_out, naive_xs, dout),
         torch.autograd.grad(out64, xs64, dout.double()),
-    ):
-        assert g.dtype == torch.bfloat16
-        assert error(g, g64) <= 3 * error(g_naive, g64) + 1e-6
+    )
+    assert_within_the_naive_error(out, naive_out, out64, gradients)
 
 
 def test_gradcheck_and_gradgradcheck_in_float64():
@@ -139,6 +183,12 @@ def test_non_finite_inputs_and_sinks_follow_attnkits_rule(device):
         attention(q, k, v, sinks=none, backend="sdpa"), attention(q, k, v, backend="sdpa")
     )
     infinite = sinks.clone()
-    infinite[1] = float("inf")  # an infinite score: the head's rows are NaN
-    out = attention(q, k, v, sinks=infinite, backend="sdpa")
-    assert out[0, 1].isnan().all() and not out[0, 0].isnan().any()
+    infinite[1] = float("inf")  # an infinite score: the head's rows are NaN, and their gradients
+    grads = {}
+    for backend in ("sdpa", "reference"):
+        xs = [x.clone().requires_grad_() for x in (q, k, v, infinite)]
+        out = attention(*xs[:3], sinks=xs[3], backend=backend)
+        assert out[0, 1].isnan().all() and not out[0, 0].isnan().any()
+        grads[backend] = torch.autograd.grad(out.sum(), xs)
+    for got, want in zip(grads["sdpa"], grads["reference"]):
+        assert torch.equal(got.isnan(), want.isnan()) and got.isnan().any()

@@ -8,7 +8,7 @@
 | alibi_slopes | yes | yes | yes | yes | no | sdpa: a float mask of shape (h, t, s); flex: in its score_mod |
 | softcap | yes | no | yes | yes | no | |
 | score_mod, block_mask | yes | no | yes | yes | no | flex: torch's own FlexAttention; a block mask alone passes through |
-| sinks | yes | flash | yes | yes | yes | sdpa: torch's flash kernel, no mask but causal with t == s; flex, tiled: joined to the kernel's output through its lse; decode: in the kernel's merge |
+| sinks | yes | fused | yes | yes | yes | sdpa: the flash or cuDNN kernel torch picks, no mask but causal with t == s or one query; flex, tiled: joined to the kernel's output through its lse; decode: in the kernel's merge |
 | dropout_p | yes | yes | no | no | no | |
 | return_lse | yes | no | yes | yes | no | with gradients |
 | return_weights | yes | no | no | yes | no | tiled: recomputed from the lse |

@@ -20,20 +20,21 @@ import torch
 from torch import Tensor
 from torch.nn.attention import SDPBackend
 
-from attnkit.backends.base import AttentionOutput, Call
+from attnkit.backends.base import Call
 from attnkit.backends.reference import reference
-from attnkit.backends.sinks import join as join_sinks
+from attnkit.backends.sinks import share_of_keys
 from attnkit.masks import Masks
 
-_WITH_LSE = {SDPBackend.FLASH_ATTENTION.value: "flash", SDPBackend.CUDNN_ATTENTION.value: "cudnn"}
-"""torch's fused CUDA kernels whose lse this path takes, by the number `_fused_sdp_choice` gives."""
+_FLASH, _CUDNN = SDPBackend.FLASH_ATTENTION.value, SDPBackend.CUDNN_ATTENTION.value
+"""torch's fused kernels whose lse this path takes, as numbered by `_fused_sdp_choice`."""
 
 
 def refuses(call: Call) -> str | None:
     """Why torch's fused kernels cannot run ``call``, which has sinks, on this path (None if they
     can): they mask causally (``t == s``, or one query) or not at all here, and their dropout
-    would have to be drawn again in the backward; on CUDA, torch would pick its flash or cuDNN
-    kernel for the call (half precision, a head dim they take)."""
+    would have to be drawn again in the backward; torch's SDPA would pick, for the same call, its
+    flash kernel (on a CPU) or its flash or cuDNN kernel (on CUDA: half precision, a head dim they
+    take), as it would under ``torch.nn.attention.sdpa_kernel``."""
     q, k = call.q, call.k
     t, s = q.shape[-2], k.shape[-2]
     masks = call.masks
@@ -43,13 +44,14 @@ def refuses(call: Call) -> str | None:
     others = call.options & {"alibi_slopes", "dropout_p"}
     if others:
         return f"sinks with {', '.join(sorted(others))}"
-    if q.is_cuda and _cuda_kernel(call.q, call.k, call.v, _causal(call), call.scale) is None:
-        return (
-            "sinks where torch's SDPA would run neither its flash nor its cuDNN kernel (float32, "
-            "or a head dim they do not take): those return the lse the sinks join through"
-        )
     if not (q.is_cuda or q.is_cpu):
         return f"sinks on {q.device.type}: torch's fused kernels with an lse run on CPU and CUDA"
+    if fused_kernel(call.q, call.k, call.v, _causal(call), call.scale) is None:
+        return (
+            "sinks where torch's SDPA would run neither its flash nor its cuDNN kernel (values "
+            "of another width than the keys; on CUDA float32, or a head dim they do not take): "
+            "those return the lse the sinks join through"
+        )
     return None
 
 
@@ -57,7 +59,7 @@ def attention_with_sinks(call: Call) -> Tensor:
     """The output of ``call`` with its sinks joined, on torch's fused kernel; the caller applies
     attnkit's rule for non-finite inputs."""
     q, k, v, causal = call.q, call.k, call.v, _causal(call)
-    kernel = "cpu" if q.is_cpu else _cuda_kernel(q, k, v, causal, call.scale)
+    kernel = fused_kernel(q, k, v, causal, call.scale)
     if kernel == "cudnn":  # cuDNN's kernels read strided inputs wrongly through these ops
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     return _SinksJoined.apply(q, k, v, call.sinks, kernel, causal, call.scale)
@@ -67,12 +69,18 @@ def _causal(call: Call) -> bool:
     return call.masks.is_causal_only and call.q.shape[-2] > 1
 
 
-def _cuda_kernel(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> str | None:
-    """``"flash"`` or ``"cudnn"``: the kernel torch's SDPA picks for the call, or None for one
-    without the lse this path needs (its memory-efficient kernel pads it, its math path has none)."""
+def fused_kernel(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> str | None:
+    """``"cpu"`` (the CPU's flash kernel), ``"flash"`` or ``"cudnn"``: the kernel torch's SDPA
+    picks for the call, or None for one without the lse this path needs (the memory-efficient
+    kernel pads it, the math path has none)."""
     gqa = q.shape[1] != k.shape[1]
     choice = torch._fused_sdp_choice(q, k, v, None, 0.0, causal, scale=scale, enable_gqa=gqa)
-    return _WITH_LSE.get(choice)
+    if choice == _FLASH:
+        if q.is_cpu:
+            return "cpu"
+        # SDPA pads a head dim that is not a multiple of 8 for CUDA's flash kernel; its op does not
+        return None if q.shape[-1] % 8 else "flash"
+    return "cudnn" if choice == _CUDNN else None
 
 
 def _forward(kernel: str, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float):
@@ -123,24 +131,32 @@ class _SinksJoined(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, kernel: str, causal: bool, scale: float):
         out, lse, state = _forward(kernel, q, k, v, causal, scale)
-        y, joined_lse, _ = join_sinks(AttentionOutput(out, lse), sinks, return_lse=True)
-        ctx.save_for_backward(q, k, v, sinks, out, lse, joined_lse, *state[:2], *state[4:])
+        keep, _ = share_of_keys(lse, sinks)
+        y = (out * keep.unsqueeze(-1)).to(out.dtype)
+        ctx.save_for_backward(q, k, v, sinks, out, lse, *state[:2], *state[4:])
         ctx.sizes = state[2:4]  # the longest lengths: numbers, not tensors
         ctx.kernel, ctx.causal, ctx.scale = kernel, causal, scale
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        q, k, v, sinks, out, lse, joined_lse, *state = ctx.saved_tensors
+        q, k, v, sinks, out, lse, *state = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph=True: the kernel's backward has no backward
             return (*_differentiable_grads(ctx, dy, q, k, v, sinks), None, None, None)
         if state:
             state = (*state[:2], *ctx.sizes, *state[2:])
-        keep = torch.exp(lse - joined_lse).unsqueeze(-1)  # the keys' share of each row
+        keep, joined_lse = share_of_keys(lse, sinks)
+        # a row made NaN (a sink of +inf) has NaN weights, which the kernel's backward spreads
+        joined_lse = joined_lse.masked_fill(keep.isnan(), float("nan"))
+        keep = keep.unsqueeze(-1)
         y = (out * keep).to(out.dtype)  # made again: saved, it would double the memory
         if dy.stride() != y.stride():
             dy = torch.empty_like(y).copy_(dy)
-        dq, dk, dv = _backward(ctx.kernel, dy, q, k, v, y, joined_lse, state, ctx.causal, ctx.scale)
+        dq = dk = dv = None
+        if any(ctx.needs_input_grad[:3]):
+            dq, dk, dv = _backward(
+                ctx.kernel, dy, q, k, v, y, joined_lse, state, ctx.causal, ctx.scale
+            )
         dsinks = None
         if ctx.needs_input_grad[3]:  # each row's sink share times -(dy . y), y unrounded
             share = torch.exp(sinks.to(lse.dtype).view(1, -1, 1) - joined_lse)

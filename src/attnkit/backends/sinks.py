@@ -20,18 +20,26 @@ from torch import Tensor
 from attnkit.backends.base import AttentionOutput
 
 
+def share_of_keys(lse: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor]:
+    """``(keep, lse')``, each ``(b, h, t)``: the keys' share ``exp(lse - lse')`` of each row once
+    the sinks ``(h,)`` join its denominator (0 for a row with no key, NaN for a sink of +inf), and
+    the row's log-sum-exp with the sink."""
+    sink = sinks.to(lse.dtype).view(1, -1, 1)
+    # A sink of -inf (none) would make lse' -inf in a row with no key, and lse - lse' NaN: it
+    # joins as the dtype's lowest number (`join` makes such a row's lse -inf again).
+    finite_sink = sink.clamp_min(torch.finfo(lse.dtype).min)
+    total = torch.logaddexp(lse, finite_sink)
+    keep = torch.exp(lse - total)
+    # A sink of +inf is an infinite score: its rows are NaN, as the reference makes them.
+    return keep.masked_fill(sink == float("inf"), float("nan")), total
+
+
 def join(output: AttentionOutput, sinks: Tensor, return_lse: bool) -> AttentionOutput:
     """``output`` (of attention over the keys alone, with its lse ``(b, h, t)``) with ``sinks``
     ``(h,)`` joined to every row's denominator; the lse kept only where ``return_lse``."""
     out, lse, weights = output
     sink = sinks.to(lse.dtype).view(1, -1, 1)
-    # A sink of -inf (none) would make lse' -inf in a row with no key, and lse - lse' NaN: it
-    # joins as the dtype's lowest number, and such a row's lse is -inf again below.
-    finite_sink = sink.clamp_min(torch.finfo(lse.dtype).min)
-    total = torch.logaddexp(lse, finite_sink)
-    keep = torch.exp(lse - total)  # the keys' share of the row: 0 for a row with no key
-    # A sink of +inf is an infinite score: its rows are NaN, as the reference makes them.
-    keep = keep.masked_fill(sink == float("inf"), float("nan"))
+    keep, total = share_of_keys(lse, sinks)
     out = (out * keep.unsqueeze(-1)).to(out.dtype)
     if weights is not None:  # a hidden key keeps weight 0, in a NaN row too
         weights = (weights * keep.unsqueeze(-1)).masked_fill(weights == 0, 0.0).to(weights.dtype)
