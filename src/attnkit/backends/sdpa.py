@@ -6,8 +6,8 @@ the two agree only when ``t == s``, so ``is_causal`` is used only then; a single
 explicit mask.
 ALiBi becomes a float mask added to the scores. SDPA has no soft-capping and returns neither weights
 nor the log-sum-exp: asking for those raises in the dispatcher. Learned sinks run on torch's flash
-kernels, which return the log-sum-exp the sinks join through, where no mask but the causal one
-applies ([`attnkit.backends.sdpa_sinks`][attnkit.backends.sdpa_sinks]).
+or cuDNN kernel, whichever SDPA would pick, which returns the log-sum-exp the sinks join through,
+where no mask but the causal one applies ([`attnkit.backends.sdpa_sinks`][attnkit.backends.sdpa_sinks]).
 
 Three things around the call keep it to attnkit's rules:
 
@@ -254,7 +254,10 @@ class SdpaBackend(Backend):
     def refuses(self, call: Call) -> str | None:
         if call.sinks is not None:
             if traced() or torch.jit.is_tracing() or torch._C._are_functorch_transforms_active():
-                return "sinks while compiling, tracing or under a torch.func transform: they join in an autograd function of torch's private flash kernels"
+                return (
+                    "sinks while compiling, tracing or under a torch.func transform: they join "
+                    "in an autograd function around torch's private fused kernels"
+                )
             reason = refuses_sinks(call)
             if reason is not None:
                 return reason
