@@ -192,3 +192,19 @@ def test_non_finite_inputs_and_sinks_follow_attnkits_rule(device):
         grads[backend] = torch.autograd.grad(out.sum(), xs)
     for got, want in zip(grads["sdpa"], grads["reference"]):
         assert torch.equal(got.isnan(), want.isnan()) and got.isnan().any()
+
+
+def test_under_a_transform_sinks_go_to_a_backend_that_takes_them():
+    """The path is an autograd function around torch's private ops, which torch.func transforms
+    cannot enter: under vmap ``auto`` passes it over and ``backend="sdpa"`` refuses, naming why."""
+    q, k, v = (torch.randn(3, 1, 2, 6, 8) for _ in range(3))
+    sinks = torch.randn(2)
+
+    def one(q, k, v, backend="auto"):
+        return attention(q, k, v, sinks=sinks, causal=True, backend=backend)
+
+    out = torch.func.vmap(one)(q, k, v)
+    for i in range(3):
+        torch.testing.assert_close(out[i], one(q[i], k[i], v[i], "reference"))
+    with pytest.raises(ValueError, match=r"under a torch\.func transform"):
+        torch.func.vmap(lambda q, k, v: one(q, k, v, "sdpa"))(q, k, v)
