@@ -40,7 +40,7 @@ timeout "${MODS_SECONDS:-100}" $PY -m attnkit.cli bench --device cuda --variants
   --modes fwd+bwd --causal yes --out "$OUT/mods"
 stage "bench: one decoding step over a 32k bf16 cache"
 timeout "${DECODE_SECONDS:-30}" $PY -m attnkit.cli bench --device cuda --decode --out "$OUT/decode"
-stage "plain attention: attnkit's time around SDPA, and the NaN rule's check beside it"
+stage "plain attention: attnkit's time around SDPA, and the NaN rule's pieces"
 timeout 60 $PY scripts/gpu-overhead.py
 stage "where attnkit's time goes around torch's kernels (torch.profiler)"
 timeout 60 $PY scripts/gpu-profile.py
