@@ -29,7 +29,9 @@ timeout_option() { $PY -c 'import pytest_timeout' 2>/dev/null && echo "--timeout
 stage "tests"
 # (on a bare machine the tests first compile torch's kernels into empty caches, which takes
 # longest: docs/bench/gpu-h100.md; TEST_SECONDS shortens or lengthens the stage)
-timeout "${TEST_SECONDS:-300}" make --no-print-directory test-gpu PYTHON="$PY" \
+# (an interrupt at the limit, as Ctrl-C would: pytest then still writes the report of what ran)
+rm -f /tmp/gpu-tests.xml
+timeout -s INT -k 30 "${TEST_SECONDS:-300}" make --no-print-directory test-gpu PYTHON="$PY" \
   PYTEST_ARGS="--junitxml=/tmp/gpu-tests.xml -q -rfE --tb=short $(timeout_option)"
 tests_rc=$?
 

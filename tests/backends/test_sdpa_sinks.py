@@ -90,7 +90,7 @@ def test_each_cuda_kernel_with_an_lse_runs_sinks_within_the_naive_paths_error(de
     output and gradients, within the bf16 bounds, as where torch picks."""
     name = {SDPBackend.FLASH_ATTENTION: "flash", SDPBackend.CUDNN_ATTENTION: "cudnn"}[kernel]
     ran = []
-    for case in ("mha causal d=128", "mha"):
+    for case in ("mha causal d=128", "mha", "gqa causal d=40"):
         shape, causal = CASES[case]
         xs = leaves(shape, torch.bfloat16, device)
         with sdpa_kernel([kernel]):
@@ -208,3 +208,19 @@ def test_under_a_transform_sinks_go_to_a_backend_that_takes_them():
         torch.testing.assert_close(out[i], one(q[i], k[i], v[i], "reference"))
     with pytest.raises(ValueError, match=r"under a torch\.func transform"):
         torch.func.vmap(lambda q, k, v: one(q, k, v, "sdpa"))(q, k, v)
+
+
+def test_the_sinks_alone_need_no_backward_of_the_kernel(monkeypatch):
+    """Where only the sinks want a gradient, it is one reduction: the kernel's backward (costlier
+    than its forward) does not run."""
+    q, k, v, sinks = leaves((1, 2, 2, 6, 6, 16), torch.float32, "cpu")
+    out = attention(q, k, v, sinks=sinks, causal=True, backend="sdpa")
+    want = torch.autograd.grad(out.sum(), sinks, retain_graph=True)[0]
+
+    def no_backward(*args, **kwargs):
+        raise AssertionError("the kernel's backward ran")
+
+    monkeypatch.setattr(sdpa_sinks, "_backward", no_backward)
+    q, k, v = (x.detach() for x in (q, k, v))
+    out = attention(q, k, v, sinks=sinks, causal=True, backend="sdpa")
+    torch.testing.assert_close(torch.autograd.grad(out.sum(), sinks)[0], want)

@@ -149,13 +149,12 @@ class _SinksJoined(torch.autograd.Function):
         # a row made NaN (a sink of +inf) has NaN weights, which the kernel's backward spreads
         joined_lse = joined_lse.masked_fill(keep.isnan(), float("nan"))
         keep = keep.unsqueeze(-1)
-        y = (out * keep).to(out.dtype)  # made again: saved, it would double the memory
-        if dy.stride() != y.stride():
-            dy = torch.empty_like(y).copy_(dy)
         dq = dk = dv = None
         if any(ctx.needs_input_grad[:3]):
+            y = (out * keep).to(out.dtype)  # made again: saved, it would double the memory
+            laid_out = dy if dy.stride() == y.stride() else torch.empty_like(y).copy_(dy)
             dq, dk, dv = _backward(
-                ctx.kernel, dy, q, k, v, y, joined_lse, state, ctx.causal, ctx.scale
+                ctx.kernel, laid_out, q, k, v, y, joined_lse, state, ctx.causal, ctx.scale
             )
         dsinks = None
         if ctx.needs_input_grad[3]:  # each row's sink share times -(dy . y), y unrounded
