@@ -133,8 +133,9 @@ def _both(a: Tensor | None, b: Tensor) -> Tensor:
 def differentiable_grads(
     call: Call, dout: Tensor | None, dlse: Tensor | None, wanted: tuple[bool, ...]
 ) -> list[Tensor | None]:
-    """The gradients of q, k, v, the ALiBi slopes, a float mask and the tensors a ``score_mod``
-    reads (those ``wanted``) given the output's and the lse's (None: unused), as functions of the
+    """The gradients of q, k, v, the ALiBi slopes, a float mask, the tensors a ``score_mod``
+    reads and the sinks (those ``wanted``, in that order; a ``wanted`` that stops short wants
+    none of the rest) given the output's and the lse's (None: unused), as functions of the
     inputs: for the backward of a fused kernel run with ``create_graph=True``. This backend
     recomputes the call and autograd differentiates that, so the second derivatives are exact, at
     this backend's ``O(t s)`` memory."""
@@ -144,7 +145,7 @@ def differentiable_grads(
         if grad is not None:
             outputs.append(output)
             cotangents.append(grad.to(output.dtype))
-    every = (*call.tensors()[:5], *call.mod_tensors)  # q, k, v, the slopes, a float mask, ...
+    every = (*call.tensors()[:5], *call.mod_tensors, call.sinks)  # q, k, v, the slopes, ...
     inputs = [x for x, w in zip(every, wanted) if w]
     grads = torch.autograd.grad(outputs, inputs, cotangents, create_graph=True, allow_unused=True)
     found = iter(grads)

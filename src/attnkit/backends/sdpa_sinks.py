@@ -21,7 +21,7 @@ from torch import Tensor
 from torch.nn.attention import SDPBackend
 
 from attnkit.backends.base import Call
-from attnkit.backends.reference import reference
+from attnkit.backends.reference import differentiable_grads
 from attnkit.backends.sinks import share_of_keys
 from attnkit.masks import Masks
 
@@ -126,7 +126,7 @@ def _backward(kernel: str, dy, q, k, v, y, lse, state, causal: bool, scale: floa
 class _SinksJoined(torch.autograd.Function):
     """Attention with sinks on one of torch's fused kernels, forward and backward (see the
     module's note). A backward with ``create_graph=True`` differentiates the reference backend's
-    recomputation."""
+    recomputation ([`differentiable_grads`][attnkit.backends.reference.differentiable_grads])."""
 
     @staticmethod
     def forward(ctx, q, k, v, sinks, kernel: str, causal: bool, scale: float):
@@ -142,7 +142,12 @@ class _SinksJoined(torch.autograd.Function):
     def backward(ctx, dy):
         q, k, v, sinks, out, lse, *state = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph=True: the kernel's backward has no backward
-            return (*_differentiable_grads(ctx, dy, q, k, v, sinks), None, None, None)
+            masks = Masks(window=(-1, 0)) if ctx.causal else Masks()
+            call = Call(q, k, v, masks, ctx.scale, sinks=sinks)
+            need_q, need_k, need_v, need_sinks = ctx.needs_input_grad[:4]
+            wanted = (need_q, need_k, need_v, False, False, need_sinks)  # no slopes, no mask
+            dq, dk, dv, _, _, dsinks = differentiable_grads(call, dy, None, wanted)
+            return dq, dk, dv, dsinks, None, None, None
         if state:
             state = (*state[:2], *ctx.sizes, *state[2:])
         keep, joined_lse = share_of_keys(lse, sinks)
@@ -162,15 +167,3 @@ class _SinksJoined(torch.autograd.Function):
             row = (dy.to(lse.dtype) * out.to(lse.dtype) * keep).sum(dim=-1)
             dsinks = -(row * share).sum(dim=(0, 2)).to(sinks.dtype)
         return dq, dk, dv, dsinks, None, None, None
-
-
-def _differentiable_grads(ctx, dy, q, k, v, sinks) -> list[Tensor | None]:
-    """The gradients of q, k, v and the sinks as functions of them: the reference backend's
-    recomputation, differentiated by autograd (at its ``O(t s)`` memory)."""
-    masks = Masks(window=(-1, 0)) if ctx.causal else Masks()
-    call = Call(q, k, v, masks, ctx.scale, sinks=sinks)
-    out = reference(call).out
-    inputs = (q, k, v, sinks)
-    wanted = [x for x, need in zip(inputs, ctx.needs_input_grad) if need]
-    grads = iter(torch.autograd.grad(out, wanted, dy, create_graph=True, allow_unused=True))
-    return [next(grads) if need else None for need in ctx.needs_input_grad[:4]]
