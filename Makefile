@@ -62,9 +62,12 @@ test-hf-oldest: kernels
 # The tests of CUDA paths (the `gpu` marker), with the Python at hand and nothing installed: on a
 # machine with a GPU (scripts/gpu-check.sh runs it on a lent one); without one they all skip.
 GPU_WORKERS ?= $(shell $(PYTHON) -c 'import xdist' 2>/dev/null && echo "-n logical")
+# Each worker compiles torch's kernels itself, in its own process: left alone, inductor would start
+# a pool of compiling Pythons per worker, one per core (16 workers x 16 on a 16-core host).
 test-gpu:
-	PYTHONPATH=src$${PYTHONPATH:+:$$PYTHONPATH} $(PYTHON) -m pytest -m gpu -p no:cacheprovider \
-	  $(GPU_WORKERS) --durations=10 $(PYTEST_ARGS) tests
+	PYTHONPATH=src$${PYTHONPATH:+:$$PYTHONPATH} \
+	  TORCHINDUCTOR_COMPILE_THREADS=$${TORCHINDUCTOR_COMPILE_THREADS:-1} \
+	  $(PYTHON) -m pytest -m gpu -p no:cacheprovider $(GPU_WORKERS) --durations=10 $(PYTEST_ARGS) tests
 
 format: $(TEST_STAMP)
 	$(BIN)/ruff format src tests examples setup.py

@@ -2,7 +2,8 @@
 # The check of a lent GPU machine, in one call of 5 to 8 minutes (docs/bench/gpu-*.md hold its
 # results): attnkit installed from this tree with no network and no dependency change, the GPU
 # tests (`make test-gpu`), then a short `attnkit bench --device cuda`. Everything it prints goes to
-# $OUT/log.txt; $OUT/summary.json holds the tests' counts and where the bench's results are.
+# $OUT/log.txt; $OUT/summary.json holds the tests' counts and where the bench's results are, and
+# $OUT/tests.xml each test's outcome and time.
 #   usage: OUT=/some/folder scripts/gpu-check.sh   (OUT defaults to ./gpu-check)
 set -uo pipefail
 OUT=${OUT:-gpu-check}
@@ -30,9 +31,9 @@ stage "tests"
 # (on a bare machine the tests first compile torch's kernels into empty caches, which takes
 # longest: docs/bench/gpu-h100.md; TEST_SECONDS shortens or lengthens the stage)
 # (an interrupt at the limit, as Ctrl-C would: pytest then still writes the report of what ran)
-rm -f /tmp/gpu-tests.xml
+rm -f "$OUT/tests.xml"
 timeout -s INT -k 30 "${TEST_SECONDS:-300}" make --no-print-directory test-gpu PYTHON="$PY" \
-  PYTEST_ARGS="--junitxml=/tmp/gpu-tests.xml -q -rfE --tb=short $(timeout_option)"
+  PYTEST_ARGS="--junitxml=$OUT/tests.xml -q -rfE --tb=short $(timeout_option)"
 tests_rc=$?
 
 stage "bench: plain attention, bf16, b=4 h=16 d=128"
@@ -56,7 +57,7 @@ from pathlib import Path
 out, rc = Path(sys.argv[1]), int(sys.argv[2])
 summary = {"tests_rc": rc}
 try:
-    suite = ET.parse("/tmp/gpu-tests.xml").getroot().find("testsuite")
+    suite = ET.parse(out / "tests.xml").getroot().find("testsuite")
     summary["tests"] = {key: int(suite.get(key, 0)) for key in ("tests", "failures", "errors", "skipped")}
     summary["tests"]["seconds"] = float(suite.get("time", 0))
 except (OSError, ET.ParseError, AttributeError) as err:

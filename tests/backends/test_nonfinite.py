@@ -44,6 +44,11 @@ def on_devices(values, cuda):
     ]
 
 
+# The look at values that decides whether rows need the exact check: the C++ check where a build is
+# at hand, or torch's passes as without one (CUDA tensors never reach the C++ check of CPU values).
+VALUES_CHECKS = on_devices(["native", "torch"], ["torch"])
+
+
 def run(path, q, k, v, monkeypatch, **options):
     """``attention`` on one path, with lse and weights where the backend returns them."""
     name = path.partition(":")[0]
@@ -308,6 +313,7 @@ def test_a_nan_row_leaves_the_gradients_of_other_rows_finite(path, device, monke
     assert torch.isfinite(dv[0, 0, 7:]).all()  # keys the NaN query never saw
 
 
+@pytest.mark.parametrize(("values_check", "device"), VALUES_CHECKS, indirect=["values_check"])
 @pytest.mark.usefixtures("values_check")
 def test_rows_of_huge_finite_values_are_finite(device):
     """A row sum that overflows is not a non-finite value: the exact check decides."""
@@ -327,6 +333,7 @@ def test_rows_of_huge_finite_values_are_finite(device):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
 @pytest.mark.parametrize("bad", [NAN, math.inf, -math.inf, None])
+@pytest.mark.parametrize(("values_check", "device"), VALUES_CHECKS, indirect=["values_check"])
 @pytest.mark.usefixtures("values_check")
 def test_nonfinite_rows_finds_each_kind_in_each_dtype(dtype, bad, device):
     from attnkit.backends.nonfinite import nonfinite_rows
@@ -559,15 +566,15 @@ def _native_check():
     return kernel
 
 
-@pytest.fixture(params=["native", "torch"])
+@pytest.fixture
 def values_check(request, monkeypatch):
-    """The look at a tensor's values that decides whether its rows need the exact check: the C++
-    check (where a build is at hand), or torch's passes (as without one)."""
+    """Makes the look at values ``request.param``: ``native`` (skips where no build can be had)
+    or ``torch`` (the helpers find no build; the backends still run their kernels)."""
     from attnkit.backends import nonfinite
 
     if request.param == "native":
         _native_check()
-    else:  # (the helpers find no build; the backends still run their kernels)
+    else:
         monkeypatch.setattr(nonfinite.KERNEL, "load_at_hand", lambda: None)
     return request.param
 
