@@ -61,13 +61,14 @@ test-hf-oldest: kernels
 
 # The tests of CUDA paths (the `gpu` marker), with the Python at hand and nothing installed: on a
 # machine with a GPU (scripts/gpu-check.sh runs it on a lent one); without one they all skip.
-GPU_WORKERS ?= $(shell $(PYTHON) -c 'import xdist' 2>/dev/null && echo "-n logical")
-# Each worker compiles torch's kernels itself, in its own process: left alone, inductor would start
-# a pool of compiling Pythons per worker, one per core (16 workers x 16 on a 16-core host).
+# A worker per logical core; an idle worker takes tests queued on a busy one (`worksteal`, where
+# pytest-xdist has it): by default each worker is handed runs of consecutive tests, and on a bare
+# machine the compiled-flex cases, a minute each while they compile, would queue on one worker.
+GPU_WORKERS ?= $(shell $(PYTHON) -c 'import xdist.scheduler as s; \
+  print("-n logical", "--dist worksteal" * hasattr(s, "WorkStealingScheduling"))' 2>/dev/null)
 test-gpu:
-	PYTHONPATH=src$${PYTHONPATH:+:$$PYTHONPATH} \
-	  TORCHINDUCTOR_COMPILE_THREADS=$${TORCHINDUCTOR_COMPILE_THREADS:-1} \
-	  $(PYTHON) -m pytest -m gpu -p no:cacheprovider $(GPU_WORKERS) --durations=10 $(PYTEST_ARGS) tests
+	PYTHONPATH=src$${PYTHONPATH:+:$$PYTHONPATH} $(PYTHON) -m pytest -m gpu -p no:cacheprovider \
+	  $(GPU_WORKERS) --durations=10 $(PYTEST_ARGS) tests
 
 format: $(TEST_STAMP)
 	$(BIN)/ruff format src tests examples setup.py
