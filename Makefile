@@ -65,7 +65,8 @@ test-hf-oldest: kernels
 # pytest-xdist has it): by default each worker is handed runs of consecutive tests, and on a bare
 # machine the compiled-flex cases, a minute each while they compile, would queue on one worker.
 GPU_WORKERS ?= $(shell $(PYTHON) -c 'import xdist.scheduler as s; \
-  print("-n logical", "--dist worksteal" * hasattr(s, "WorkStealingScheduling"))' 2>/dev/null)
+  print("-n logical --dist", "worksteal" if hasattr(s, "WorkStealingScheduling") else "load")' \
+  2>/dev/null)
 test-gpu:
 	PYTHONPATH=src$${PYTHONPATH:+:$$PYTHONPATH} $(PYTHON) -m pytest -m gpu -p no:cacheprovider \
 	  $(GPU_WORKERS) --durations=10 $(PYTEST_ARGS) tests
