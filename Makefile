@@ -63,7 +63,7 @@ test-hf-oldest: kernels
 # machine with a GPU (scripts/gpu-check.sh runs it on a lent one); without one they all skip.
 # A worker per logical core; an idle worker takes tests queued on a busy one (`worksteal`, where
 # pytest-xdist has it): by default each worker is handed runs of consecutive tests, and on a bare
-# machine the compiled-flex cases, a minute each while they compile, would queue on one worker.
+# machine the compiled-flex cases, up to a minute each while they compile, queue on one worker.
 GPU_WORKERS ?= $(shell $(PYTHON) -c 'import xdist.scheduler as s; \
   print("-n logical --dist", "worksteal" if hasattr(s, "WorkStealingScheduling") else "load")' \
   2>/dev/null)

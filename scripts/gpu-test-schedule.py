@@ -3,8 +3,9 @@ time on a GPU machine: the busiest worker's seconds, without the workers' start-
 
     python scripts/gpu-test-schedule.py [times] [--workers 16]
 
-``times``: a JSON of ``{"seconds_by_test": {node id: seconds}}`` (docs/bench/gpu-h100-test-times.json,
-the default) or the junit report gpu-check.sh leaves in its OUT folder (tests.xml). The order is
+``times``: a JSON of ``{"seconds_by_test": {node id: seconds}}`` (the default:
+docs/bench/gpu-h100-test-times.json) or the junit report gpu-check.sh leaves in OUT (tests.xml).
+Each test keeps its recorded time whichever worker runs it. The order is
 the one pytest collects here (``pytest --collect-only -m gpu``), as on the GPU machine. The two
 schedules follow pytest-xdist 3.8: ``load`` hands each worker runs of consecutive tests (a quarter
 of its share first, then more as its queue runs low); ``worksteal`` splits the tests into one
@@ -24,9 +25,10 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_times(path: Path) -> dict[str, float]:
     if path.suffix == ".xml":
         cases = ET.parse(path).getroot().iter("testcase")
-        return {
+        return {  # (a module skipped whole has a case without a class name: not a test that ran)
             f"{c.get('classname').replace('.', '/')}.py::{c.get('name')}": float(c.get("time"))
             for c in cases
+            if c.get("classname")
         }
     return json.loads(path.read_text())["seconds_by_test"]
 
@@ -88,8 +90,9 @@ def main() -> None:
     times = test_times(args.times)
     order = [name for name in collection_order() if name in times]
     seconds = [times[name] for name in order]
-    print(f"{len(seconds)} of {len(times)} tests found here; {sum(seconds):.0f} s in all, the longest "
-          f"{max(seconds):.0f} s; with {args.workers} workers the busiest takes:")  # fmt: skip
+    found = f"{len(seconds)} of {len(times)} tests found here"
+    print(f"{found}; {sum(seconds):.0f} s in all, the longest {max(seconds):.0f} s;")
+    print(f"with {args.workers} workers, the busiest takes:")
     for schedule in ("load", "worksteal"):
         print(f"  {schedule:9} {replay(seconds, args.workers, schedule):4.0f} s")
 
