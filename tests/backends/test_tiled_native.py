@@ -255,3 +255,31 @@ def test_the_bias_gradient_of_each_tile_adds_into_the_tables():
     f = table[heads, rows - keys + 40] + table[heads, rows + 5 - (keys + 7) + 40]
     (want,) = torch.autograd.grad(f, table, dbias.sum(0))
     torch.testing.assert_close(grads[0], want)
+
+
+def test_the_backward_evaluates_each_tiles_bias_once():
+    """The backward asks for a tile's bias, then hands back its gradient: the bias it gave (with
+    autograd's graph kept) gives the gradient, without evaluating the score_mod again."""
+    table = torch.randn(H, 80, requires_grad=True)
+    calls = []
+
+    def bias(score, b, h, q_idx, kv_idx):
+        calls.append(q_idx.shape)
+        return score + table[h, q_idx - kv_idx + 40]
+
+    grads = [None]
+    tiling = tiles(_plan(bias), grads)
+    calls.clear()  # (the plan's own look at the mod)
+    dbias = torch.randn(2, H, 5, 7)
+    with torch.no_grad():  # as autograd runs a backward
+        got = tiling.mod_bias(5, 10, 7, 14)
+        assert not got.requires_grad and len(calls) == 1  # the kernel reads it as plain values
+        tiling.mod_bias_grad(5, 10, 7, 14, dbias)
+    assert len(calls) == 1
+    rows, keys = torch.arange(5, 10)[:, None], torch.arange(7, 14)
+    (want,) = torch.autograd.grad(table[torch.arange(H)[:, None, None], rows - keys + 40], table,
+                                  dbias.sum(0))  # fmt: skip
+    torch.testing.assert_close(grads[0], want)
+    torch.testing.assert_close(
+        got.expand(2, H, 5, 7), table[:, rows - keys + 40].expand(2, H, 5, 7)
+    )

@@ -177,15 +177,25 @@ def tiles(plan: Plan, mod_grads: list[Tensor | None] | None = None) -> Tiles:
     tensors = plan.call.mod_tensors
     if mod_grads is None or not tensors:
         return Tiles(rows, keys, mod_bias)
+    # The backward asks for a tile's bias, then hands back its gradient before the next tile: the
+    # bias is evaluated once, with its graph, and kept until then.
+    held: dict[tuple[int, int, int, int], Tensor] = {}
+
+    def mod_bias_with_graph(r0: int, r1: int, c0: int, c1: int) -> Tensor:
+        with torch.enable_grad():
+            held[r0, r1, c0, c1] = f = mods.bias(
+                score_mod, block(r0, r1, c0, c1), compiled=compiled
+            )
+        return f.detach()
 
     def mod_bias_grad(r0: int, r1: int, c0: int, c1: int, dbias: Tensor) -> None:
-        at = block(r0, r1, c0, c1)
-        grads = mods.bias_grads(score_mod, at, dbias, tensors, compiled=compiled)
+        at, f = block(r0, r1, c0, c1), held.pop((r0, r1, c0, c1), None)  # None: evaluated anew
+        grads = mods.bias_grads(score_mod, at, dbias, tensors, compiled=compiled, evaluated=f)
         for i, grad in enumerate(grads):
             if grad is not None:
                 mod_grads[i] = grad if mod_grads[i] is None else mod_grads[i].add_(grad)
 
-    return Tiles(rows, keys, mod_bias, mod_bias_grad)
+    return Tiles(rows, keys, mod_bias_with_graph, mod_bias_grad)
 
 
 def _round_up(n: int, multiple: int) -> int:

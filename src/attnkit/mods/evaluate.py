@@ -120,12 +120,16 @@ def bias_grads(
     tensors: tuple[Tensor, ...],
     *,
     compiled: bool = False,
+    evaluated: Tensor | None = None,
 ) -> tuple[Tensor | None, ...]:
     """The gradients of ``tensors`` (those the mod reads) from ``dbias``, the loss's gradient with
     respect to the mod's [`bias`][attnkit.mods.bias] over the block ``at``; None for one that
-    ``f`` does not read."""
-    with torch.enable_grad():
-        f = bias(score_mod, at, compiled=compiled)
+    ``f`` does not read. ``evaluated``: that bias, already evaluated with grad enabled (its graph
+    kept), so that it is not evaluated again."""
+    f = evaluated
+    if f is None:
+        with torch.enable_grad():
+            f = bias(score_mod, at, compiled=compiled)
     if not f.requires_grad:
         return (None,) * len(tensors)
     return torch.autograd.grad(f, tensors, dbias.sum_to_size(f.shape), allow_unused=True)
