@@ -142,6 +142,25 @@ def test_mods_that_add_run_in_the_kernel_tile_by_tile_and_equal_the_oracle(
             torch.testing.assert_close(g, w.float())
 
 
+@pytest.mark.parametrize("mod", ["relative bias", "T5 buckets"])
+def test_mods_compiled_for_long_calls_equal_the_oracle_in_the_kernel(mod, monkeypatch):
+    """From ``COMPILE_FROM`` scores the tiles' bias comes from the compiled mod: in the forward
+    without autograd's graph, in the backward with it (one evaluation for both the weights and
+    the tables' gradient). The same outputs, lse and gradients as the float64 reference."""
+    from attnkit import mods
+
+    monkeypatch.setattr(mods, "COMPILE_FROM", 0)  # as if the call were long
+    compiled = []
+    bias = mods.bias
+    monkeypatch.setattr(
+        mods, "bias", lambda fn, at, **kw: compiled.append(kw.get("compiled")) or bias(fn, at, **kw)
+    )
+    test_mods_that_add_run_in_the_kernel_tile_by_tile_and_equal_the_oracle(
+        mod, "causal", "GQA, t < s", monkeypatch
+    )
+    assert compiled and all(compiled), compiled  # every tile, forward and backward
+
+
 @pytest.mark.parametrize("path", ["tiled", "tiled:half"])
 def test_bf16_mods_that_add_in_the_kernel_keep_the_2x_3x_rule(path, forcing):
     """The kernel's bf16 inputs, multiplied in float32 or (``tiled:half``) in bf16 pairs."""
@@ -277,9 +296,10 @@ def test_the_backward_evaluates_each_tiles_bias_once():
         tiling.mod_bias_grad(5, 10, 7, 14, dbias)
     assert len(calls) == 1
     rows, keys = torch.arange(5, 10)[:, None], torch.arange(7, 14)
-    (want,) = torch.autograd.grad(table[torch.arange(H)[:, None, None], rows - keys + 40], table,
-                                  dbias.sum(0))  # fmt: skip
-    torch.testing.assert_close(grads[0], want)
-    torch.testing.assert_close(
-        got.expand(2, H, 5, 7), table[:, rows - keys + 40].expand(2, H, 5, 7)
-    )
+    want = table[:, rows - keys + 40]  # (h, 5, 7)
+    torch.testing.assert_close(got.expand(2, H, 5, 7), want.expand(2, H, 5, 7))
+    torch.testing.assert_close(grads[0], torch.autograd.grad(want, table, dbias.sum(0))[0])
+    with torch.no_grad():
+        tiling.mod_bias(0, 5, 0, 7)
+        with pytest.raises(RuntimeError, match=r"before \(0, 5, 0, 7\)'s gradient"):
+            tiling.mod_bias(5, 10, 0, 7)  # a walk that would hold every tile's bias

@@ -177,11 +177,15 @@ def tiles(plan: Plan, mod_grads: list[Tensor | None] | None = None) -> Tiles:
     tensors = plan.call.mod_tensors
     if mod_grads is None or not tensors:
         return Tiles(rows, keys, mod_bias)
-    # The backward asks for a tile's bias, then hands back its gradient before the next tile: the
-    # bias is evaluated once, with its graph, and kept until then.
+    # The backward (tiled_backward.h) asks for a tile's bias, then hands back its gradient before
+    # the next tile: the bias is evaluated once, with its graph, and kept until then (one tile's).
     held: dict[tuple[int, int, int, int], Tensor] = {}
 
     def mod_bias_with_graph(r0: int, r1: int, c0: int, c1: int) -> Tensor:
+        if held:  # more would hold every tile's bias: a walk that breaks the order above
+            raise RuntimeError(
+                f"tiled: a tile's bias was asked for before {next(iter(held))}'s gradient"
+            )
         with torch.enable_grad():
             held[r0, r1, c0, c1] = f = mods.bias(
                 score_mod, block(r0, r1, c0, c1), compiled=compiled
@@ -189,7 +193,8 @@ def tiles(plan: Plan, mod_grads: list[Tensor | None] | None = None) -> Tiles:
         return f.detach()
 
     def mod_bias_grad(r0: int, r1: int, c0: int, c1: int, dbias: Tensor) -> None:
-        at, f = block(r0, r1, c0, c1), held.pop((r0, r1, c0, c1), None)  # None: evaluated anew
+        at = block(r0, r1, c0, c1)
+        f = held.pop((r0, r1, c0, c1), None)  # (None if no bias was asked for: evaluated here)
         grads = mods.bias_grads(score_mod, at, dbias, tensors, compiled=compiled, evaluated=f)
         for i, grad in enumerate(grads):
             if grad is not None:

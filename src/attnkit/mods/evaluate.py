@@ -124,8 +124,9 @@ def bias_grads(
 ) -> tuple[Tensor | None, ...]:
     """The gradients of ``tensors`` (those the mod reads) from ``dbias``, the loss's gradient with
     respect to the mod's [`bias`][attnkit.mods.bias] over the block ``at``; None for one that
-    ``f`` does not read. ``evaluated``: that bias, already evaluated with grad enabled (its graph
-    kept), so that it is not evaluated again."""
+    ``f`` does not read. ``evaluated``: that bias, already evaluated over ``at`` with grad enabled
+    (its graph kept), so that it is not evaluated again (one evaluated without its graph gives
+    None for every tensor)."""
     f = evaluated
     if f is None:
         with torch.enable_grad():
