@@ -59,8 +59,16 @@ def room_to_compile():
 
 @pytest.fixture
 def on_cpu(monkeypatch, room_to_compile):
-    """The flex backend allowed on the CPU, where torch's kernel runs forward only."""
+    """The flex backend allowed on the CPU, where these tests check attnkit's mapping onto torch's
+    FlexAttention, forward only, run uncompiled: torch 2.13's kernel compiled for a CPU gives rows
+    of zeros now and then (seen on an AVX2-only AMD EPYC, without a score_mod too), and attnkit's
+    `auto` never takes flex on a CPU."""
     monkeypatch.setattr(flex, "DEVICES", frozenset({"cuda", "cpu"}))
+    monkeypatch.setattr(flex, "_compiled", lambda: torch_flex.flex_attention)
+    monkeypatch.setattr(torch_flex, "_warn_once", lambda *args, **kwargs: None)
+    torch._dynamo.reset()  # (as in eager_with_graph below: no lengths marked dynamic)
+    yield
+    torch._dynamo.reset()
 
 
 def document_of(n: int, device) -> tuple:
