@@ -38,11 +38,11 @@ def join(output: AttentionOutput, sinks: Tensor, return_lse: bool) -> AttentionO
     """``output`` (of attention over the keys alone, with its lse ``(b, h, t)``) with ``sinks``
     ``(h,)`` joined to every row's denominator; the lse kept only where ``return_lse``."""
     out, lse, weights = output
-    sink = sinks.to(lse.dtype).view(1, -1, 1)
     keep, total = share_of_keys(lse, sinks)
     out = (out * keep.unsqueeze(-1)).to(out.dtype)
     if weights is not None:  # a hidden key keeps weight 0, in a NaN row too
         weights = (weights * keep.unsqueeze(-1)).masked_fill(weights == 0, 0.0).to(weights.dtype)
-    if return_lse:
-        total = total.masked_fill((lse == float("-inf")) & (sink == float("-inf")), float("-inf"))
+    if return_lse:  # a row with no key and no sink: -inf again
+        no_sink = (sinks == float("-inf")).view(1, -1, 1)
+        total = total.masked_fill((lse == float("-inf")) & no_sink, float("-inf"))
     return AttentionOutput(out, total if return_lse else None, weights)

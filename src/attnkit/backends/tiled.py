@@ -70,8 +70,8 @@ t != s and padding go to the tiled backend at any size on a CPU: no dense mask i
 
 SINKS_NATIVE_FROM = 512 * 512
 """The fewest scores t * s from which the tiled C++ kernel with sinks overtakes SDPA's path for
-them (torch's CPU flash kernel, through its lse): measured in float32, causal, on the AVX-512
-kind so far (docs/bench/choices.md)."""
+them (torch's CPU flash kernel, through its lse), in float32, causal: on the AVX-512 kind; on the
+AVX2 kind the two cross lower, between 256² and 384² (docs/bench/choices.md)."""
 
 _OPTIONS_RULED = frozenset({"dropout_p", "window", "alibi_slopes", "sinks"})
 """The options that `TiledBackend.faster_than`'s rules ask about besides half precision and a
