@@ -101,14 +101,24 @@ def test_each_cuda_kernel_with_an_lse_runs_sinks_within_the_naive_paths_error(de
     assert ran or kernel == SDPBackend.CUDNN_ATTENTION  # the flash kernel takes both
 
 
-def test_on_a_cpu_auto_takes_the_tiled_kernel_for_sinks_from_512_x_512_scores():
+@pytest.mark.parametrize("narrowed", [None, "avx2"])
+def test_on_a_cpu_auto_takes_the_tiled_kernel_for_sinks_from_its_builds_threshold(
+    narrowed, monkeypatch
+):
     """On a CPU torch's flash kernel and the passes that join the sinks ran slower than the tiled
-    C++ kernel and the same passes from 512 x 512 scores (docs/bench/choices.md), where it runs."""
+    C++ kernel and the same passes from 384 x 384 scores on the AVX2 build, 512 x 512 on the
+    AVX-512 ones (docs/bench/choices.md), where that kernel runs."""
+    from attnkit import _cpu
     from attnkit.backends import tiled
 
-    assert tiled.SINKS_NATIVE_FROM == 512 * 512  # the threshold the lengths below straddle
-    for n, fastest in [(511, "sdpa"), (512, "tiled")]:
-        q, k, v, sinks = leaves((1, 1, 1, n, n, 8), torch.float32, "cpu")
+    if narrowed is not None:  # the AVX2 kind's threshold on any CPU that has AVX2
+        if not _cpu.has("avx2"):
+            pytest.skip("this CPU has no AVX2")
+        monkeypatch.setenv("ATTNKIT_CPU_FEATURES", narrowed)
+    n = 384 if _cpu.build_level() == "avx2" else 512
+    assert tiled.sinks_native_from() == n * n  # the threshold the lengths below straddle
+    for m, fastest in [(n - 1, "sdpa"), (n, "tiled")]:
+        q, k, v, sinks = leaves((1, 1, 1, m, m, 8), torch.float32, "cpu")
         native = which_backend(q, k, v, sinks=sinks, backend="tiled").path == "native"
         choice = which_backend(q, k, v, sinks=sinks, causal=True)
         assert choice.backend == (fastest if native else "sdpa")

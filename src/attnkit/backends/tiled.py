@@ -68,10 +68,17 @@ NATIVE_MIN_SCORES = 256 * 256
 float mask; measured on AVX2 and AVX-512 CPUs (docs/bench/choices.md). (A window, causal with
 t != s and padding go to the tiled backend at any size on a CPU: no dense mask is built.)"""
 
-SINKS_NATIVE_FROM = 512 * 512
+SINKS_NATIVE_FROM = {"avx2": 384 * 384, "avx512": 512 * 512}
 """The fewest scores t * s from which the tiled C++ kernel with sinks overtakes SDPA's path for
-them (torch's CPU flash kernel, through its lse), in float32, causal: on the AVX-512 kind; on the
-AVX2 kind the two cross lower, between 256² and 384² (docs/bench/choices.md)."""
+them (torch's CPU flash kernel, through its lse), in float32, causal, per build of the kernel
+(`attnkit._cpu.build_level`): measured on the AVX2 and AVX-512 kinds (docs/bench/choices.md). The
+other builds take the AVX-512 one's."""
+
+
+def sinks_native_from() -> int:
+    """[`SINKS_NATIVE_FROM`][attnkit.backends.tiled.SINKS_NATIVE_FROM] for this CPU's build."""
+    return SINKS_NATIVE_FROM.get(_cpu.build_level(), SINKS_NATIVE_FROM["avx512"])
+
 
 _OPTIONS_RULED = frozenset({"dropout_p", "window", "alibi_slopes", "sinks"})
 """The options that `TiledBackend.faster_than`'s rules ask about besides half precision and a
@@ -164,7 +171,7 @@ class TiledBackend(Backend):
                 "SDPA's CPU kernels have no dropout: torch's math path would materialise the "
                 "scores, the weights and the dropout mask"
             )
-        sinks = call.sinks is not None and q.device.type == "cpu" and t * s >= SINKS_NATIVE_FROM
+        sinks = call.sinks is not None and q.device.type == "cpu" and t * s >= sinks_native_from()
         if sinks and self.path(call).path == "native":
             return (  # SDPA's path adds passes around torch's CPU flash kernel, as this one does
                 "with sinks, torch's CPU flash kernel and the passes that join them run slower "
