@@ -111,12 +111,11 @@ struct BackwardPass {
   std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> run(const Tiles& tiles) {
     const bool bias_grad = !tiles.mod_bias_grad.is_none();
     bool walked = false;  // a call whose queries see no key at all visits no tile
+    at::Tensor dbias_memory;  // the tiles' dbias, one after another (see tile_dbias)
     tiles.walk(z, sc, [&](const Tile& tile) {
       walked = true;
       // dL/df over the tile: dS where a block was visited, 0 elsewhere
-      const at::Tensor dbias =
-          bias_grad ? at::zeros({z.b, z.h, tile.r1 - tile.r0, tile.c1 - tile.c0}, at::kFloat)
-                    : at::Tensor();
+      const at::Tensor dbias = bias_grad ? tile_dbias(tile, dbias_memory) : at::Tensor();
       float* dbp = bias_grad ? dbias.data_ptr<float>() : nullptr;
       at::parallel_for(0, z.b * z.h_kv * split, 1, [&](int64_t first, int64_t last) {
         c10::InferenceMode no_autograd;
@@ -138,6 +137,16 @@ struct BackwardPass {
       store_rows(grads[2], dvp, dv_width, 1, 0, 1.f);
     }
     return {grads[0], grads[1], grads[2], dalibi};
+  }
+
+  // The zeroed (b, h, rows, keys) dL/df of `tile`, in `memory`, grown as a tile needs: a tile's
+  // dbias is done with once the Python callback returns, and each new one of several MiB would
+  // cost the first touch of every page again.
+  at::Tensor tile_dbias(const Tile& tile, at::Tensor& memory) const {
+    const std::vector<int64_t> shape{z.b, z.h, tile.r1 - tile.r0, tile.c1 - tile.c0};
+    const int64_t n = c10::multiply_integers(shape);
+    if (!memory.defined() || memory.numel() < n) memory = at::empty({n}, at::kFloat);
+    return memory.narrow(0, 0, n).view(shape).zero_();
   }
 
   // One item: part `part` of the key blocks of key/value head kv (in b * h_kv), against every

@@ -197,10 +197,18 @@ def tiles(plan: Plan, mod_grads: list[Tensor | None] | None = None) -> Tiles:
         f = held.pop((r0, r1, c0, c1), None)  # (None if no bias was asked for: evaluated here)
         grads = mods.bias_grads(score_mod, at, dbias, tensors, compiled=compiled, evaluated=f)
         for i, grad in enumerate(grads):
-            if grad is not None:
-                mod_grads[i] = grad if mod_grads[i] is None else mod_grads[i].add_(grad)
+            if grad is None:
+                continue
+            if mod_grads[i] is None:  # (dbias's memory serves the next tile: not kept as is)
+                mod_grads[i] = grad.clone() if _same_memory(grad, dbias) else grad
+            else:
+                mod_grads[i].add_(grad)
 
     return Tiles(rows, keys, mod_bias_with_graph, mod_bias_grad)
+
+
+def _same_memory(a: Tensor, b: Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def _round_up(n: int, multiple: int) -> int:
