@@ -276,6 +276,26 @@ def test_the_bias_gradient_of_each_tile_adds_into_the_tables():
     torch.testing.assert_close(grads[0], want)
 
 
+def test_a_bias_gradient_that_is_the_kernels_buffer_is_kept_as_a_copy():
+    """The kernel hands every tile's dbias over in one buffer, which it fills again for the next
+    tile: a mod whose gradient is dbias itself (a tensor of the tile's shape, added as it is)
+    keeps a copy, not the buffer."""
+    w = torch.randn(2, H, 5, 7, requires_grad=True)
+
+    def bias(score, b, h, q_idx, kv_idx):
+        return score + w
+
+    grads = [None]
+    tiling = tiles(_plan(bias), grads)
+    buffer = torch.empty(2, H, 5, 7)
+    first, second = torch.randn(2, H, 5, 7), torch.randn(2, H, 5, 7)
+    with torch.no_grad():  # as autograd runs a backward
+        for r0, c0, dbias in [(0, 0, first), (5, 7, second)]:
+            tiling.mod_bias(r0, r0 + 5, c0, c0 + 7)
+            tiling.mod_bias_grad(r0, r0 + 5, c0, c0 + 7, buffer.copy_(dbias))
+    torch.testing.assert_close(grads[0], first + second)
+
+
 def test_the_backward_evaluates_each_tiles_bias_once():
     """The backward asks for a tile's bias, then hands back its gradient: the bias it gave (with
     autograd's graph kept) gives the gradient, without evaluating the score_mod again."""
