@@ -296,6 +296,29 @@ def test_a_bias_gradient_that_is_the_kernels_buffer_is_kept_as_a_copy():
     torch.testing.assert_close(grads[0], first + second)
 
 
+def test_two_tables_given_one_gradient_tensor_by_autograd_each_get_it_once():
+    """``(t1 + t2)[...]``: autograd hands the same gradient tensor to both tables, tile by tile;
+    each table's gradient adds the tiles' once, as the reference's."""
+    b, h_kv, t, s = SHAPES["t = s"]
+    t1, t2 = (TABLE.clone().requires_grad_() for _ in range(2))
+
+    def two_tables(x, y):
+        return lambda score, b, h, q_idx, kv_idx: score + (x + y)[h, q_idx - kv_idx + 28]
+
+    tensors = [x.requires_grad_() for x in inputs(b, h_kv, t, s)]
+    out = F.attention(*tensors, score_mod=two_tables(t1, t2), causal=True)
+    assert F.which_backend(*tensors, score_mod=two_tables(t1, t2), causal=True).path == "native"
+    cotangent = torch.randn_like(out)
+    got = torch.autograd.grad(out, [t1, t2], cotangent)
+    wrt64 = [x.detach().double().requires_grad_() for x in [*tensors, t1, t2]]
+    out64 = F.attention(
+        *wrt64[:3], score_mod=two_tables(*wrt64[3:]), causal=True, backend="reference"
+    )
+    want = torch.autograd.grad(out64, wrt64[3:], cotangent.double())
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w.float())
+
+
 def test_the_backward_evaluates_each_tiles_bias_once():
     """The backward asks for a tile's bias, then hands back its gradient: the bias it gave (with
     autograd's graph kept) gives the gradient, without evaluating the score_mod again."""

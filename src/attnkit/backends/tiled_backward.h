@@ -112,10 +112,12 @@ struct BackwardPass {
     const bool bias_grad = !tiles.mod_bias_grad.is_none();
     bool walked = false;  // a call whose queries see no key at all visits no tile
     at::Tensor dbias_memory;  // the tiles' dbias, one after another (see tile_dbias)
+    const int64_t largest_tile = z.b * z.h * std::min(tiles.rows, z.t) * std::min(tiles.keys, z.s);
     tiles.walk(z, sc, [&](const Tile& tile) {
       walked = true;
       // dL/df over the tile: dS where a block was visited, 0 elsewhere
-      const at::Tensor dbias = bias_grad ? tile_dbias(tile, dbias_memory) : at::Tensor();
+      const at::Tensor dbias =
+          bias_grad ? tile_dbias(tile, largest_tile, dbias_memory) : at::Tensor();
       float* dbp = bias_grad ? dbias.data_ptr<float>() : nullptr;
       at::parallel_for(0, z.b * z.h_kv * split, 1, [&](int64_t first, int64_t last) {
         c10::InferenceMode no_autograd;
@@ -139,13 +141,15 @@ struct BackwardPass {
     return {grads[0], grads[1], grads[2], dalibi};
   }
 
-  // The zeroed (b, h, rows, keys) dL/df of `tile`, in `memory`, grown as a tile needs: a tile's
-  // dbias is done with once the Python callback returns, and each new one of several MiB would
-  // cost the first touch of every page again.
-  at::Tensor tile_dbias(const Tile& tile, at::Tensor& memory) const {
+  // The zeroed (b, h, rows, keys) dL/df of `tile`, in `memory`, made at the first tile for the
+  // largest (`capacity` floats): a tile's dbias is done with once the Python callback returns,
+  // and each new one of several MiB would cost the first touch of every page again.
+  at::Tensor tile_dbias(const Tile& tile, int64_t capacity, at::Tensor& memory) const {
     const std::vector<int64_t> shape{z.b, z.h, tile.r1 - tile.r0, tile.c1 - tile.c0};
     const int64_t n = c10::multiply_integers(shape);
-    if (!memory.defined() || memory.numel() < n) memory = at::empty({n}, at::kFloat);
+    if (!memory.defined() || memory.numel() < n) {
+      memory = at::empty({std::max(n, capacity)}, at::kFloat);
+    }
     return memory.narrow(0, 0, n).view(shape).zero_();
   }
 

@@ -199,16 +199,12 @@ def tiles(plan: Plan, mod_grads: list[Tensor | None] | None = None) -> Tiles:
         for i, grad in enumerate(grads):
             if grad is None:
                 continue
-            if mod_grads[i] is None:  # (dbias's memory serves the next tile: not kept as is)
-                mod_grads[i] = grad.clone() if _same_memory(grad, dbias) else grad
+            if mod_grads[i] is None:  # a copy: autograd may hand one tensor to two inputs
+                mod_grads[i] = grad.clone()  # (t1 + t2)[...], or dbias, which the next tile reuses
             else:
                 mod_grads[i].add_(grad)
 
     return Tiles(rows, keys, mod_bias_with_graph, mod_bias_grad)
-
-
-def _same_memory(a: Tensor, b: Tensor) -> bool:
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def _round_up(n: int, multiple: int) -> int:
