@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The check of a lent GPU machine, in one call of a few minutes (docs/bench/gpu-*.md hold its
-# results and times): attnkit installed from this tree with no network and no dependency change, the GPU
-# tests (`make test-gpu`), then a short `attnkit bench --device cuda`. Everything it prints goes to
+# results and times): attnkit installed from this tree with no network and no dependency change,
+# the GPU tests (`make test-gpu`), then a short `attnkit bench --device cuda`. Everything it prints goes to
 # $OUT/log.txt; $OUT/summary.json holds the tests' counts and where the bench's results are, and
 # $OUT/tests.xml each test's outcome and time.
 #   usage: OUT=/some/folder scripts/gpu-check.sh   (OUT defaults to ./gpu-check)
