@@ -124,6 +124,18 @@ def test_on_a_cpu_auto_takes_the_tiled_kernel_for_sinks_from_its_builds_threshol
         assert choice.backend == (fastest if native else "sdpa")
 
 
+@pytest.mark.parametrize(
+    ("level", "n"), [("none", 512), ("avx2", 384), ("avx512", 512), ("avx512_bf16", 512)]
+)
+def test_the_sinks_threshold_is_the_avx512_builds_but_on_the_avx2_one(level, n, monkeypatch):
+    """Measured on the AVX2 and AVX-512 kinds; the builds not measured take the AVX-512 one's."""
+    from attnkit import _cpu
+    from attnkit.backends import tiled
+
+    monkeypatch.setattr(_cpu, "build_level", lambda: level)
+    assert tiled.sinks_native_from() == n * n
+
+
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
 def test_fp32_output_and_every_gradient_match_the_oracle(case):
     shape, causal = case
