@@ -4,6 +4,10 @@ parameter's gradient, greedy generation with the model's cache, and packed seque
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import warnings
+
 import pytest
 import torch
 
@@ -263,17 +267,66 @@ def test_greedy_generation_with_a_preallocated_cache_matches_eager(cache, device
     assert torch.equal(generated[NAME], generated["eager"])
 
 
-@pytest.mark.slow
-def test_a_model_compiled_with_a_static_cache_generates_as_eager():
-    torch._dynamo.reset()
+def test_weights_under_a_static_cache_span_its_buffer_as_eagers():
+    """attnkit cuts a static cache's empty slots off the keys; the weights it returns still have
+    the buffer's width, zeros there, as eager's."""
     model = model_of("llama")
-    ids = torch.randint(1, 64, (1, 9))
-    model.set_attn_implementation("eager")
-    expected = model.generate(ids, max_new_tokens=5, do_sample=False, cache_implementation="static")
-    model.set_attn_implementation(NAME)
-    model.forward = torch.compile(model.forward, fullgraph=True)
-    got = model.generate(ids, max_new_tokens=5, do_sample=False, cache_implementation="static")
-    assert torch.equal(got, expected)
+    ids = torch.randint(1, 64, (1, 5))
+    found = {}
+    for implementation in ("eager", NAME):
+        model.set_attn_implementation(implementation)
+        cache = transformers.StaticCache(config=model.config, max_cache_len=16)
+        found[implementation] = model(ids, past_key_values=cache, output_attentions=True).attentions
+    for w, w_e in zip(found[NAME], found["eager"]):
+        assert w.shape == w_e.shape == (1, 4, 5, 16)
+        torch.testing.assert_close(w, w_e)
+
+
+def python_with(code: str, *, hide_transformers: bool = False) -> subprocess.CompletedProcess:
+    """``code`` run by a fresh Python (nothing registered yet), optionally one where
+    transformers cannot be imported."""
+    if hide_transformers:
+        code = "import sys; sys.modules['transformers'] = None\n" + code
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+
+
+def test_importing_attnkit_hf_registers_its_name():
+    ran = python_with(
+        "import attnkit.hf, transformers\n"
+        "config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, "
+        "num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)\n"
+        "model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation='attnkit')\n"
+        "print(model.config._attn_implementation)"
+    )
+    assert ran.returncode == 0 and ran.stdout.strip() == "attnkit", ran.stderr
+
+
+def test_importing_attnkit_hf_without_transformers_says_what_to_install():
+    ran = python_with("import attnkit.hf", hide_transformers=True)
+    assert ran.returncode == 1
+    assert (
+        "ModuleNotFoundError: attnkit.hf needs Hugging Face transformers: pip install 'attnkit[hf]'"
+        in ran.stderr
+    )
+
+
+def test_use_warns_of_a_model_that_does_not_call_the_attention_interface():
+    falcon = transformers.FalconForCausalLM(
+        transformers.FalconConfig(
+            vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4
+        )
+    )
+    assert not attnkit.hf.supports(falcon)
+    with pytest.warns(
+        UserWarning, match="FalconForCausalLM does not call transformers' AttentionInterface"
+    ):
+        assert attnkit.hf.use(falcon) is falcon
+    llama = model_of("llama")
+    assert attnkit.hf.supports(type(llama))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        attnkit.hf.use(llama)
+    assert llama.config._attn_implementation == NAME
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

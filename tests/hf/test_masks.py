@@ -105,3 +105,17 @@ def test_offsets_that_are_tensors_are_evaluated_as_they_are_past_the_padding_giv
     out = attention(q, k, v, **options)
     allowed = dense(2, 3, 16, 5, 0, hf.causal_mask_function, padding)
     torch.testing.assert_close(out, attention(q, k, v, attn_mask=allowed, backend="reference"))
+
+
+def test_the_builder_keeps_a_static_caches_steps_in_tensors_of_one_shape():
+    """generate builds the mask outside the compiled forward at each step: the 2-D mask grows and
+    the offset moves, which would specialise the graph to each step if they reached it as such."""
+    masks = [
+        mask_builder(2, 1, 16, torch.tensor(n), 0, hf.causal_mask_function, torch.ones(2, n + 1))
+        for n in (9, 10)
+    ]
+    assert [m.padding.shape for m in masks] == [(2, 16), (2, 16)]
+    assert [m.padding[:, : n + 1].all().item() for m, n in zip(masks, (9, 10))] == [True, True]
+    assert [m.padding[:, n + 1 :].any().item() for m, n in zip(masks, (9, 10))] == [False, False]
+    assert all(isinstance(m.q_offset, torch.Tensor) for m in masks)
+    assert [m.q_start for m in masks] == [9, 10]

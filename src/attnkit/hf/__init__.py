@@ -17,13 +17,26 @@ Example:
     >>> model(torch.tensor([[1, 2, 3]])).logits.shape
     torch.Size([1, 3, 64])
 
-transformers is an optional extra (``pip install attnkit[hf]``); ``import attnkit`` does not
+Importing this module registers the name ``"attnkit"`` already, so that
+``from_pretrained(..., attn_implementation="attnkit")`` works after ``import attnkit.hf`` alone.
+Models that do not call transformers' attention interface (Falcon, and others whose class says
+``_supports_attention_backend = False``) never reach it: [`use`][attnkit.hf.use] warns of them.
+
+transformers is an optional extra (``pip install 'attnkit[hf]'``); ``import attnkit`` does not
 import it, this module does.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
+
+try:
+    import transformers  # noqa: F401  (the optional extra: say how to install it)
+except ModuleNotFoundError as missing:
+    raise ModuleNotFoundError(
+        "attnkit.hf needs Hugging Face transformers: pip install 'attnkit[hf]'", name=missing.name
+    ) from None
 
 import torch
 from torch import Tensor, nn
@@ -47,6 +60,31 @@ def register(name: str = "attnkit") -> str:
     AttentionInterface.register(name, attention_function)
     AttentionMaskInterface.register(name, mask_builder)
     return name
+
+
+def supports(model: nn.Module | type) -> bool:
+    """Whether ``model`` (a transformers model or its class) calls attention through
+    transformers' ``AttentionInterface``, the only way attnkit reaches it. Those that do not
+    (Falcon, say) keep their own attention whatever ``attn_implementation`` says."""
+    cls = model if isinstance(model, type) else type(model)
+    return bool(getattr(cls, "_supports_attention_backend", False))
+
+
+def use(model: nn.Module, name: str = "attnkit") -> nn.Module:
+    """``model`` set to run its attention on attnkit (registered as ``name``), returned; a
+    ``UserWarning`` where its class does not call transformers' attention interface and keeps
+    its own attention (nothing changes then)."""
+    if not supports(model):
+        warnings.warn(
+            f"{type(model).__name__} does not call transformers' AttentionInterface, so its "
+            "attention stays its own (not attnkit's); see attnkit's Hugging Face guide for the "
+            "families that do",
+            UserWarning,
+            stacklevel=2,
+        )
+        return model
+    model.set_attn_implementation(register(name))
+    return model
 
 
 def attention_function(
@@ -80,8 +118,9 @@ def attention_function(
     options: dict[str, Any] = {"scale": scaling, "softcap": softcap, "sinks": s_aux}
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
+    width = key.shape[2]  # the weights' columns, as eager returns them
     if isinstance(attention_mask, HFMask):
-        keys, masks = attention_mask.options(key.shape[2])
+        keys, masks = attention_mask.options(key.shape[2], query.device)
         key, value = key[:, :, :keys], value[:, :, :keys]
     else:
         masks = _given(attention_mask, is_causal, sliding_window)
@@ -99,6 +138,8 @@ def attention_function(
         return_weights=weights and "dropped",
     )
     out, attn_weights = result if weights else (result, None)
+    if attn_weights is not None and attn_weights.shape[-1] < width:  # a static cache's empty slots
+        attn_weights = torch.nn.functional.pad(attn_weights, (0, width - attn_weights.shape[-1]))
     return out.transpose(1, 2).contiguous(), attn_weights
 
 
@@ -172,4 +213,6 @@ def _sum(a: Tensor | None, b: Tensor) -> Tensor:
     return a + b
 
 
-__all__ = ["HFMask", "attention_function", "mask_builder", "register"]
+register()
+
+__all__ = ["HFMask", "attention_function", "mask_builder", "register", "supports", "use"]

@@ -63,7 +63,9 @@ def read_pattern(fn: Callable) -> Pattern | None:
     if fn is hf.bidirectional_mask_function:
         return Pattern()
     code = getattr(fn, "__code__", None)
-    cells = _cells(fn) if code is not None else {}
+    if code is None or traced():  # dynamo cannot read a closure's cells: evaluated as it is
+        return None
+    cells = _cells(fn)
     if code is _SLIDING:  # kv_idx > q_idx - w: the query and the w - 1 keys before it
         return Pattern(window=(cells["sliding_window"] - 1, -1))
     if code is _SLIDING_BOTH:  # |q_idx - kv_idx| <= w
@@ -111,10 +113,15 @@ class HFMask(NamedTuple):
         batch_size: the batch.
         q_length: the queries of the call.
         kv_length: the keys the layer holds (with a static cache, its whole buffer).
-        q_offset: the position of the first query (a tensor under ``torch.compile``).
+        q_offset: the position of the first query, as transformers gave it (a static cache's
+            is a tensor, so that a compiled forward is not specialised to each step's).
         kv_offset: the position of the first key.
         mask_function: transformers' composed ``(batch, head, q_idx, kv_idx) -> bool``.
-        padding: the 2-D mask ``(b, positions)``, True for a real token, or None.
+        padding: the 2-D mask ``(b, positions)``, True for a real token, or None; as many
+            positions as the layer's keys reach (``kv_offset + kv_length``) when the builder
+            made it, so that its shape stays put from one decoding step to the next.
+        q_start: ``q_offset`` as a whole number where the builder ran outside a trace; read
+            only outside one (under a trace dynamo would specialise the graph to its value).
     """
 
     batch_size: int
@@ -124,6 +131,7 @@ class HFMask(NamedTuple):
     kv_offset: int
     mask_function: Callable
     padding: Tensor | None
+    q_start: int | None = None
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -135,15 +143,22 @@ class HFMask(NamedTuple):
     def ndim(self) -> int:
         return 4
 
-    def options(self, s: int) -> tuple[int, dict[str, Any]]:
+    def options(self, s: int, device: torch.device | None = None) -> tuple[int, dict[str, Any]]:
         """How many of the ``s`` keys given to attend to, and attnkit's mask options for them.
         Under a causal mask a static cache's empty slots after the last query are cut off;
-        other masks (cross-attention to an encoder, say) keep every key."""
+        other masks (cross-attention to an encoder, say) keep every key.
+
+        Under ``torch.compile`` a mask that is not plainly causal or bidirectional at whole
+        positions is transformers' function evaluated into a dense ``(b, 1, t, s)`` mask on
+        ``device``, as transformers' ``sdpa`` builds it there: dynamo can read neither a
+        closure's cells nor a tensor offset's value."""
         pattern = read_pattern(self.mask_function)
-        q_end = self.q_offset + self.q_length
+        q_end = self._first_query() + self.q_length
         keys = s
         if pattern is not None and pattern.causal and isinstance(q_end, int):
             keys = max(min(s, q_end - self.kv_offset), 0)
+        if traced() and not self._compact(pattern, keys):
+            return s, {"attn_mask": self.allowed(s, device)}
         options: dict[str, Any] = {}
         padding = _keys_of(self.padding, self.kv_offset, keys)
         if pattern is not None and pattern.padding is not None:
@@ -170,7 +185,7 @@ class HFMask(NamedTuple):
         documents, a row of queries that are its keys."""
         if pattern is None:
             return False
-        q_end = self.q_offset + self.q_length
+        q_end = self._first_query() + self.q_length
         aligned = isinstance(q_end, int) and q_end == self.kv_offset + keys
         if (pattern.causal or pattern.window is not None) and not aligned:
             return False
@@ -178,10 +193,31 @@ class HFMask(NamedTuple):
             return aligned and self.batch_size == 1 and keys == self.q_length
         return True
 
+    def _first_query(self) -> int | Tensor:
+        """The first query's position: the whole number outside a trace, where it is known."""
+        if not traced() and self.q_start is not None:  # read under a trace, it would be guarded
+            return self.q_start
+        return self.q_offset
+
+    def allowed(self, s: int, device: torch.device | None = None) -> Tensor:
+        """The dense ``(b, 1, t, s)`` bool mask, True where a query sees a key: transformers'
+        function on broadcast index tensors, and the padding."""
+        b = torch.arange(self.batch_size, device=device)[:, None, None, None]
+        h = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=device)
+        q_idx = (
+            torch.arange(self.q_length, device=device)[None, None, :, None] + self._first_query()
+        )
+        kv_idx = torch.arange(s, device=device)[None, None, None, :] + self.kv_offset
+        allowed = self.mask_function(b, h, q_idx, kv_idx)
+        padding = _keys_of(self.padding, self.kv_offset, s)
+        if padding is not None:
+            allowed = allowed & padding[:, None, None, :].to(allowed.device)
+        return allowed.expand(self.batch_size, 1, self.q_length, s)
+
     def _mask_mod(self) -> Callable:
         """transformers' function at the call's positions, evaluated by attnkit block by block
         (the padding goes as ``key_mask``)."""
-        fn, q_offset, kv_offset = self.mask_function, self.q_offset, self.kv_offset
+        fn, q_offset, kv_offset = self.mask_function, self._first_query(), self.kv_offset
 
         def mask_mod(b, h, q_idx, kv_idx):
             return fn(b, h, q_idx + q_offset, kv_idx + kv_offset)
@@ -226,10 +262,11 @@ def mask_builder(
     if q_length is None:
         q_length = cache_position.shape[0]
         q_offset = cache_position[0] if cache_position.numel() else 0
-    if isinstance(q_offset, Tensor) and not traced():
-        q_offset = int(q_offset)
+    q_start = None
+    if not traced():
+        q_start = int(q_offset)
     if attention_mask is not None and attention_mask.dim() == 2:
-        attention_mask = attention_mask.to(torch.bool)
+        attention_mask = _keys_of(attention_mask, 0, kv_offset + kv_length)
     return HFMask(
-        batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask
+        batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, q_start
     )

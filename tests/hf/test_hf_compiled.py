@@ -1,0 +1,96 @@
+"""attnkit.hf under ``torch.compile(fullgraph=True)``, against transformers' eager attention on
+the same weights: models with sliding-window layers compile whole, and generation with a static
+cache compiles its decoding step once."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import attnkit.hf  # noqa: E402
+
+NAME = attnkit.hf.register()
+DECODER = {
+    "vocab_size": 64,
+    "num_hidden_layers": 2,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
+
+
+def model_of(config_class: str, model_class: str, **options) -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = getattr(transformers, config_class)(**DECODER, **options)
+    return getattr(transformers, model_class)(config).eval()
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_a_sliding_window_model_compiles_whole_and_matches_eager(padded):
+    """transformers builds the sliding window's mask function inside the compiled region, where
+    dynamo cannot read a closure's cells: attnkit evaluates it instead of failing."""
+    torch._dynamo.reset()
+    model = model_of("MistralConfig", "MistralForCausalLM", sliding_window=5)
+    ids = torch.randint(1, 64, (2, 12))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    if padded:
+        mask[1, :3] = 0
+    real = mask.bool()
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        expected = model(ids, attention_mask=mask).logits
+    model.set_attn_implementation(NAME)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        got = compiled(ids, attention_mask=mask).logits
+    torch.testing.assert_close(got[real], expected[real])
+
+
+class _Recompiles(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def emit(self, record):
+        self.count += "Recompiling" in record.getMessage()
+
+
+def test_generation_with_a_static_cache_never_recompiles_and_matches_eager():
+    """As transformers' own test_generate_compile_model_forward_fullgraph: two generations of
+    padded batches of the same shape, the forward compiled with dynamic=False; the mask that
+    generate builds outside the compiled forward holds nothing that changes with the step."""
+    from transformers.generation import CompileConfig
+
+    torch._dynamo.reset()
+    model = model_of("LlamaConfig", "LlamaForCausalLM")
+    ids = torch.randint(1, 64, (4, 9))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    mask[3, :3] = 0
+    config = CompileConfig(fullgraph=True, dynamic=False, backend="aot_eager")
+    config._compile_all_devices = True  # transformers compiles on a GPU only, unless told
+    options = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0}
+    model.set_attn_implementation("eager")
+    expected = [model.generate(ids[i : i + 2], attention_mask=mask[i : i + 2], **options)
+                for i in (0, 2)]  # fmt: skip
+    model.set_attn_implementation(NAME)
+    recompiles = _Recompiles()
+    logger = logging.getLogger("torch._dynamo")
+    torch._logging.set_logs(recompiles=True)
+    logger.addHandler(recompiles)
+    try:
+        got = [model.generate(ids[i : i + 2], attention_mask=mask[i : i + 2],
+                              cache_implementation="static", compile_config=config, **options)
+               for i in (0, 2)]  # fmt: skip
+    finally:
+        logger.removeHandler(recompiles)
+        torch._logging.set_logs()
+    assert hasattr(model, "_compiled_call")  # generate did compile the forward
+    assert recompiles.count == 0
+    for g, e in zip(got, expected):
+        assert torch.equal(g, e)
