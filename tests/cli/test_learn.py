@@ -55,8 +55,14 @@ def test_text_from_a_file_with_the_attention_only_model(tmp_path, capsys):
         (["--steps", "0"], "--steps must be >= 1, got 0"),
         (["--heads", "3"], r"dim \(64\) must be divisible by heads \(3\)"),
         (["--task", "copy", "--text", "short.txt"], "--text is for --task text"),
-        (["--task", "copy", "--context", "4"], "the copy task needs --context >= 8, got 4"),
+        (["--task", "copy", "--context", "4"], "--context must be >= 8 for --task copy, got 4"),
+        # the bound said is the real one: --context 1 is refused for text too
+        (["--context", "0"], "--context must be >= 2 for --task text, got 0"),
+        (["--context", "1"], "--context must be >= 2 for --task text, got 1"),
+        (["--context", "100000"], r"--context must be <= 1008 with 2 layers of 4 heads, got 1000"),
         (["--out", "full"], "--out full: the folder is not empty"),
+        (["--out", "/proc/nope"], "--out /proc/nope: cannot write there"),
+        (["--threads", "0"], "--threads must be >= 1, got 0"),
         (["--task", "poems"], "invalid choice: 'poems'"),
     ],
 )
@@ -74,3 +80,38 @@ def test_bad_input_is_one_line_and_status_2(args, message, tmp_path, monkeypatch
     err = capsys.readouterr().err
     assert err.startswith("attnkit: error:") and err.count("\n") == 1
     assert re.search(message, err), err
+
+
+@pytest.mark.parametrize("task, context", [("text", 2), ("copy", 8)])
+def test_the_shortest_context_said_is_taken(task, context, tmp_path, capsys):
+    path = tmp_path / "t.txt"
+    path.write_text("a quick brown fox jumps over the lazy dog\n" * 10)
+    text = ["--text", str(path)] if task == "text" else []
+    args = ["--steps", "2", "--layers", "2", "--heads", "2", "--dim", "16"]
+    assert main(["learn", "--task", task, *text, *args, "--context", str(context)]) == 0
+    assert "tokens/s" in capsys.readouterr().out
+
+
+def test_help_says_the_threads_and_the_longest_context(capsys):
+    from attnkit.learn.train import max_context
+
+    with pytest.raises(SystemExit):
+        main(["learn", "--help"])
+    said = " ".join(capsys.readouterr().out.split())
+    assert "--threads" in said and "default 1" in said
+    assert f"{max_context(2, 4)} with 2 layers of 4 heads" in said
+
+
+def test_threads_reach_the_training(monkeypatch, capsys):
+    import torch
+
+    from attnkit.learn import train
+
+    seen = []
+    real = train.train
+    monkeypatch.setattr(train, "train", lambda *a: seen.append(torch.get_num_threads()) or real(*a))
+    before = torch.get_num_threads()
+    assert main(["learn", "--task", "copy", *TINY, "--threads", "2"]) == 0
+    assert main(["learn", "--task", "copy", *TINY]) == 0
+    capsys.readouterr()
+    assert seen == [2, 1] and torch.get_num_threads() == before

@@ -73,6 +73,8 @@ def test_out_is_a_new_or_empty_folder(tmp_path):
         check_out(tmp_path)
     with pytest.raises(ValueError, match="is a file"):
         check_out(tmp_path / "x")
+    with pytest.raises(ValueError, match="--out /proc/nope: cannot write there"):
+        check_out("/proc/nope")  # a folder whose parent exists but takes no new folders
 
 
 def test_learn_refuses_a_non_empty_out_before_training(tmp_path):

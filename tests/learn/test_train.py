@@ -97,6 +97,10 @@ def test_defaults_differ_by_task_and_given_settings_replace_them():
         ("copy", {"steps": 0}, ValueError, "steps must be >= 1, got 0"),
         ("copy", {"emb_dim": 30, "num_heads": 4}, ValueError, r"dim \(30\) .* heads \(4\)"),
         ("copy", {"num_layers": 1.5}, TypeError, "num_layers must be an int, got float"),
+        ("copy", {"context_length": 2.5}, TypeError, "--context must be an int, got float"),
+        ("copy", {"context_length": 7}, ValueError, "--context must be >= 8 for --task copy"),
+        # the longest context follows the layers and heads: a snapshot's weights stay < 1 GiB
+        ("text", {"num_heads": 8, "context_length": 714}, ValueError, "<= 713 with 2 layers"),
     ],
 )
 def test_bad_settings_are_named(task, given, error, message):

@@ -29,7 +29,12 @@ def add(commands) -> None:
     le.add_argument("--layers", type=int, help="transformer blocks (default 2)")
     le.add_argument("--heads", type=int, help="heads per block (default 4)")
     le.add_argument("--dim", type=int, help="embedding width (default 64)")
-    le.add_argument("--context", type=int, help="tokens per sequence (text 64, copy 32)")
+    le.add_argument(
+        "--context",
+        type=int,
+        help="tokens per sequence (text 64, copy 32; at least 2 for text, 8 for copy, and at "
+        "most what keeps a snapshot's weights under 1 GiB: 1008 with 2 layers of 4 heads)",
+    )
     le.add_argument("--seed", type=int, default=123, help="seed of weights, batches and probes")
     model = le.add_mutually_exclusive_group()
     model.add_argument(
@@ -46,13 +51,21 @@ def add(commands) -> None:
         help="full blocks with feed-forward networks (the text task's default)",
     )
     le.add_argument("--out", metavar="DIR", help="a new or empty folder for the files")
+    le.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="CPU threads of the training (default 1: a model this small gains little from a "
+        "second thread, and on a busy machine threads that wait for each other make a run "
+        "several times slower)",
+    )
     le.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from attnkit.learn import learn
 
-    check_counts(args, ("steps", "layers", "heads", "dim", "context"))
+    check_counts(args, ("steps", "layers", "heads", "dim", "threads"))
     if args.text is not None and args.task != "text":
         raise ValueError("--text is for --task text")
     result = learn(
@@ -66,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         attention_only=args.attention_only,
         out=args.out,
+        threads=args.threads,
     )
     for note in result.notes:
         print(note)

@@ -5,7 +5,6 @@ left out, with a note saying so, and the rest is written."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from attnkit.learn.page import learn_page
@@ -13,11 +12,12 @@ from attnkit.learn.record import LearnResult
 
 
 def check_out(out: str | Path) -> Path:
-    """``out`` as a folder to write into, before any training: new (its parent may be created),
-    or existing and empty, and writable.
+    """``out`` as a folder to write into, before any training: new, or existing and empty. A new
+    one (and its parents) is created now, and a file is written into it and removed again, so
+    that a folder that cannot be written fails at once, not after the training.
 
     Raises:
-        ValueError: ``out`` is a file, a folder that holds files, or cannot be written.
+        ValueError: ``out`` is a file, a folder that holds files, or cannot be created or written.
     """
     folder = Path(out)
     if folder.exists():
@@ -25,9 +25,13 @@ def check_out(out: str | Path) -> Path:
             raise ValueError(f"--out {out}: is a file; give a new or empty folder")
         if any(folder.iterdir()):
             raise ValueError(f"--out {out}: the folder is not empty; give a new or empty folder")
-    existing = next(p for p in (folder, *folder.resolve().parents) if p.exists())
-    if not existing.is_dir() or not os.access(existing, os.W_OK):
-        raise ValueError(f"--out {out}: cannot write into {existing}")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / ".attnkit-write-check"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as error:
+        raise ValueError(f"--out {out}: cannot write there ({error.strerror or error})") from None
     return folder
 
 

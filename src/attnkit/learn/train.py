@@ -6,8 +6,8 @@ of the learning rate to a tenth) and, at regular steps, the first of them step 0
 update), runs the model on held-out probes to read every head's attention weights and score its
 roles ([`attnkit.learn.roles`][attnkit.learn.roles]).
 
-The same seed, on the same machine with the same number of threads, gives the same numbers: the
-weights, the batches and the probes each come from their own seeded generator.
+The same seed, on the same machine with the same number of threads (one unless asked), gives the
+same numbers: the weights, the batches and the probes each come from their own seeded generator.
 
 Shapes: ``b`` batch, ``t`` tokens, ``L`` layers, ``h`` heads, ``S`` snapshots.
 """
@@ -31,7 +31,7 @@ from attnkit.backends.force import forced
 from attnkit.learn.outputs import check_out, write_outputs
 from attnkit.learn.record import LearnResult
 from attnkit.learn.roles import role_scores
-from attnkit.learn.tasks import Task, make_task
+from attnkit.learn.tasks import MIN_SEGMENT, PROBES, Task, make_task
 from attnkit.models.gpt import GPTModel
 
 TASKS = ("text", "copy")
@@ -61,14 +61,13 @@ class Settings:
         if task not in TASKS:
             raise ValueError(f"task must be one of {', '.join(TASKS)}, got {task!r}")
         settings = replace(DEFAULTS[task], **{k: v for k, v in given.items() if v is not None})
-        for name in ("steps", "num_layers", "num_heads", "emb_dim", "context_length"):
+        for name in ("steps", "num_layers", "num_heads", "emb_dim"):
             _checks.check_positive_int(getattr(settings, name), name)
         if settings.emb_dim % settings.num_heads:
             raise ValueError(
                 f"dim ({settings.emb_dim}) must be divisible by heads ({settings.num_heads})"
             )
-        if settings.context_length < 2:
-            raise ValueError(f"context must be >= 2, got {settings.context_length}")
+        _check_context(settings)
         return settings
 
     @property
@@ -83,6 +82,39 @@ DEFAULTS = {
     # sequences, where the repeated segment is a large share of the tokens
     "copy": Settings("copy", 4000, 2, 4, 64, 32, False),
 }
+
+
+MIN_CONTEXT = {"text": 2, "copy": 2 * MIN_SEGMENT}
+"""The shortest context of each task: a token and the next one; the copy task's shortest segment
+written twice."""
+
+SNAPSHOT_BYTES = 1 << 30
+"""What a snapshot's weights may take: every head's ``(t, t)`` weights on the probes and on the
+sequences written twice, in float32. It bounds ``--context``."""
+
+
+def max_context(num_layers: int, num_heads: int) -> int:
+    """The longest context whose snapshot weights fit in
+    [`SNAPSHOT_BYTES`][attnkit.learn.train.SNAPSHOT_BYTES]."""
+    sequences = 2 * PROBES + 1  # the probes with the drawn sequence, then the repeated probes
+    return math.isqrt(SNAPSHOT_BYTES // (4 * sequences * num_layers * num_heads))
+
+
+def _check_context(settings: Settings) -> None:
+    context = settings.context_length
+    if isinstance(context, bool) or not isinstance(context, int):
+        raise TypeError(f"--context must be an int, got {type(context).__name__}")
+    low = MIN_CONTEXT[settings.task]
+    if context < low:
+        raise ValueError(f"--context must be >= {low} for --task {settings.task}, got {context}")
+    high = max_context(settings.num_layers, settings.num_heads)
+    if context > high:
+        layers, heads = settings.num_layers, settings.num_heads
+        raise ValueError(
+            f"--context must be <= {high} with {layers} layers of {heads} heads, got {context}: "
+            f"each snapshot holds every head's t x t weights on {2 * PROBES + 1} sequences, "
+            f"at most {SNAPSHOT_BYTES >> 30} GiB"
+        )
 
 
 def learning_rate(step: int, settings: Settings) -> float:
@@ -111,6 +143,7 @@ def learn(
     attention_only: bool | None = None,
     out: str | Path | None = None,
     progress: bool | TextIO = True,
+    threads: int | None = 1,
 ) -> LearnResult:
     """Train a small GPT on ``task`` and record how its heads specialise.
 
@@ -127,13 +160,19 @@ def learn(
         out: a new or empty folder to write ``heads.json``, the pictures and the page into
             ([`attnkit.learn.write_outputs`][attnkit.learn.outputs.write_outputs]).
         progress: a progress bar on stderr (True), on another stream, or none (False).
+        threads: the CPU threads of the training (None: torch's setting as it is). One by
+            default: a model this small gains little from a second thread, and where another
+            program keeps a core busy, threads that wait for each other make the run several
+            times slower.
 
     Returns:
         A [`LearnResult`][attnkit.learn.record.LearnResult].
 
     Raises:
         ValueError: an unknown task, a size below 1, ``dim`` not divisible by ``heads``, a
-            missing or empty text file, a text shorter than two contexts, or a non-empty ``out``.
+            ``context`` outside the task's bounds, a missing or empty text file, a text shorter
+            than two contexts, or an ``out`` that is not empty or cannot be written.
+        TypeError: a size or ``threads`` that is not an int.
     """
     feed_forward = None if attention_only is None else not attention_only
     settings = Settings.for_task(
@@ -148,9 +187,17 @@ def learn(
     )
     if text is not None and task != "text":
         raise ValueError("a text file is for --task text")
+    if threads is not None:
+        _checks.check_positive_int(threads, "threads")
     folder = None if out is None else check_out(out)
     stream = sys.stderr if progress is True else progress or None
-    result = train(settings, make_task(task, text, settings.context_length, seed), stream)
+    data = make_task(task, text, settings.context_length, seed)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or before)
+    try:
+        result = train(settings, data, stream)
+    finally:
+        torch.set_num_threads(before)
     if folder is not None:
         result.files, result.notes = write_outputs(result, folder)
     return result
