@@ -420,3 +420,18 @@ def test_the_quick_look_before_the_speed_rules_skips_no_rule(monkeypatch):
             assert full == quick, (dtype, t, s, grad, name, sorted(extra))
         answers.append(quick)
     assert any(answers) and not all(answers)  # the rules took some calls and left others
+
+
+@pytest.mark.parametrize("shape", [(0, 4, 5, 8), (2, 4, 0, 8)], ids=["no batch", "no query"])
+@pytest.mark.parametrize("weights", [False, True, "dropped"])
+def test_empty_calls_are_left_to_the_reference_backend(shape, weights):
+    """The kernel's checks refuse empty rows; auto takes the reference backend for them, whose
+    results and gradients are empty."""
+    q = torch.randn(shape, requires_grad=True)
+    k = torch.randn(shape[0], 2, 5, 8, requires_grad=True)
+    assert which_backend(q, k, k, causal=True, return_weights=weights).backend != "tiled"
+    result = attention(q, k, k, causal=True, return_weights=weights)
+    out = result[0] if weights else result
+    assert out.shape == shape
+    out.sum().backward()
+    assert q.grad.shape == shape and k.grad.shape == k.shape

@@ -145,8 +145,8 @@ def test_bad_arguments_are_named():
     q, k, v = inputs((2, 4, 5, 8), (2, 2, 7, 8))
     with pytest.raises(ValueError, match="query has 4 heads and key 2: pass enable_gqa=True"):
         scaled_dot_product_attention(q, k, v)
-    with pytest.raises(ValueError, match="share their batch dimensions"):
-        scaled_dot_product_attention(q, k[:1], v[:1], enable_gqa=True)
+    with pytest.raises(ValueError, match="batch dimensions that broadcast together"):
+        scaled_dot_product_attention(q, torch.randn(3, 2, 7, 8), v, enable_gqa=True)
     with pytest.raises(ValueError, match="as many dimensions"):
         scaled_dot_product_attention(q, k[0], v[0])
     with pytest.raises(TypeError, match=r"query must be a torch\.Tensor, got list"):
@@ -175,3 +175,32 @@ def test_dropout_statistics_over_seeds_match_torchs():
     assert bool(((theirs.mean(0) - plain).abs() <= 5 * spread + 1e-6).all())
     ratio = ours.var(dim=0) / theirs.var(dim=0)
     assert 0.7 < ratio.median() < 1.4
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"scale": 0.0}, {"scale": -0.7}, {"dropout_p": 1.0}, {"broadcast": True}],
+    ids=["scale 0", "negative scale", "every weight dropped", "keys of batch 1"],
+)
+def test_what_torch_takes_beyond_attentions_own_checks(options, device):
+    """torch takes any scale, a dropout of 1 (every weight 0) and batch dimensions that
+    broadcast; attention() itself asks for a positive scale and a dropout below 1."""
+    options = dict(options)
+    batch_k = 1 if options.pop("broadcast", False) else 2
+    q, k, v = inputs((2, 4, 5, 8), (batch_k, 4, 7, 8), device=device)
+    (out, grads), (want, want_grads) = both(q, k, v, **options)
+    torch.testing.assert_close(out, want)
+    for g, w in zip(grads, want_grads, strict=True):
+        torch.testing.assert_close(g, w)
+
+
+def test_torchs_name_pointed_at_the_drop_in_does_not_call_itself(monkeypatch):
+    """A model that replaces torch.nn.functional's SDPA with attnkit's: attnkit's own SDPA
+    backend still reaches torch's kernel."""
+    q, k, v = inputs((2, 4, 5, 8), (2, 4, 5, 8))
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", scaled_dot_product_attention)
+    layer = torch.nn.TransformerEncoderLayer(16, 4, dim_feedforward=32, batch_first=True).eval()
+    with torch.no_grad():
+        layer(torch.randn(2, 5, 16))
+    torch.testing.assert_close(F.scaled_dot_product_attention(q, k, v, is_causal=True), want)

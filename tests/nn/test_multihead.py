@@ -138,8 +138,9 @@ def test_is_causal_is_a_hint_as_in_torch(need_weights, padding, device):
     if padding:
         kwargs["key_padding_mask"] = bool_mask(N, L, device=device)
     compare(ours, theirs, (x, x, x), **kwargs)
-    with pytest.raises(ValueError, match="is_causal=True is a hint that needs attn_mask"):
-        ours(x, x, x, is_causal=True)
+    for error in (ValueError, RuntimeError):  # attnkit's kind, and torch's
+        with pytest.raises(error, match="Need attn_mask if specifying the is_causal hint"):
+            ours(x, x, x, is_causal=True)
 
 
 def test_dropout_applies_in_training_only_and_weights_are_those_after_it():
@@ -216,3 +217,51 @@ def test_random_options_and_masks_equal_torchs_both_ways(seed):
             bool_mask(*shape, device="cpu") if coin() else torch.randn(shape)
         )
     compare(ours, theirs, args, **kwargs)
+
+
+@pytest.mark.parametrize("shape", [(0, L, E), (N, 0, E)], ids=["no batch", "no query"])
+def test_empty_inputs_give_empty_results_as_torchs(shape):
+    ours, theirs = pair(batch_first=True)
+    x, keys = torch.randn(shape), torch.randn(shape[0], S, E)
+    compare(ours, theirs, (x, keys, keys))
+
+
+def test_no_keys_give_the_output_projections_bias():
+    """torch's layer returns NaN rows with no key to see; attnkit's rule gives those rows 0."""
+    ours, _ = pair(batch_first=True)
+    out, weights = ours(torch.randn(N, L, E), torch.randn(N, 0, E), torch.randn(N, 0, E))
+    assert weights.shape == (N, L, 0)
+    torch.testing.assert_close(out, ours.out_proj.bias.expand(N, L, E))
+
+
+def test_parameters_of_another_dtype_than_the_inputs_are_taken_in_theirs():
+    ours, theirs = pair(dtype=torch.float64, batch_first=True)
+    for module in (ours, theirs):
+        module.in_proj_bias = torch.nn.Parameter(module.in_proj_bias.detach().half())
+    x = torch.randn(N, L, E, dtype=torch.float64)
+    with torch.no_grad():
+        out, want = (
+            ours(x, x, x, need_weights=False)[0],
+            theirs.eval()(x, x, x, need_weights=False)[0],
+        )
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, want)
+
+
+@pytest.mark.parametrize("need_weights", [True, False])
+def test_compiles_whole_with_parameters_that_need_gradients(need_weights):
+    ours, theirs = pair(batch_first=True)
+    x = torch.randn(N, L, E, requires_grad=True)
+    compiled = torch.compile(ours, fullgraph=True, backend="aot_eager")
+    out = compiled(x, x, x, need_weights=need_weights)[0]
+    out.sum().backward()
+    torch.testing.assert_close(out, theirs(x, x, x, need_weights=need_weights)[0])
+    assert ours.in_proj_weight.grad is not None
+
+
+def test_exports_with_torch_export():
+    ours, theirs = pair(batch_first=True)
+    x = torch.randn(N, L, E)
+    program = torch.export.export(ours.eval(), (x, x, x), {"need_weights": False})
+    got = program.module()(x, x, x, need_weights=False)[0]
+    torch.testing.assert_close(got, theirs.eval()(x, x, x, need_weights=False)[0])

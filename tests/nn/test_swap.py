@@ -130,3 +130,18 @@ def test_a_swapped_encoder_compiles():
     want = encoder(x)
     compiled = torch.compile(encoder, dynamic=False)
     torch.testing.assert_close(compiled(x), want)
+
+
+def test_swap_changes_a_module_alone_in_place_and_warns_of_subclasses():
+    alone = nn.MultiheadAttention(E, H)
+    assert swap(alone) is alone and type(alone) is MultiheadAttention
+
+    class Mine(nn.MultiheadAttention):
+        pass
+
+    model = nn.Sequential(Mine(E, H), nn.MultiheadAttention(E, H))
+    with pytest.warns(
+        UserWarning, match="swap left .*Mine, a subclass of torch.nn.MultiheadAttention"
+    ):
+        swap(model)
+    assert type(model[0]) is Mine and type(model[1]) is MultiheadAttention

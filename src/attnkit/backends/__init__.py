@@ -195,7 +195,8 @@ def _check_memory(backend: Backend, call: Call) -> None:
         raise ValueError(
             f"backend {backend.name!r} would need {_size(need)} for {what} of this call "
             f"(b={b}, h={h}, t={t}, s={call.k.shape[2]}), more than the {_size(limit)} of memory "
-            "here; ask for fewer results (return_weights=False), or use shorter sequences"
+            "here; ask for fewer results (no weights: return_weights=False, or need_weights=False "
+            "in a MultiheadAttention's forward), or use shorter sequences"
         )
 
 

@@ -52,6 +52,10 @@ from attnkit.masks import alibi_bias, zero_padding
 
 _NAN = float("nan")
 
+_TORCH_SDPA = F.scaled_dot_product_attention
+"""torch's own function, held from import: a model may point ``torch.nn.functional``'s name at
+attnkit's drop-in, which would then call itself through this backend."""
+
 
 def sdpa(call: Call) -> AttentionOutput:
     """Shapes ``q (b, h, t, d)``, ``k (b, h_kv, s, d)``, ``v (b, h_kv, s, d_v)``."""
@@ -79,7 +83,7 @@ def sdpa(call: Call) -> AttentionOutput:
     if call.sinks is not None:  # no mask but the causal one: see sdpa_sinks.refuses
         out = attention_with_sinks(call)
     else:  # first: on a GPU the checks below queue behind it
-        out = F.scaled_dot_product_attention(
+        out = _TORCH_SDPA(
             q,
             keys,
             values,
@@ -206,12 +210,12 @@ def _fused(out: Tensor) -> bool:
     the composite one of ordinary operations (which torch's CPU dispatch picks for dropout or a mask
     that needs a gradient). Not under a transform, tracing or compilation, which differentiate
     SDPA themselves."""
-    node = out.grad_fn
-    if node is None or torch.jit.is_tracing() or traced():
+    if torch.jit.is_tracing() or traced():  # first: dynamo cannot read a traced tensor's grad_fn
         return False
     if torch._C._are_functorch_transforms_active():
         return False
-    return type(node).__name__.startswith("ScaledDotProduct")
+    node = out.grad_fn
+    return node is not None and type(node).__name__.startswith("ScaledDotProduct")
 
 
 class _TwiceDifferentiable(torch.autograd.Function):

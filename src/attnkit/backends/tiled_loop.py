@@ -205,7 +205,7 @@ class Plan:
 
     def grouped_rows(self, x: Tensor, i0: int, i1: int) -> Tensor:
         """Rows ``i0..i1`` of a ``(b, h_kv, g, t, n)`` tensor as one ``(b, h_kv, g*bq, n)`` block."""
-        return x[:, :, :, i0:i1].reshape(self.b, self.h_kv, -1, x.shape[-1])
+        return x[:, :, :, i0:i1].reshape(self.b, self.h_kv, self.groups * (i1 - i0), x.shape[-1])
 
 
 def _through_score_mod(

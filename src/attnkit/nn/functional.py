@@ -19,6 +19,8 @@ mask functions.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -78,26 +80,43 @@ def scaled_dot_product_attention(
             "query, key and value must have as many dimensions, got "
             f"{query.dim()}, {key.dim()} and {value.dim()}"
         )
-    lead = query.shape[:-3]
-    if key.shape[:-3] != lead or value.shape[:-3] != lead:
+    try:  # the batch dimensions broadcast, as torch's do
+        lead = torch.broadcast_shapes(query.shape[:-3], key.shape[:-3], value.shape[:-3])
+    except RuntimeError:
         raise ValueError(
-            "query, key and value must share their batch dimensions, got "
+            "query, key and value must have batch dimensions that broadcast together, got "
             f"{tuple(query.shape)}, {tuple(key.shape)} and {tuple(value.shape)}"
-        )
+        ) from None
     heads, kv_heads = _heads(query), _heads(key)
     if heads != kv_heads and not enable_gqa:
         raise ValueError(
             f"query has {heads} heads and key {kv_heads}: pass enable_gqa=True for grouped-query "
             "attention"
         )
-    q, k, v = (_four(x) for x in (query, key, value))
+    q, k, v = (_four(x, lead) for x in (query, key, value))
     t, s = q.shape[-2], k.shape[-2]
-    mask = None if attn_mask is None else _mask(attn_mask, (*query.shape[:-1], s))
+    rows = (*lead, *query.shape[max(query.dim() - 3, 0) : -1])  # (..., Hq, L), or (L,)
+    mask = None if attn_mask is None else _mask(attn_mask, (*rows, s))
     causal = False
     if is_causal:
         mask, causal = top_left_causal(mask, t, s, q.device)
-    out = attention(q, k, v, attn_mask=mask, causal=causal, dropout_p=dropout_p, scale=scale)
-    return out.reshape((*query.shape[:-1], value.shape[-1]))
+    if scale is not None and scale <= 0:  # torch takes any scale; attention() a positive one
+        q, scale = q * scale, 1.0
+    drop_all = (
+        dropout_p == 1.0
+    )  # attention() keeps some weight; torch's dropout multiplies all by 0
+    out = attention(
+        q,
+        k,
+        v,
+        attn_mask=mask,
+        causal=causal,
+        dropout_p=0.0 if drop_all else dropout_p,
+        scale=scale,
+    )
+    if drop_all:
+        out = out * 0.0
+    return out.reshape((*rows, value.shape[-1]))
 
 
 def top_left_causal(
@@ -120,9 +139,11 @@ def _heads(x: Tensor) -> int:
     return x.shape[-3] if x.dim() >= 3 else 1
 
 
-def _four(x: Tensor) -> Tensor:
-    """``(..., H, L, E)`` as attnkit's ``(b, H, L, E)``: the leading dimensions become the batch."""
-    return x.reshape(-1, _heads(x), *x.shape[-2:])
+def _four(x: Tensor, lead: torch.Size) -> Tensor:
+    """``(..., H, L, E)`` as attnkit's ``(b, H, L, E)``: the leading dimensions, broadcast to
+    ``lead``, become the batch (``b`` written out: -1 is ambiguous when a dimension is 0)."""
+    x = x.expand(*lead, *x.shape[-3:]) if x.dim() >= 3 else x
+    return x.reshape(math.prod(lead), _heads(x), *x.shape[-2:])
 
 
 def _mask(mask: Tensor, shape: torch.Size) -> Tensor:

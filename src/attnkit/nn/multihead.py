@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnkit.functional import attention
+from attnkit.nn.checks import check_inputs
 from attnkit.nn.functional import top_left_causal
 
 __all__ = ["MultiheadAttention"]
@@ -53,18 +54,13 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         no ``key_padding_mask`` the mask is dropped for the top-left causal one. Returns the output
         and the weights after dropout (averaged over the heads unless ``average_attn_weights`` is
         False), or None without ``need_weights``."""
-        batched = query.dim() == 3
+        batched = check_inputs(self, query, key, value, key_padding_mask, attn_mask, is_causal)
         if not batched:
             query, key, value = (x.unsqueeze(0) for x in (query, key, value))
             if key_padding_mask is not None:
                 key_padding_mask = key_padding_mask.unsqueeze(0)
         elif not self.batch_first:
             query, key, value = (x.transpose(0, 1) for x in (query, key, value))
-        if is_causal and attn_mask is None:
-            raise ValueError(
-                "is_causal=True is a hint that needs attn_mask too (torch's rule); "
-                "torch.nn.Transformer.generate_square_subsequent_mask(L) makes one"
-            )
         top_left = is_causal and key_padding_mask is None and not need_weights
         q, k, v = self._heads(query, key, value)  # (N, H, L or S, d)
         mask, key_mask = self._masks(attn_mask if not top_left else None, key_padding_mask, q)
@@ -84,7 +80,7 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         )
         out, weights = result if need_weights else (result, None)
         n, h, _, d = out.shape
-        out = F.linear(out.transpose(1, 2).reshape(n, t, h * d), *self._out())
+        out = F.linear(out.transpose(1, 2).reshape(n, t, h * d), *self._out(out.dtype))
         if weights is not None and average_attn_weights:
             weights = weights.mean(dim=1)
         if not batched:
@@ -93,8 +89,9 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
             out = out.transpose(0, 1)
         return out, weights
 
-    def _out(self) -> tuple[Tensor, Tensor | None]:
-        return self.out_proj.weight, self.out_proj.bias
+    def _out(self, dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
+        bias = self.out_proj.bias
+        return self.out_proj.weight.to(dtype), None if bias is None else bias.to(dtype)
 
     def _heads(self, query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The projections, batch first, split into heads; with ``add_bias_kv`` the learned key
@@ -106,7 +103,10 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
             weights = self.in_proj_weight.chunk(3)
         else:
             weights = (self.q_proj_weight, self.k_proj_weight, self.v_proj_weight)
-        q, k, v = (F.linear(x, w, b) for x, w, b in zip((query, key, value), weights, biases))
+        q, k, v = (  # the parameters in the inputs' dtype, as torch's layer takes them
+            F.linear(x, w.to(x.dtype), None if b is None else b.to(x.dtype))
+            for x, w, b in zip((query, key, value), weights, biases)
+        )
         n = q.shape[0]
         if self.bias_k is not None:
             k = torch.cat([k, self.bias_k.reshape(1, 1, e).expand(n, 1, e)], dim=1)

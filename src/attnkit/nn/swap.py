@@ -1,8 +1,10 @@
 """``swap(model)``: every ``torch.nn.MultiheadAttention`` inside a model runs on attnkit.
 
 Each one becomes an [`attnkit.nn.MultiheadAttention`][attnkit.nn.multihead.MultiheadAttention]
-holding the same parameter objects (an optimizer made before keeps working), on the same device,
-in the same dtype and mode; nothing else in the model changes. In eval, torch's
+in place: the same object (its class changed), so its parameters, buffers, hooks, device, dtype
+and mode stay, and an optimizer made before keeps working; nothing else in the model changes.
+A subclass of ``nn.MultiheadAttention`` is left as it is, with a warning: its own methods may
+rely on torch's ``forward``. In eval, torch's
 ``TransformerEncoderLayer`` and ``TransformerEncoder`` take a fused path of their own
 (``torch._transformer_encoder_layer_fwd``, nested tensors) that never calls their attention
 module: around a swapped model's encoder layers that path is turned off, so attnkit runs in every
@@ -12,7 +14,7 @@ off while such a layer runs, and back as it was after.)
 
 from __future__ import annotations
 
-import copy
+import warnings
 
 import torch
 from torch import nn
@@ -25,8 +27,8 @@ _ENCODERS = (nn.TransformerEncoderLayer, nn.TransformerEncoder)
 
 
 def swap(model: nn.Module) -> nn.Module:
-    """Replace, in place, every ``torch.nn.MultiheadAttention`` inside ``model`` (``model`` itself
-    too) by attnkit's, and return the model.
+    """Make every ``torch.nn.MultiheadAttention`` inside ``model`` (``model`` itself too)
+    attnkit's, in place, and return ``model``.
 
     Example:
         >>> import torch
@@ -37,24 +39,24 @@ def swap(model: nn.Module) -> nn.Module:
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if type(model) is nn.MultiheadAttention:
-        return _ours(model)
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is nn.MultiheadAttention:
-                setattr(parent, name, _ours(child))
+    for module in model.modules():
+        if type(module) is nn.MultiheadAttention:
+            module.__class__ = MultiheadAttention  # a subclass that adds no state: safe to switch
+        elif isinstance(module, nn.MultiheadAttention) and not isinstance(
+            module, MultiheadAttention
+        ):
+            warnings.warn(
+                f"swap left {type(module).__qualname__}, a subclass of torch.nn."
+                "MultiheadAttention, as it is: its own methods may rely on torch's forward",
+                UserWarning,
+                stacklevel=2,
+            )
+    for parent in model.modules():
         if isinstance(parent, _ENCODERS) and not getattr(parent, "_attnkit_no_fast_path", False):
             parent.register_forward_pre_hook(_fast_path_off)
             parent.register_forward_hook(_fast_path_back, always_call=True)
             parent._attnkit_no_fast_path = True
     return model
-
-
-def _ours(module: nn.MultiheadAttention) -> MultiheadAttention:
-    """``module`` as attnkit's class: a shallow copy, which shares its parameters and buffers."""
-    ours = copy.copy(module)
-    ours.__class__ = MultiheadAttention
-    return ours
 
 
 def _fast_path_off(module: nn.Module, args) -> None:
