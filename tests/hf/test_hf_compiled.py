@@ -30,12 +30,32 @@ def model_of(config_class: str, model_class: str, **options) -> torch.nn.Module:
     return getattr(transformers, model_class)(config).eval()
 
 
-@pytest.mark.parametrize("padded", [False, True])
-def test_a_sliding_window_model_compiles_whole_and_matches_eager(padded):
-    """transformers builds the sliding window's mask function inside the compiled region, where
-    dynamo cannot read a closure's cells: attnkit evaluates it instead of failing."""
+LOCAL = {  # models with layers that see part of the keys: (config, model, options, padded)
+    "mistral, sliding window": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 5}, False),
+    "mistral, sliding window, padded": (
+        "MistralConfig", "MistralForCausalLM", {"sliding_window": 5}, True
+    ),
+    "gemma2, sliding window and softcap, padded": (
+        "Gemma2Config", "Gemma2ForCausalLM",
+        {"head_dim": 8, "sliding_window": 4, "attn_logit_softcapping": 5.0}, True,
+    ),
+    "llama4, chunked, padded": (
+        "Llama4TextConfig", "Llama4ForCausalLM",
+        {"head_dim": 8, "attention_chunk_size": 4, "num_local_experts": 2,
+         "num_experts_per_tok": 1, "intermediate_size_mlp": 48,
+         "layer_types": ["chunked_attention", "full_attention"], "no_rope_layers": [1, 0]},
+        True,
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", LOCAL)
+def test_models_with_local_layers_compile_whole_and_match_eager(name):
+    """transformers builds a sliding window's or a chunk's mask function inside the compiled
+    region, where dynamo cannot read a closure's cells: attnkit evaluates it instead."""
+    config_class, model_class, options, padded = LOCAL[name]
     torch._dynamo.reset()
-    model = model_of("MistralConfig", "MistralForCausalLM", sliding_window=5)
+    model = model_of(config_class, model_class, **options)
     ids = torch.randint(1, 64, (2, 12))
     mask = torch.ones(2, 12, dtype=torch.long)
     if padded:
