@@ -30,6 +30,8 @@ def test_a_run_records_a_snapshot_at_step_0_and_at_the_end(copy_run):
     assert result.weights.shape == (s, 2, 2, 16, 16)
     torch.testing.assert_close(result.weights.sum(-1), torch.ones(s, 2, 2, 16))
     assert result.steps[-1] == 6 and len(result.loss) == len(result.steps)
+    assert result.score_steps == [0, *result.steps]  # the scores at each step of the curve
+    assert result.scores_by_step["induction"].shape == (len(result.score_steps), 2, 2)
     assert len(result.loss_repeated) == len(result.loss_others) == len(result.steps)
     assert all(v > 0 for v in result.loss + result.held_out_loss)
     assert result.tokens_per_second > 0
@@ -41,7 +43,8 @@ def test_heads_json_holds_the_issues_schema(copy_run):
     assert data["task"] == "copy"
     assert [(h["layer"], h["head"]) for h in data["heads"]] == [(1, 1), (1, 2), (2, 1), (2, 2)]
     for head in data["heads"]:
-        assert set(head) == {"layer", "head", "previous_token", "first_token", "self", "induction"}
+        roles = {"previous_token", "first_token", "self", "induction"}
+        assert set(head) == {"layer", "head", "scores_by_step", *roles}
         for role in ("previous_token", "first_token", "self", "induction"):
             assert len(head[role]) == len(data["snapshot_steps"])
             assert all(0 <= v <= 1 for v in head[role])

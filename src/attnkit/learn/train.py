@@ -230,10 +230,12 @@ def train(settings: Settings, task: Task, progress: TextIO | None = None) -> Lea
     bar = None if progress is None else Progress(settings.steps, progress, time_left=True)
     started = time.perf_counter()
     window = max(1, settings.steps // 250)  # the loss curve: the mean of each window of steps
+    # the role scores at each step of the loss curve too: when a head's score rose, to a window
+    scored = {0, settings.steps, *range(window, settings.steps + 1, window)}
     losses = []
     for step in range(settings.steps + 1):
-        if step in when:
-            snapshot(model, task, step, result)
+        if step in when or step in scored:
+            snapshot(model, task, step, result, keep=step in when)
         if step == settings.steps:
             break
         for group in optimizer.param_groups:
@@ -273,8 +275,11 @@ def _split_loss(token_losses: Tensor, copied: Tensor | None) -> tuple[float, ...
 
 
 @torch.no_grad()
-def snapshot(model: GPTModel, task: Task, step: int, result: LearnResult) -> None:
-    """Every head's weights and role scores on the held-out probes, at ``step``."""
+def snapshot(
+    model: GPTModel, task: Task, step: int, result: LearnResult, keep: bool = True
+) -> None:
+    """Every head's role scores on the held-out probes at ``step``; with ``keep``, a snapshot:
+    also the weights on the drawn sequence and the held-out loss."""
     model.eval()
     # The drawn sequence rides along with the probes: each pass reads 16 sequences or more (a
     # pass of 16 tokens or fewer without gradients would go to the decode kernel's products and
@@ -290,4 +295,6 @@ def snapshot(model: GPTModel, task: Task, step: int, result: LearnResult) -> Non
     shown_weights = attn_weights[:, -1, :, :n, :n]  # (L, h, n, n)
     held_out = F.cross_entropy(logits[:-1].transpose(1, 2), task.probes[:, 1:]).item()
     scores = role_scores(attn_weights[:, :-1], repeated_weights)
-    result.add_snapshot(step, scores, shown_weights, held_out)
+    result.add_scores(step, scores)
+    if keep:
+        result.add_snapshot(step, scores, shown_weights, held_out)
