@@ -8,7 +8,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from torch import Tensor
+
 from attnkit.learn.record import LearnResult
+from attnkit.learn.roles import SCORES
+from attnkit.learn.tasks import PROBES
 from attnkit.views import draw_heatmap, pyplot, save_figure
 
 
@@ -48,6 +52,14 @@ def plot_loss(result: LearnResult, path: str | Path) -> Path:
 
 def plot_heads(result: LearnResult, path: str | Path) -> Path:
     """Every head's weights on the drawn sequence at the last snapshot: a row per layer."""
+    return save_figure(heads_figure(result), pyplot(), path)
+
+
+def heads_figure(result: LearnResult):
+    """The figure of [`plot_heads`][attnkit.learn.pictures.plot_heads]. Each head's title names
+    its highest role score at the end twice: the mean over the held-out probes (the score the
+    closing lines and ``heads.json`` give) and on the sequence drawn, which is one sequence and
+    can differ."""
     plt = pyplot()
     weights = result.weights[-1]  # (L, h, t, t)
     layers, heads, t = weights.shape[0], weights.shape[1], weights.shape[-1]
@@ -65,10 +77,24 @@ def plot_heads(result: LearnResult, path: str | Path) -> Path:
             best = max(scores, key=lambda role: scores[role][layer, head].item())
             title = (
                 f"layer {layer + 1} head {head + 1}\n"
-                f"{best.replace('_', '-')} {scores[best][layer, head]:.2f}"
+                f"{best.replace('_', '-')} {scores[best][layer, head]:.2f} on the probes"
             )
+            here = drawn_score(result, best, weights[layer, head])
+            if here is not None:
+                title += f", {here:.2f} here"
             # the first query can only attend to itself (weight 1): the colours leave it out
             high = weights[layer, head, 1:].max().item()
             draw_heatmap(axes[layer, head], weights[layer, head], result.labels, title, high=high)
-    fig.suptitle(f"every head at step {result.snapshot_steps[-1]} (queries down, keys across)")
-    return save_figure(fig, plt, path)
+    fig.suptitle(
+        f"every head at step {result.snapshot_steps[-1]} (queries down, keys across); above each, "
+        f"its highest role score: the mean over {PROBES} held-out probes, and on this sequence"
+    )
+    return fig
+
+
+def drawn_score(result: LearnResult, role: str, weights: Tensor) -> float | None:
+    """``role``'s score on the drawn sequence's weights ``(t, t)``; None for the induction score of
+    a sequence that is not written twice (the text task's)."""
+    if role == "induction" and result.task != "copy":
+        return None
+    return SCORES[role](weights).item()

@@ -63,6 +63,15 @@ def induction_score(attn_weights: Tensor) -> Tensor:
     return attn_weights.diagonal(offset=-(n - 1), dim1=-2, dim2=-1)[..., 1:].mean(-1)
 
 
+SCORES = {
+    "previous_token": previous_token_score,
+    "first_token": first_token_score,
+    "self": self_score,
+    "induction": induction_score,
+}
+"""Each role's score function, by name."""
+
+
 def role_scores(attn_weights: Tensor, repeated_weights: Tensor) -> dict[str, Tensor]:
     """Every role's score per head.
 
