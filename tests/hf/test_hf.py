@@ -316,7 +316,8 @@ def test_use_warns_of_a_model_that_does_not_call_the_attention_interface():
             vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4
         )
     )
-    assert not attnkit.hf.supports(falcon)
+    assert not attnkit.hf.supports(falcon) and not attnkit.hf.supports(transformers.BloomModel)
+    assert attnkit.hf.supports(transformers.WhisperModel)  # its own flag says no; its code calls it
     with pytest.warns(
         UserWarning, match="FalconForCausalLM does not call transformers' AttentionInterface"
     ):

@@ -28,6 +28,7 @@ import it, this module does.
 
 from __future__ import annotations
 
+import sys
 import warnings
 from typing import Any
 
@@ -64,10 +65,21 @@ def register(name: str = "attnkit") -> str:
 
 def supports(model: nn.Module | type) -> bool:
     """Whether ``model`` (a transformers model or its class) calls attention through
-    transformers' ``AttentionInterface``, the only way attnkit reaches it. Those that do not
-    (Falcon, say) keep their own attention whatever ``attn_implementation`` says."""
+    transformers' ``AttentionInterface``, the only way attnkit reaches it: whether the modeling
+    code of its class (or of a class it derives from) holds the interface's table. Those that do
+    not (Falcon, BLOOM, MPT, GPT-Neo, say) keep their own attention whatever
+    ``attn_implementation`` says."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
     cls = model if isinstance(model, type) else type(model)
-    return bool(getattr(cls, "_supports_attention_backend", False))
+    for klass in cls.__mro__:
+        name = klass.__module__
+        if name.startswith("transformers.") and not name.startswith("transformers.models."):
+            continue  # PreTrainedModel's own module holds the table for every model
+        module = sys.modules.get(name)
+        if module is not None and any(v is ALL_ATTENTION_FUNCTIONS for v in vars(module).values()):
+            return True
+    return False
 
 
 def use(model: nn.Module, name: str = "attnkit") -> nn.Module:

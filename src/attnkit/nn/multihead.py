@@ -5,8 +5,10 @@ names and shapes: a ``state_dict`` loads strictly both ways), ``merge_masks`` an
 torch's Transformer layers read are torch's own; ``forward`` keeps torch 2.13's semantics and
 computes the attention with [`attnkit.functional.attention`][attnkit.functional.attention].
 
-One difference: a query whose every key is masked gets 0 here (attnkit's rule), where torch's gives
-NaN when it returns weights and 0 when it does not.
+It refuses what torch's layer refuses, in its words ([`attnkit.nn.checks`][attnkit.nn.checks]).
+Two differences: a query whose every key is masked gets 0 here (attnkit's rule), where torch's
+gives NaN when it returns weights; a query row holding a NaN stays NaN, where torch's CPU kernel
+gives 0.
 """
 
 from __future__ import annotations
