@@ -134,3 +134,36 @@ def test_learn_page_slider_redraws_the_maps_and_the_scores(browser, tmp_path):
         for role, value in scores.items():
             assert value == pytest.approx(data["scores"][role][0][layer - 1][head - 1], abs=5.1e-3)
     assert problems == []
+
+
+def test_learn_page_at_1400_px_one_row_per_layer_and_a_chart_with_axes(browser, tmp_path):
+    """A layer's four heads of 16 tokens share one row in a 1400-px window (they wrapped onto two),
+    and the loss chart has axes, a curve per part of the copy task's loss and a legend; its
+    caption gives the loss at the end."""
+    out = tmp_path / "run"
+    tiny = ["--steps", "8", "--layers", "2", "--heads", "4", "--dim", "16", "--context", "16"]
+    assert main(["learn", "--task", "copy", *tiny, "--out", str(out)]) == 0
+    data = page_data((out / "learn.html").read_text())
+    page = browser.new_page(viewport={"width": 1400, "height": 900})
+    problems = []
+    page.on("console", lambda m: problems.append(m.text) if m.type == "error" else None)
+    page.on("pageerror", lambda e: problems.append(str(e)))
+    page.goto((out / "learn.html").as_uri())
+
+    rows = page.eval_on_selector_all(
+        ".layer", "rows => rows.map(r => [...r.children].map(c => c.getBoundingClientRect().top))"
+    )
+    assert len(rows) == 2 and all(len(set(row)) == 1 and len(row) == 4 for row in rows), rows
+    assert page.eval_on_selector("#map-1-1", "c => c.width") >= 16 * 18  # values in the cells
+    curves = page.eval_on_selector_all(".curve", "cs => cs.map(c => c.dataset.curve)")
+    assert curves == ["loss", "loss_repeated", "loss_others"]
+    assert page.locator("line.axis").count() == 2
+    assert "0" in page.locator(".tick-x").all_text_contents()
+    assert len(page.locator(".tick-y").all_text_contents()) >= 2
+    assert "on the copied tokens" in page.locator(".legend").all_text_contents()
+    assert page.locator("circle.held-out").count() == len(data["snapshot_steps"])
+    caption = page.locator("#caption").text_content()
+    assert caption == data["caption"] and f"{data['loss'][-1]:.3f} at the end" in caption
+    page.set_viewport_size({"width": 700, "height": 900})  # narrower: smaller cells, redrawn
+    page.wait_for_function("document.getElementById('map-1-1').width < 16 * 18")
+    assert problems == []
