@@ -265,3 +265,13 @@ def test_exports_with_torch_export():
     program = torch.export.export(ours.eval(), (x, x, x), {"need_weights": False})
     got = program.module()(x, x, x, need_weights=False)[0]
     torch.testing.assert_close(got, theirs.eval()(x, x, x, need_weights=False)[0])
+
+
+def test_a_call_too_large_for_the_memory_names_need_weights(monkeypatch):
+    import attnkit.backends
+
+    monkeypatch.setattr(attnkit.backends, "memory_of", lambda device: 2**20)
+    ours, _ = pair(batch_first=True)
+    x = torch.randn(1, 1100, E)
+    with pytest.raises(ValueError, match="need_weights=False in a MultiheadAttention's forward"):
+        ours(x, x, x)
