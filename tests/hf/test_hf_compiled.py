@@ -50,14 +50,14 @@ LOCAL = {  # models with layers that see part of the keys: (config, model, optio
 
 
 @pytest.mark.parametrize("name", LOCAL)
-def test_models_with_local_layers_compile_whole_and_match_eager(name):
+def test_models_with_local_layers_compile_whole_and_match_eager(name, device):
     """transformers builds a sliding window's or a chunk's mask function inside the compiled
     region, where dynamo cannot read a closure's cells: attnkit evaluates it instead."""
     config_class, model_class, options, padded = LOCAL[name]
     torch._dynamo.reset()
-    model = model_of(config_class, model_class, **options)
-    ids = torch.randint(1, 64, (2, 12))
-    mask = torch.ones(2, 12, dtype=torch.long)
+    model = model_of(config_class, model_class, **options).to(device)
+    ids = torch.randint(1, 64, (2, 12), device=device)
+    mask = torch.ones(2, 12, dtype=torch.long, device=device)
     if padded:
         mask[1, :3] = 0
     real = mask.bool()
@@ -80,15 +80,15 @@ class _Recompiles(logging.Handler):
         self.count += "Recompiling" in record.getMessage()
 
 
-def test_generation_with_a_static_cache_never_recompiles_and_matches_eager():
+def test_generation_with_a_static_cache_never_recompiles_and_matches_eager(device):
     """As transformers' own test_generate_compile_model_forward_fullgraph: two generations of
     padded batches of the same shape, the forward compiled with dynamic=False; the mask that
     generate builds outside the compiled forward holds nothing that changes with the step."""
     from transformers.generation import CompileConfig
 
     torch._dynamo.reset()
-    model = model_of("LlamaConfig", "LlamaForCausalLM")
-    ids = torch.randint(1, 64, (4, 9))
+    model = model_of("LlamaConfig", "LlamaForCausalLM").to(device)
+    ids = torch.randint(1, 64, (4, 9), device=device)
     mask = torch.ones_like(ids)
     mask[1, :2] = 0
     mask[3, :3] = 0

@@ -194,13 +194,13 @@ def test_what_torch_takes_beyond_attentions_own_checks(options, device):
         torch.testing.assert_close(g, w)
 
 
-def test_torchs_name_pointed_at_the_drop_in_does_not_call_itself(monkeypatch):
+def test_torchs_name_pointed_at_the_drop_in_does_not_call_itself(monkeypatch, device):
     """A model that replaces torch.nn.functional's SDPA with attnkit's: attnkit's own SDPA
     backend still reaches torch's kernel."""
-    q, k, v = inputs((2, 4, 5, 8), (2, 4, 5, 8))
+    q, k, v = inputs((2, 4, 5, 8), (2, 4, 5, 8), device=device)
     want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     monkeypatch.setattr(F, "scaled_dot_product_attention", scaled_dot_product_attention)
-    layer = torch.nn.TransformerEncoderLayer(16, 4, dim_feedforward=32, batch_first=True).eval()
+    layer = torch.nn.TransformerEncoderLayer(16, 4, dim_feedforward=32, batch_first=True)
     with torch.no_grad():
-        layer(torch.randn(2, 5, 16))
+        layer.to(device).eval()(torch.randn(2, 5, 16, device=device))
     torch.testing.assert_close(F.scaled_dot_product_attention(q, k, v, is_causal=True), want)

@@ -220,9 +220,9 @@ def test_random_options_and_masks_equal_torchs_both_ways(seed):
 
 
 @pytest.mark.parametrize("shape", [(0, L, E), (N, 0, E)], ids=["no batch", "no query"])
-def test_empty_inputs_give_empty_results_as_torchs(shape):
-    ours, theirs = pair(batch_first=True)
-    x, keys = torch.randn(shape), torch.randn(shape[0], S, E)
+def test_empty_inputs_give_empty_results_as_torchs(shape, device):
+    ours, theirs = pair(device, batch_first=True)
+    x, keys = torch.randn(shape, device=device), torch.randn(shape[0], S, E, device=device)
     compare(ours, theirs, (x, keys, keys))
 
 
@@ -234,11 +234,11 @@ def test_no_keys_give_the_output_projections_bias():
     torch.testing.assert_close(out, ours.out_proj.bias.expand(N, L, E))
 
 
-def test_parameters_of_another_dtype_than_the_inputs_are_taken_in_theirs():
-    ours, theirs = pair(dtype=torch.float64, batch_first=True)
+def test_parameters_of_another_dtype_than_the_inputs_are_taken_in_theirs(device):
+    ours, theirs = pair(device, dtype=torch.float64, batch_first=True)
     for module in (ours, theirs):
         module.in_proj_bias = torch.nn.Parameter(module.in_proj_bias.detach().half())
-    x = torch.randn(N, L, E, dtype=torch.float64)
+    x = torch.randn(N, L, E, dtype=torch.float64, device=device)
     with torch.no_grad():
         out, want = (
             ours(x, x, x, need_weights=False)[0],
@@ -249,9 +249,9 @@ def test_parameters_of_another_dtype_than_the_inputs_are_taken_in_theirs():
 
 
 @pytest.mark.parametrize("need_weights", [True, False])
-def test_compiles_whole_with_parameters_that_need_gradients(need_weights):
-    ours, theirs = pair(batch_first=True)
-    x = torch.randn(N, L, E, requires_grad=True)
+def test_compiles_whole_with_parameters_that_need_gradients(need_weights, device):
+    ours, theirs = pair(device, batch_first=True)
+    x = torch.randn(N, L, E, device=device, requires_grad=True)
     compiled = torch.compile(ours, fullgraph=True, backend="aot_eager")
     out = compiled(x, x, x, need_weights=need_weights)[0]
     out.sum().backward()
