@@ -4,7 +4,8 @@
 [`GPTModel`][attnkit.models.gpt.GPTModel] with AdamW (a short linear warm-up, then a cosine decay
 of the learning rate to a tenth) and, at regular steps, the first of them step 0 (before any
 update), runs the model on held-out probes to read every head's attention weights and score its
-roles ([`attnkit.learn.roles`][attnkit.learn.roles]).
+roles ([`attnkit.learn.roles`][attnkit.learn.roles]); at every step of the loss curve between them
+it scores the roles too, keeping no weights, so that the closing lines can say when each rose.
 
 The same seed, on the same machine with the same number of threads (one unless asked), gives the
 same numbers: the weights, the batches and the probes each come from their own seeded generator.
