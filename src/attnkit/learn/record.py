@@ -31,8 +31,12 @@ if TYPE_CHECKING:
     from attnkit.learn.tasks import Task
     from attnkit.learn.train import Settings
 
-TOOK_ROLE = 0.5  # a head "took" a role when its score at the end reached this
-RISE = (0.1, 0.9)  # the share of its rise at which a score's rise begins and ends
+TOOK_ROLE = 0.5
+"""A head "took" a role when its score at the end reached this."""
+
+RISE = (0.1, 0.9)
+"""The shares of its rise (from step 0 to the end) at which a score's rise begins and ends."""
+
 ROLE_NAMES = {
     "previous_token": "a previous-token head",
     "first_token": "a first-token (sink) head",
