@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -82,6 +83,38 @@ def test_a_build_says_what_it_builds_and_is_made_once(fresh, tmp_path, monkeypat
     )
     assert _build.build("decode", "avx2", force=True).compiled
     assert "as asked" in capsys.readouterr().err
+
+
+# a compiler that takes a while: tiled.cpp 0.4 s, decode.cpp 1.2 s
+SLOW = 'case "$*" in *tiled.cpp*) sleep 0.4;; *) sleep 1.2;; esac\n' + WRITES
+
+
+def test_a_build_says_how_far_it_is_while_the_compiler_runs(fresh, tmp_path, monkeypatch, capsys):
+    """Between the line before and the line after, a line every few seconds in a log (a second
+    on a terminal): what compiles, how many of the kernels built side by side are done, and the
+    time so far. The first build was silent there for 50 s (issue 43)."""
+    from attnkit._progress import BUILDS
+
+    monkeypatch.setenv("CXX", compiler(tmp_path, SLOW))
+    monkeypatch.setattr(BUILDS, "every", 0.1)
+    builds = [threading.Thread(target=_build.build, args=(k, "avx2")) for k in ("tiled", "decode")]
+    for build in builds:  # as `attnkit build` does: both kernels side by side
+        build.start()
+    for build in builds:
+        build.join()
+    said = capsys.readouterr().err.splitlines()
+    assert sum(line.startswith("attnkit: building the C++ kernel") for line in said) == 2
+    built = [line for line in said if line.startswith("attnkit: built ")]
+    assert [line.split()[2] for line in built] == ["tiled.cpp", "decode.cpp"]
+    progress = [line for line in said if line.startswith("attnkit: compiling ")]
+    both = r"attnkit: compiling (tiled\.cpp, decode\.cpp|decode\.cpp, tiled\.cpp): 0 of 2 done"
+    assert any(re.match(both, line) for line in progress), said
+    one_left = said[said.index(built[0]) + 1 : said.index(built[1])]
+    assert any(
+        re.fullmatch(r"attnkit: compiling decode\.cpp: 1 of 2 done, \d+ s so far", line)
+        for line in one_left
+    ), said
+    assert said[-1] == built[1]  # nothing after the last build
 
 
 def test_a_change_of_sources_flags_or_torch_is_a_new_build(tmp_path, monkeypatch):

@@ -14,12 +14,14 @@ builds:
   made by ``attnkit build`` or by the first call that needs it.
 
 [`build`][attnkit._build.build] makes one build in the extensions folder: in the foreground, with
-a line on stderr before and after, under an ``flock`` (a lock that dies with its holder, so a build
+a line on stderr before and after and, while the compiler runs, a progress line that says which
+kernels compile, how many are done and for how long (`attnkit._progress.BUILDS`), under an ``flock`` (a lock that dies with its holder, so a build
 killed halfway never blocks the next one), into a temporary file renamed into place when complete
 (a folder never holds half a kernel). Ctrl-C stops the compiler and raises ``KeyboardInterrupt``.
 
-This module imports nothing of attnkit (``setup.py`` loads it by path to build a wheel) and
-imports torch only when asked to compile.
+This module imports nothing of attnkit at import time (``setup.py`` loads it by path to build a
+wheel, and calls only what needs nothing else: `build_wheel_kernels`), and imports torch only when
+asked to compile; `build` takes its progress line from ``attnkit._progress`` when it runs.
 """
 
 from __future__ import annotations
@@ -333,15 +335,11 @@ class Built:
     seconds: float = 0.0
 
 
-def say(message: str) -> None:
-    """One line on stderr, where a long wait is announced."""
-    print(f"attnkit: {message}", file=sys.stderr, flush=True)
-
-
 def build(kernel: str, level: str, *, force: bool = False, estimate: str = "") -> Built:
     """The build of ``kernel`` for ``level`` in the extensions folder: the one there (read-only
     folders included: nothing is written when it exists), else compiled now under the folder's
-    lock, with a line on stderr before and after. ``force`` compiles anew.
+    lock, with a line on stderr before and after and the progress line between. ``force``
+    compiles anew.
 
     Raises:
         BuildError: it cannot be built (no compiler, a compile error, a folder that cannot be
@@ -359,17 +357,24 @@ def build(kernel: str, level: str, *, force: bool = False, estimate: str = "") -
     except OSError as error:
         raise BuildError(f"cannot create {folder}: {error.strerror}") from None
     try:
-        with _locked(folder, say):
+        from attnkit._progress import BUILDS  # see the module's docstring
+
+        with _locked(folder, BUILDS.say):
             if output.exists() and not force:  # built by the process we waited for
                 return Built(output, compiled=False)
             _remove_partial_builds_of_dead_processes(folder)
             why = _why_build(kernel, level, folder.parent, force)
-            say(
+            BUILDS.say(
                 f"building the C++ kernel {kernel}.cpp for this CPU ({level}): {why}; "
                 f"{estimate or 'about a minute'}, once (Ctrl-C stops it), into {folder}"
             )
-            seconds = compile_to(kernel, level, name, output, folder / "build.log")
-            say(f"built {kernel}.cpp in {seconds:.0f} s")
+            BUILDS.start(f"{kernel}.cpp")
+            done = None  # the line after: none when the build fails or is stopped
+            try:
+                seconds = compile_to(kernel, level, name, output, folder / "build.log")
+                done = f"built {kernel}.cpp in {seconds:.0f} s"
+            finally:
+                BUILDS.finish(f"{kernel}.cpp", done)
             return Built(output, compiled=True, seconds=seconds)
     except OSError as error:  # the folder is read-only, full, ...
         raise BuildError(f"cannot build in {folder}: {error.strerror or error}") from None
