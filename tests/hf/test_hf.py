@@ -282,6 +282,22 @@ def test_weights_under_a_static_cache_span_its_buffer_as_eagers():
         torch.testing.assert_close(w, w_e)
 
 
+def test_returned_weights_take_the_outputs_gradient_as_eagers(device):
+    """transformers' test_retain_grad_hidden_states_attentions: the weights a model returns are
+    those its output was made from."""
+    model = model_of("gemma2, softcap, sliding window", device)
+    ids = padded_batch(device)[0]
+    grads = {}
+    for implementation in ("eager", NAME):
+        model.set_attn_implementation(implementation)
+        result = model(ids, output_attentions=True)
+        result.attentions[0].retain_grad()
+        result.logits.flatten()[0].backward()
+        grads[implementation] = result.attentions[0].grad
+    assert grads[NAME] is not None
+    torch.testing.assert_close(grads[NAME], grads["eager"])
+
+
 def python_with(code: str, *, hide_transformers: bool = False) -> subprocess.CompletedProcess:
     """``code`` run by a fresh Python (nothing registered yet), optionally one where
     transformers cannot be imported."""

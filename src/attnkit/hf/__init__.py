@@ -125,7 +125,8 @@ def attention_function(
     come from ``cu_seq_lens_q``/``cu_seq_lens_k``, or else from ``position_ids`` that restart,
     when the mask says nothing of them. ``s_aux`` are learned sinks; ``softcap``, ``scaling``
     and ``dropout`` as named. Weights are returned, exact and differentiable, where
-    ``output_attentions`` asks for them (after dropout, as eager's).
+    ``output_attentions`` asks for them (after dropout, as eager's); the output is then their
+    product with the values, as eager's, so that a gradient reaches them from the output.
     """
     options: dict[str, Any] = {"scale": scaling, "softcap": softcap, "sinks": s_aux}
     if is_causal is None:
@@ -150,9 +151,20 @@ def attention_function(
         return_weights=weights and "dropped",
     )
     out, attn_weights = result if weights else (result, None)
+    if attn_weights is not None:  # the output made from them, as eager's: a gradient reaches them
+        out = _from_weights(attn_weights, value)
     if attn_weights is not None and attn_weights.shape[-1] < width:  # a static cache's empty slots
         attn_weights = torch.nn.functional.pad(attn_weights, (0, width - attn_weights.shape[-1]))
     return out.transpose(1, 2).contiguous(), attn_weights
+
+
+def _from_weights(weights: Tensor, value: Tensor) -> Tensor:
+    """``weights @ value``, each group of query heads on its key/value head:
+    ``(b, h, t, s) x (b, h_kv, s, d) -> (b, h, t, d)``."""
+    b, h, t, s = weights.shape
+    h_kv = value.shape[1]
+    grouped = weights.reshape(b, h_kv, h // h_kv, t, s)  # (b, h_kv, g, t, s)
+    return (grouped @ value[:, :, None]).reshape(b, h, t, value.shape[-1])
 
 
 def _wants_weights(module: nn.Module, kwargs: dict) -> bool:

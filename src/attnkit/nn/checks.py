@@ -33,10 +33,13 @@ def check_inputs(
     key_padding_mask: Tensor | None,
     attn_mask: Tensor | None,
     is_causal: bool,
+    need_weights: bool,
 ) -> bool:
     """Whether the call is batched (``query`` 3-D), after refusing what torch's layer refuses:
     dimensions that do not go together, an embedding of another size, keys and values that do
-    not pair, masks of the wrong dimensions or shape, ``is_causal`` without ``attn_mask``."""
+    not pair, masks of the wrong dimensions or shape, ``is_causal`` without ``attn_mask``. A mask
+    that gives way to the causal one (``is_causal`` without weights or padding) is not measured,
+    as torch does not measure it."""
     batched = _batched(query, key, value, key_padding_mask, attn_mask, module.num_heads)
     e = query.shape[-1]
     if e != module.embed_dim:
@@ -57,7 +60,8 @@ def check_inputs(
             "Need attn_mask if specifying the is_causal hint. You may use the "
             "Transformer module method `generate_square_subsequent_mask` to create this mask."
         )
-    if attn_mask is not None:
+    dropped = is_causal and key_padding_mask is None and not need_weights
+    if attn_mask is not None and not dropped:
         _check_attn_mask(attn_mask, query, key, module, batched)
     for name, mask in (("key_padding_mask", key_padding_mask), ("attn_mask", attn_mask)):
         if mask is not None and mask.dtype != torch.bool and not mask.is_floating_point():

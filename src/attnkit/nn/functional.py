@@ -7,9 +7,9 @@ Switch a model that calls torch's SDPA with one line::
 It takes what torch's takes, in the same order, with the same defaults and the same behaviour on a
 CPU: any number of leading batch dimensions (``(..., L, E)``, the heads at ``-3``), a bool
 ``attn_mask`` (True takes part) or a float one (added to the scores), broadcastable to
-``(..., L, S)``; ``is_causal`` aligned top-left (query ``i`` sees keys ``0..i``), applied together
-with an ``attn_mask`` as torch applies them (the mask and the causal triangle both); dropout
-whenever ``dropout_p > 0``; ``scale``; ``enable_gqa``. A query that may see no key gets 0, as in
+``(..., L, S)``; ``is_causal`` aligned top-left (query ``i`` sees keys ``0..i``), without an
+``attn_mask`` (torch's documented rule: both at once raise); dropout whenever ``dropout_p > 0``;
+any ``scale``; ``enable_gqa``. A query that may see no key gets 0, as in
 torch's CPU kernels. Then it runs [`attnkit.functional.attention`][attnkit.functional.attention],
 whose ``auto`` picks the backend (torch's own kernel where it is the fastest).
 
@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from attnkit.functional import attention
+from attnkit.nn.checks import MaskError
 
 __all__ = ["scaled_dot_product_attention"]
 
@@ -49,8 +50,8 @@ def scaled_dot_product_attention(
         attn_mask: bool (True takes part) or float of the query's dtype (added to the scores),
             broadcastable to ``(..., Hq, L, S)``.
         dropout_p: dropout on the attention weights, applied whenever > 0.
-        is_causal: query ``i`` sees keys ``0..i`` (top-left, as torch aligns it), and with an
-            ``attn_mask`` only those of them that the mask allows.
+        is_causal: query ``i`` sees keys ``0..i`` (top-left, as torch aligns it); not with an
+            ``attn_mask``.
         scale: multiplies ``query . key``; ``1 / sqrt(E)`` by default.
         enable_gqa: ``Hq`` a multiple of ``H``: query head ``i`` uses key/value head ``i // (Hq / H)``.
 
@@ -58,7 +59,8 @@ def scaled_dot_product_attention(
         ``(..., Hq, L, Ev)``.
 
     Raises:
-        TypeError, ValueError: what attnkit's checks name (torch raises ``RuntimeError``).
+        TypeError, ValueError: what attnkit's checks name (torch raises ``RuntimeError``);
+            [`MaskError`][attnkit.nn.checks.MaskError] (both) for ``attn_mask`` with ``is_causal``.
 
     Example:
         >>> import torch
@@ -99,12 +101,12 @@ def scaled_dot_product_attention(
     mask = None if attn_mask is None else _mask(attn_mask, (*rows, s))
     causal = False
     if is_causal:
-        mask, causal = top_left_causal(mask, t, s, q.device)
+        if attn_mask is not None:  # torch's fused CPU kernel takes both; its docs and others refuse
+            raise MaskError("Explicit attn_mask should not be set when is_causal=True")
+        mask, causal = top_left_causal(None, t, s, q.device)
     if scale is not None and scale <= 0:  # torch takes any scale; attention() a positive one
         q, scale = q * scale, 1.0
-    drop_all = (
-        dropout_p == 1.0
-    )  # attention() keeps some weight; torch's dropout multiplies all by 0
+    drop_all = dropout_p == 1.0  # torch's dropout multiplies every weight by 0 then
     out = attention(
         q,
         k,

@@ -56,7 +56,9 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         no ``key_padding_mask`` the mask is dropped for the top-left causal one. Returns the output
         and the weights after dropout (averaged over the heads unless ``average_attn_weights`` is
         False), or None without ``need_weights``."""
-        batched = check_inputs(self, query, key, value, key_padding_mask, attn_mask, is_causal)
+        batched = check_inputs(
+            self, query, key, value, key_padding_mask, attn_mask, is_causal, need_weights
+        )
         if not batched:
             query, key, value = (x.unsqueeze(0) for x in (query, key, value))
             if key_padding_mask is not None:
