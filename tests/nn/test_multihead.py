@@ -275,3 +275,16 @@ def test_a_call_too_large_for_the_memory_names_need_weights(monkeypatch):
     x = torch.randn(1, 1100, E)
     with pytest.raises(ValueError, match="need_weights=False in a MultiheadAttention's forward"):
         ours(x, x, x)
+
+
+def test_torchscript_compiles_a_layer_around_it_which_calls_attnkit_back():
+    """torch.jit.script of a model holding the drop-in (torch's layers script): the scripted
+    model runs attnkit's Python for the attention, with the eager model's results."""
+    layer = torch.nn.TransformerEncoderLayer(E, H, dim_feedforward=32, batch_first=True)
+    layer.self_attn.__class__ = MultiheadAttention
+    scripted = torch.jit.script(layer.eval())
+    x, mask = torch.randn(N, L, E), torch.zeros(L, L, dtype=torch.bool)
+    torch.testing.assert_close(scripted(x, src_mask=mask), layer(x, src_mask=mask))
+    ours, theirs = pair()
+    q, k, v = inputs(False, "cpu")
+    torch.testing.assert_close(torch.jit.script(ours)(q, k, v)[0], theirs(q, k, v)[0])
