@@ -11,8 +11,9 @@ name is replaced, so that a backend which captures torch's function when it is i
 torch's own; one that looks the name up at call time would find this replacement and recurse:
 the counter's ``reentered`` counts such calls, and the plugin says so at start-up.
 
-The counted replacement has torch's signature and leaves the count out under TorchScript, so that a
-test that scripts a caller of SDPA compiles attnkit's function, as it would without this plugin.
+Tests that script a caller of SDPA (torch's layers) fail with attnkit's function in torch's place,
+counted or not: TorchScript compiles no Python function with keyword-only arguments, which torch's
+signature has (docs/bench/peer-suites.md lists them).
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from typing import Any
 import peer_count
 import torch
 import torch.nn.functional as F
-from torch import Tensor
 
 # attnkit first, and one call through it, before torch's name is replaced (see above)
 import attnkit
@@ -38,50 +38,6 @@ _COUNTER = peer_count.counter(
     "attnkit.nn.functional.scaled_dot_product_attention",
     "torch.nn.functional.scaled_dot_product_attention",
 )
-
-
-def scaled_dot_product_attention(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    attn_mask: Tensor | None = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    *,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-) -> Tensor:
-    """attnkit's ``scaled_dot_product_attention``, each call counted outside TorchScript."""
-    if torch.jit.is_scripting():
-        return attnkit.nn.functional.scaled_dot_product_attention(
-            query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
-        )
-    else:
-        return _counted(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-
-
-@torch.jit.unused  # TorchScript compiles the branch above only (the pattern of is_scripting's docs)
-def _counted(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    attn_mask: Tensor | None,
-    dropout_p: float,
-    is_causal: bool,
-    scale: float | None,
-    enable_gqa: bool,
-) -> Tensor:
-    return _COUNTER.call(
-        attnkit.nn.functional.scaled_dot_product_attention,
-        query,
-        key,
-        value,
-        attn_mask,
-        dropout_p,
-        is_causal,
-        scale=scale,
-        enable_gqa=enable_gqa,
-    )
 
 
 def _probe() -> None:
