@@ -37,6 +37,8 @@ import pytest
 import attnkit
 from attnkit import cli
 
+pytestmark = pytest.mark.outer  # out of `make test-fast`
+
 ROOT = Path(__file__).parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 
@@ -47,6 +49,10 @@ NOT_RUN = {
     "ATTNKIT_CPU_FEATURES=avx2 make test": "the whole suite again; test_cpu.py runs that setting",
     "pip install": "installs from a package registry",
     "pip wheel": "builds a wheel; test_native.py's build-marked test builds and installs one",
+    "git clone": "fetches the peers' tests from their repositories (docs/bench/peer-suites.md)",
+    "git -C PEERS": "a step of that checkout",
+    ".venv/bin/pip install": "installs from a package registry",
+    "OUT=peer-suites scripts/peer-suites.sh": "runs the peers' suites: minutes, and their files",
 }
 
 FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
