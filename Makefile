@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 DEMO_STAMP := $(VENV)/.demo-stamp
 TEST_STAMP := $(VENV)/.test-stamp
 
-.PHONY: demo test test-build test-hf-oldest test-gpu kernels docs lint format clean browser
+.PHONY: demo test test-fast test-build test-hf-oldest test-gpu kernels docs lint format clean browser
 
 $(DEMO_STAMP): pyproject.toml setup.py constraints.txt
 	@echo "make: creating $(VENV) with torch 2.13.0 (CPU) and attnkit"
@@ -46,6 +46,10 @@ browser:
 
 test: lint browser kernels
 	$(BIN)/python -m pytest -m "not build" --durations=15
+
+# The inner loop: every test but the browser, the docs site and the notebooks (marked `outer`).
+test-fast: $(TEST_STAMP) kernels
+	$(BIN)/python -m pytest -m "not build and not outer" -q
 
 # The tests that compile kernels from scratch and build a wheel (a few minutes; CI runs them).
 test-build: $(TEST_STAMP) kernels

@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, settings
 
 from attnkit import _cpu
 from attnkit.backends import force, tiled_function, tiled_native
+from helpers.devices import CUDA, forced_path
 
 # Small example counts keep `make test` quick on a 2-core machine; ATTNKIT_HYPOTHESIS=thorough for more.
 settings.register_profile(
@@ -23,16 +24,6 @@ settings.register_profile("thorough", max_examples=400, deadline=None)
 settings.load_profile(os.environ.get("ATTNKIT_HYPOTHESIS", "quick"))
 
 DATA = Path(__file__).parent / "data"
-
-
-CUDA = pytest.param(
-    "cuda",
-    marks=[
-        pytest.mark.gpu,
-        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-    ],
-)
-"""The CUDA case of a test that takes a device: marked ``gpu`` (``make test-gpu`` runs those)."""
 
 
 @pytest.fixture(params=["cpu", CUDA])
@@ -74,36 +65,11 @@ def pytorch_loop():
         yield
 
 
-@contextlib.contextmanager
-def forced_path(path: str) -> Iterator[str]:
-    """The backend's name in ``path`` (``"tiled"``, or ``"tiled:loop"`` and the other paths of
-    attnkit.backends.force, or ``"sdpa:blind"`` for force.blind), with that path forced inside:
-    every path is checked on any CPU."""
-    name, _, inside = path.partition(":")
-    if inside == "blind":  # the backend as on a GPU: no look at the data from Python
-        context = force.blind()
-    else:
-        context = force.forced(path) if inside else contextlib.nullcontext()
-    with context:
-        yield name
-
-
 @pytest.fixture
 def forcing() -> Iterator:
     """``forcing(path) -> backend name``: ``path`` forced until the test ends."""
     with contextlib.ExitStack() as stack:
         yield lambda path: stack.enter_context(forced_path(path))
-
-
-def expected_products(path: str) -> tuple[str, str]:
-    """``(path, products)`` that which_backend reports for bf16 inputs on a forced ``path`` (one of
-    the half-precision ones), on this CPU's build."""
-    if path == "tiled:half-loop":
-        return "loop", "bfloat16"
-    if path == "tiled:portable":
-        return "native", "bf16-portable"
-    built = "avx512_bf16" if tiled_native.KERNEL.has_avx512_bf16() else "portable"
-    return "native", f"bf16-{built}"
 
 
 @pytest.fixture

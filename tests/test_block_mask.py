@@ -12,8 +12,8 @@ from torch.nn.attention import flex_attention as torch_flex
 
 import attnkit
 from attnkit import functional as F
-from conftest import CUDA
-from zoo import BACKENDS, ZOO, H, inputs, zoo_on
+from helpers.devices import CUDA
+from helpers.zoo import BACKENDS, ZOO, H, inputs, zoo_on
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 

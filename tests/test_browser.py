@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from attnkit.cli import main
-from pages import page_data
+from helpers.pages import page_data
+
+pytestmark = pytest.mark.outer  # out of `make test-fast`
 
 CHROMIUM = os.environ.get("ATTNKIT_CHROMIUM", "/usr/bin/chromium")
 # The machine's closed network refuses Chromium's background connections: turn them off.

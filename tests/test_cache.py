@@ -7,7 +7,7 @@ import torch
 
 from attnkit import KVCache
 from attnkit.cache import token_positions
-from conftest import CUDA
+from helpers.devices import CUDA
 
 
 def chunks(b, h, n, d, start, dtype=torch.float32, device="cpu"):

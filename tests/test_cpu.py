@@ -119,7 +119,7 @@ from attnkit import attention, _cpu
 from attnkit.backends import decode, tiled_native
 from attnkit.backends.force import forced
 from attnkit.functional import which_backend
-from oracle import naive_attention
+from helpers.oracle import naive_attention
 
 torch.manual_seed(0)
 q, k, v = (torch.randn(1, 4, 37, 40) for _ in range(3))

@@ -17,8 +17,8 @@ from torch.nn.attention import flex_attention as torch_flex
 import attnkit
 from attnkit import functional as F
 from attnkit.block_mask import create_block_mask
-from conftest import CUDA
-from zoo import (
+from helpers.devices import CUDA
+from helpers.zoo import (
     BACKENDS,
     CASES,
     SHAPES,

@@ -1,4 +1,4 @@
-"""attnkit.functional.attention on every backend against the float64 oracle (tests/oracle.py)."""
+"""attnkit.functional.attention on every backend against the float64 oracle (tests/helpers/oracle.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 from attnkit import attention
 from attnkit.backends import BACKENDS, tiled_function
 from attnkit.functional import which_backend
-from conftest import CUDA, expected_products, forced_path
-from oracle import naive_attention
+from helpers.devices import CUDA, expected_products, forced_path
+from helpers.oracle import naive_attention
 
 # (b, h, h_kv, t, s, d)
 SHAPES = {

@@ -10,8 +10,8 @@ from torch import nn
 
 from attnkit import MultiHeadAttention, attention
 from attnkit.functional import which_backend
-from conftest import CUDA
-from oracle import naive_attention
+from helpers.devices import CUDA
+from helpers.oracle import naive_attention
 
 # The backends that return lse and weights, on each of their paths
 FULL_PATHS = ["reference", "tiled", "tiled:loop"]

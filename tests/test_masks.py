@@ -13,7 +13,7 @@ from attnkit.masks import (
     merge_window,
     window_mask,
 )
-from oracle import allowed_positions
+from helpers.oracle import allowed_positions
 
 
 @pytest.mark.parametrize(("t", "s"), [(1, 1), (1, 5), (2, 5), (5, 5), (5, 2), (7, 3)])

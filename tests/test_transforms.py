@@ -18,7 +18,7 @@ from attnkit import (
 )
 from attnkit.functional import which_backend
 from attnkit.modules import CausalAttention, MultiHeadAttentionWrapper
-from oracle import naive_attention
+from helpers.oracle import naive_attention
 
 PATHS = ["reference", "sdpa", "tiled", "tiled:loop"]
 

@@ -8,7 +8,7 @@ from torch.nn.attention import flex_attention as torch_flex
 
 import attnkit
 from attnkit import functional as F
-from conftest import CUDA
+from helpers.devices import CUDA
 
 LENGTHS_Q = [5, 1, 12, 9]
 LENGTHS_K = [5, 7, 12, 14]  # a sequence may hold more keys than queries (bottom-right aligned)

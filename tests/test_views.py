@@ -8,7 +8,7 @@ import torch
 from attnkit import simple_self_attention
 from attnkit.textbook import JOURNEY_EMBEDDINGS
 from attnkit.views import head_view_html, heatmap_table
-from pages import page_data
+from helpers.pages import page_data
 
 EVIL = "</script><script>alert(1)</script><b>&amp;"
 

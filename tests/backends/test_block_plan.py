@@ -11,7 +11,7 @@ import attnkit
 from attnkit import functional as F
 from attnkit.backends import tiled_function, tiled_loop
 from attnkit.block_mask import create_block_mask
-from zoo import CASES, SHAPES, ZOO, H, inputs, oracle, torch_block_mask
+from helpers.zoo import CASES, SHAPES, ZOO, H, inputs, oracle, torch_block_mask
 
 
 def test_partial_blocks_call_mask_mod_full_blocks_skip_it_empty_blocks_are_never_computed(

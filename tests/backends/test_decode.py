@@ -14,7 +14,7 @@ from attnkit.backends._native import Kernel
 from attnkit.backends.base import call_of
 from attnkit.masks import Masks
 from attnkit.modules._common import project
-from oracle import naive_attention
+from helpers.oracle import naive_attention
 
 pytestmark = pytest.mark.skipif(
     not decode.KERNEL.usable()[0], reason=f"decode kernel unavailable: {decode.KERNEL.usable()[1]}"

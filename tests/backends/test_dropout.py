@@ -1,7 +1,7 @@
 """Dropout in the tiled backend (attnkit/backends/dropout.py, tiled_dropout.h): its mask drawn from
 a hash of the call's seed, the row and the key, in the C++ kernel and the PyTorch loop alike.
 
-With the seed known, the float64 oracle (tests/oracle.py) multiplies its weights by the same mask,
+With the seed known, the float64 oracle (tests/helpers/oracle.py) multiplies its weights by the same mask,
 so every path is checked exactly as without dropout: fp32 outputs and gradients within torch's
 default tolerances, bf16 ones within twice (three times for gradients) the error of the naive
 path, on odd sizes, GQA, masks and windows; and the mask itself is checked for what dropout
@@ -16,8 +16,8 @@ import torch
 from attnkit import attention
 from attnkit.backends import dropout as drop
 from attnkit.functional import which_backend
-from conftest import forced_path
-from oracle import naive_attention
+from helpers.devices import forced_path
+from helpers.oracle import naive_attention
 
 P = 0.3
 CASES = {  # name: (b, h, h_kv, t, s, d), attention's options

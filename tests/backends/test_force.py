@@ -9,7 +9,7 @@ import torch
 from attnkit import _cpu
 from attnkit.backends import force
 from attnkit.functional import which_backend
-from conftest import expected_products
+from helpers.devices import expected_products
 
 
 def qkv(dtype=torch.float32):

@@ -1,4 +1,4 @@
-"""One rule for NaN and infinity on every backend, defined by the selection oracle (tests/oracle.py):
+"""One rule for NaN and infinity on every backend, defined by the selection oracle (tests/helpers/oracle.py):
 a row takes only the keys it sees; a score made non-finite by the inputs is NaN, never a mask; a NaN
 or +inf in a float mask or an ALiBi slope is a NaN score; a row with no key gives 0 whatever its
 query; padding (key_mask False) never reaches a result, on any backend; keys hidden by causal or
@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 from attnkit import attention, mods
 from attnkit.backends import BACKENDS, tiled_function
 from attnkit.functional import which_backend
-from conftest import CUDA, expected_products, forced_path
-from oracle import selected_attention
+from helpers.devices import CUDA, expected_products, forced_path
+from helpers.oracle import selected_attention
 
 NAN, INF = float("nan"), float("inf")
 # Every path a call can take: the tiled backend's C++ kernel and its PyTorch loop separately.
@@ -30,7 +30,10 @@ GENERAL = [
     "sdpa:blind",
 ]  # every path with masks, modifiers
 OWN_GENERAL = ["reference", "tiled", "tiled:loop"]  # attnkit's own kernels among them
-HALF_PATHS = ["tiled:half", "tiled:portable"]  # bf16 block products (see conftest.forced_path)
+HALF_PATHS = [
+    "tiled:half",
+    "tiled:portable",
+]  # bf16 block products (see helpers.devices.forced_path)
 # On CUDA: no decode kernel, and the tiled backend always runs its loop ("tiled" is "tiled:loop").
 CUDA_GENERAL = ["reference", "tiled", "sdpa"]
 CUDA_OWN = ["reference", "tiled"]

@@ -12,8 +12,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from attnkit import attention
 from attnkit.backends import sdpa_sinks
 from attnkit.functional import which_backend
-from conftest import CUDA
-from oracle import assert_within_the_naive_error, naive_attention
+from helpers.devices import CUDA
+from helpers.oracle import assert_within_the_naive_error, naive_attention
 
 # (b, h, h_kv, t, s, d), and causal: the flash kernel masks causally with t == s, or one query
 CASES = {

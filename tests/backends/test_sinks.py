@@ -1,5 +1,5 @@
 """Learned sinks (``attention(..., sinks=)``) on every backend and path that takes them, against the
-float64 oracle (tests/oracle.py, where the sink is one more column of each row's softmax)."""
+float64 oracle (tests/helpers/oracle.py, where the sink is one more column of each row's softmax)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import torch
 from attnkit import attention, flex_attention, varlen_attention
 from attnkit.backends import decode
 from attnkit.functional import which_backend
-from conftest import CUDA, forced_path
-from oracle import assert_within_the_naive_error, naive_attention
+from helpers.devices import CUDA, forced_path
+from helpers.oracle import assert_within_the_naive_error, naive_attention
 
 # (b, h, h_kv, t, s, d)
 SHAPES = {

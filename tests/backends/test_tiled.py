@@ -15,7 +15,7 @@ import torch
 from attnkit import _cpu, attention
 from attnkit.backends import _native, tiled_function, tiled_loop, tiled_native
 from attnkit.functional import which_backend
-from oracle import naive_attention
+from helpers.oracle import naive_attention
 
 
 def qkv(b=1, h=2, h_kv=1, t=40, s=40, d=8, dtype=torch.float32):

@@ -12,7 +12,7 @@ import torch
 import attnkit
 from attnkit.backends.tiled_loop import Plan, exp_, online_softmax_, softmax_backward_
 from attnkit.functional import checked_call
-from oracle import allowed_positions
+from helpers.oracle import allowed_positions
 
 
 def plan(t, s, block_q, block_k, **options):

@@ -16,7 +16,7 @@ from attnkit.backends.force import forced
 from attnkit.backends.tiled_loop import Plan
 from attnkit.backends.tiled_native import KERNEL, kernel_for, pair_products, products, tiles
 from attnkit.functional import checked_call
-from zoo import (
+from helpers.zoo import (
     SHAPES,
     SLOPES,
     T5_TABLE,

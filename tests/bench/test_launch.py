@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-import launch_targets
 from attnkit.bench.launch import run_local
+from helpers import launch_targets
 
 
 def test_each_rank_joins_one_gloo_group_and_returns_by_rank_unwaited_ranks_give_none():

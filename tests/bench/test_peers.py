@@ -16,7 +16,7 @@ from attnkit.bench.peers import (
     _module_fn,
     supported,
 )
-from oracle import naive_attention
+from helpers.oracle import naive_attention
 
 
 def expected(case: Case, q, k, v):

@@ -11,7 +11,7 @@ import torch
 from attnkit import simple_self_attention
 from attnkit.cli import main
 from attnkit.textbook import JOURNEY_EMBEDDINGS, JOURNEY_TOKENS
-from pages import page_data
+from helpers.pages import page_data
 
 
 def test_explain_default_is_the_chapter_example(capsys):

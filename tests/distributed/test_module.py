@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import attnkit
-import ring_ranks
 from attnkit.distributed import ContextParallel
+from helpers import ring_ranks
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import attnkit
-import ring_ranks
 from attnkit.distributed import ring_attention
+from helpers import ring_ranks
 
 CASES = {  # lengths: contiguous splits into 1..4 chunks (12), zigzag into 2..8 (24)
     "full, whole shards travel": {"t": 12, "pieces": (1024, 1024)},

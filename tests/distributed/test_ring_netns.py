@@ -16,9 +16,9 @@ import time
 
 import pytest
 
-import ring_ranks
+from helpers import ring_ranks
 
-HERE = pathlib.Path(__file__).parents[1]  # tests/, where ring_netns_rank.py lives
+HERE = pathlib.Path(__file__).parents[1] / "helpers"  # where ring_netns_rank.py lives
 PREFIX = f"akr{os.getpid() % 100000}"  # every namespace and link of this run starts with it
 
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import attnkit
 from attnkit.functional import attention, which_backend
-from oracle import naive_attention
+from helpers.oracle import naive_attention
 
 pytestmark = [
     pytest.mark.gpu,

@@ -14,7 +14,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import attnkit.hf  # noqa: E402
-from conftest import CUDA  # noqa: E402
+from helpers.devices import CUDA  # noqa: E402
 
 NAME = attnkit.hf.register()
 SMALL = {"vocab_size": 64, "num_hidden_layers": 2}

@@ -12,7 +12,7 @@ import torch
 from attnkit.learn import learn, write_outputs
 from attnkit.learn.outputs import check_out
 from attnkit.learn.page import learn_page
-from pages import page_data
+from helpers.pages import page_data
 
 TINY = {"steps": 4, "layers": 2, "heads": 2, "dim": 16, "context": 16}
 EVIL = "</script><script>alert(1)</script><b>&amp; "

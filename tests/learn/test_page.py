@@ -8,7 +8,7 @@ import pytest
 
 from attnkit.learn import learn
 from attnkit.learn.page import learn_page, loss_caption
-from pages import page_data
+from helpers.pages import page_data
 
 TINY = {"steps": 6, "layers": 2, "heads": 2, "dim": 16, "context": 16}
 

@@ -8,7 +8,7 @@ import torch
 from attnkit.cli import main
 from attnkit.explain import head_summary
 from attnkit.models import load_minilm
-from pages import page_data
+from helpers.pages import page_data
 
 TEXT = "The animal didn't cross the street because it was too tired"
 

@@ -13,7 +13,17 @@ from attnkit import functional as F
 from attnkit import mods
 from attnkit.block_mask import create_block_mask
 from attnkit.mods import compiling
-from zoo import SLOPES, TABLE, ZOO, H, causal, inputs, oracle, relative_bias, torch_block_mask
+from helpers.zoo import (
+    SLOPES,
+    TABLE,
+    ZOO,
+    H,
+    causal,
+    inputs,
+    oracle,
+    relative_bias,
+    torch_block_mask,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 

@@ -12,7 +12,7 @@ from attnkit import functional as F
 from attnkit import mods
 from attnkit.block_mask import create_block_mask
 from attnkit.mods import Block
-from zoo import BACKENDS, TABLE, H, causal, inputs, oracle, relative_bias
+from helpers.zoo import BACKENDS, TABLE, H, causal, inputs, oracle, relative_bias
 
 
 def test_a_mod_that_broadcasting_does_not_fit_runs_under_vmap():

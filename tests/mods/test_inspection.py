@@ -12,7 +12,7 @@ import torch
 
 from attnkit import functional as F
 from attnkit import mods
-from zoo import (
+from helpers.zoo import (
     BACKENDS,
     SLOPES,
     T5_TABLE,

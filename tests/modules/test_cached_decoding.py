@@ -8,8 +8,8 @@ import torch
 
 import attnkit
 from attnkit import CrossAttention, KVCache, MultiHeadAttention, RotaryEmbedding
-from conftest import CUDA
-from zoo import H
+from helpers.devices import CUDA
+from helpers.zoo import H
 
 D_IN, D_OUT, T = 24, 32, 13
 CONFIGS = {

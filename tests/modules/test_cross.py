@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from attnkit import AdditiveAttention, CrossAttention
-from conftest import CUDA
-from oracle import projected_attention_reference
+from helpers.devices import CUDA
+from helpers.oracle import projected_attention_reference
 
 
 def on_devices(values, cuda):

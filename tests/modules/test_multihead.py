@@ -8,9 +8,9 @@ import torch
 import attnkit
 from attnkit import KVCache, MultiHeadAttention, alibi_slopes
 from attnkit.backends import tiled_function
-from conftest import CUDA
-from oracle import projected_attention_reference
-from zoo import H
+from helpers.devices import CUDA
+from helpers.oracle import projected_attention_reference
+from helpers.zoo import H
 
 # (b, t, d_in, d_out, num_heads, num_kv_heads)
 CONFIGS = {

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from attnkit import CausalAttention, MultiHeadAttentionWrapper, SelfAttention
-from oracle import naive_attention
+from helpers.oracle import naive_attention
 
 
 def single_head_reference(module, x, causal, weights64=None):

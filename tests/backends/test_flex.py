@@ -1,4 +1,4 @@
-"""The flex backend (torch's compiled FlexAttention) against the float64 oracle (tests/oracle.py).
+"""The flex backend (torch's compiled FlexAttention) against the float64 oracle (tests/helpers/oracle.py).
 
 On CUDA (marked ``gpu``) every option it supports runs forward and backward: the output, the lse
 and the gradients of q, k, v, the sinks and a score_mod's table, in float32 within torch's default
@@ -15,11 +15,11 @@ import torch
 from torch.nn.attention import flex_attention as torch_flex
 
 from attnkit import attention, create_block_mask
-from attnkit import block_mask as block_tables
-from attnkit.backends import AUTO_ORDER, BACKENDS, flex, flex_masks
-from attnkit.functional import checked_call, which_backend
-from conftest import CUDA
-from oracle import allowed_positions, naive_attention, selected_attention
+from attnkit.backends import AUTO_ORDER, BACKENDS, flex
+from attnkit.functional import which_backend
+from helpers.devices import CUDA
+from helpers.oracle import naive_attention, selected_attention
+from helpers.zoo import document_of
 
 # name: (b, h, h_kv, t, s, d) and the options (see make)
 CASES = {
@@ -69,16 +69,6 @@ def on_cpu(monkeypatch, room_to_compile):
     torch._dynamo.reset()  # (as in eager_with_graph below: no lengths marked dynamic)
     yield
     torch._dynamo.reset()
-
-
-def document_of(n: int, device) -> tuple:
-    """A mask_mod of three documents over ``n`` tokens, and the dense mask it stands for."""
-    ids = torch.arange(n, device=device) * 3 // n
-
-    def document(b, h, q_idx, kv_idx):
-        return ids[q_idx] == ids[kv_idx]
-
-    return document, ids[:, None] == ids[None, :]
 
 
 def make(shape, options, device, dtype=torch.float32, grad=True):
@@ -255,7 +245,7 @@ def test_inside_torch_compile_the_masks_become_scores(device):
 @pytest.mark.parametrize("device", [CUDA])
 def test_non_finite_inputs_follow_attnkits_rule(device):
     """A score made infinite by q or k is NaN (under softcap too), a NaN or +inf in the float
-    mask is a NaN score, -inf masks; a row with no key is 0 (tests/oracle.py, selected_attention)."""
+    mask is a NaN score, -inf masks; a row with no key is 0 (tests/helpers/oracle.py, selected_attention)."""
     inf, nan = float("inf"), float("nan")
     q, k, v = torch.randn(1, 2, 6, 16), torch.randn(1, 2, 9, 16), torch.randn(1, 2, 9, 16)
     q[0, 0, 4, 3] = inf  # every score of this row: NaN
@@ -364,51 +354,6 @@ def test_which_backend_says_torch_flex_attention_runs():
     assert choice.path == "compiled" and choice.products is None
     assert choice.reason == f"named by the caller; {flex.BACKEND.runs} runs it"
     assert "FlexAttention" in choice.reason
-
-
-COMBINED = {
-    "window": {"window": (20, 0)},
-    "blocks of 16": {"block_mask": 16},
-    "causal and blocks of 16": {"causal": True, "block_mask": 16},
-    "window and blocks of 256": {"window": (40, 3), "block_mask": 256},
-}
-
-
-@pytest.mark.usefixtures("on_cpu")
-@pytest.mark.parametrize("name", COMBINED)
-@pytest.mark.parametrize("all_partial", [False, True])
-def test_combined_block_masks_allow_what_their_parts_allow_and_are_built_once(name, all_partial):
-    """The tables of a window and a caller's block mask (regridded to 128 where its blocks are
-    smaller), checked densely against both parts, without running a kernel."""
-    t = s = 300
-    q = torch.randn(2, 2, t, 16)
-    document, dense = document_of(t, "cpu")
-    options = dict(COMBINED[name])
-    if "block_mask" in options:
-        size = options["block_mask"]
-        options["block_mask"] = create_block_mask(document, 2, None, t, s, "cpu", BLOCK_SIZE=size)
-    call = checked_call(q, q, q, **options)
-    built = flex_masks.structure(call, all_partial=all_partial)
-    assert flex_masks.structure(call, all_partial=all_partial) is built  # from the cache
-    assert (
-        built.BLOCK_SIZE[0] % flex_masks.BLOCK == 0 and built.BLOCK_SIZE[1] % flex_masks.BLOCK == 0
-    )
-    want = allowed_positions(t, s, options.get("causal", False), options.get("window"))
-    if "block_mask" in options:
-        want = want & dense
-    torch.testing.assert_close(
-        block_tables.allowed(built, 2, 2).expand(2, 2, t, s), want.expand(2, 2, t, s)
-    )
-    if all_partial:
-        assert built.full_kv_num_blocks is None
-
-
-@pytest.mark.usefixtures("on_cpu")
-def test_a_block_mask_alone_passes_as_it_is():
-    q = torch.randn(1, 2, 300, 16)
-    document, _ = document_of(300, "cpu")
-    alone = create_block_mask(document, None, None, 300, 300, "cpu")
-    assert flex_masks.structure(checked_call(q, q, q, block_mask=alone), all_partial=False) is alone
 
 
 # name: shape and options, forward only on the CPU (torch's CPU kernel returns no lse; torch

@@ -168,3 +168,13 @@ def fits(shape_name, mod_name):
 
 
 CASES = [(mod, shape) for mod in ZOO for shape in SHAPES if fits(shape, mod)]
+
+
+def document_of(n: int, device) -> tuple:
+    """A mask_mod of three documents over ``n`` tokens, and the dense mask it stands for."""
+    ids = torch.arange(n, device=device) * 3 // n
+
+    def document(b, h, q_idx, kv_idx):
+        return ids[q_idx] == ids[kv_idx]
+
+    return document, ids[:, None] == ids[None, :]

@@ -11,10 +11,10 @@ import os
 import pathlib
 import time
 
+import ring_ranks  # run as a script from this folder
 import torch
 import torch.distributed as dist
 
-import ring_ranks
 from attnkit import distributed as ring
 from attnkit.distributed import passes
 
