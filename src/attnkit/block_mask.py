@@ -1,4 +1,5 @@
-"""Block masks: which blocks of the score matrix a mask leaves, built without the dense mask.
+"""FlexAttention's block masks (``create_block_mask``): which blocks of the score matrix a
+``mask_mod`` leaves, built without the dense mask.
 
 A [`BlockMask`](https://pytorch.org/docs/stable/nn.attention.flex_attention.html) (torch's own
 class) lists, for each block of ``Q_BLOCK_SIZE`` query rows, the key blocks of ``KV_BLOCK_SIZE``

@@ -279,7 +279,9 @@ def checked_call(
     masks = Masks(
         merge_window(causal, _checks.check_window(window), t, s, shift), key_mask, attn_mask, shift
     )
-    extras = {}  # the options left out are their defaults: none of them is checked for nothing
+    # Only the options the caller set are checked and passed on; the others keep the defaults of
+    # call_of, so that a plain call spends no time on options it does not use.
+    extras = {}
     if softcap is not None:
         extras["softcap"] = _checks.check_positive_number(softcap, "softcap")
     if alibi_slopes is not None:
@@ -315,12 +317,14 @@ def _autocast(q, k, v):
     them (a model's rotary embedding may have left q and k in float32 and v in bf16)."""
     if not isinstance(q, Tensor):  # the checks that follow name it
         return q, k, v
-    if (q.is_cpu or q.is_cuda) and not torch._C._is_any_autocast_enabled():  # (a quick look
-        return q, k, v  # that knows of the CPU's and CUDA's autocast, not of every device's)
+    # A quick look first: torch's flag covers the CPU's and CUDA's autocast, not every device's.
+    if (q.is_cpu or q.is_cuda) and not torch._C._is_any_autocast_enabled():
+        return q, k, v
     device = q.device.type
+    # Asked only off the CPU and CUDA (meta tensors, say): dynamo (2.11) cannot trace the question.
     available = device in ("cpu", "cuda") or torch.amp.is_autocast_available(device)
-    if not (available and torch.is_autocast_enabled(device)):  # dynamo (2.11) cannot trace the
-        return q, k, v  # availability check, which meta tensors, say, need
+    if not (available and torch.is_autocast_enabled(device)):
+        return q, k, v
     dtype = torch.get_autocast_dtype(device)
     return tuple(
         x.to(dtype) if isinstance(x, Tensor) and x.is_floating_point() else x for x in (q, k, v)

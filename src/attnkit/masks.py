@@ -1,4 +1,5 @@
-"""One mask convention for all of attnkit.
+"""The masks of a call (``attn_mask``, ``key_mask``, ``causal``, ``window``): one convention for all
+of attnkit.
 
 Boolean masks mean **True = may attend** (the convention of ``torch.nn.functional.
 scaled_dot_product_attention``). A float ``attn_mask`` is *added* to the scores; a key is allowed

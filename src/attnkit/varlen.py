@@ -1,7 +1,8 @@
-"""Packed sequences: several sequences of different lengths in one batch row, none seeing another's
-tokens. [`document_mask`][attnkit.varlen.document_mask] makes the block mask of such a row, from
-document ids or flash-attn's ``cu_seqlens``; [`varlen_attention`][attnkit.varlen.varlen_attention]
-takes flash-attn's packed layout. Only the blocks on the sequences' diagonal are computed.
+"""The document mask of packed sequences: several sequences of different lengths in one batch row,
+none seeing another's tokens. [`document_mask`][attnkit.varlen.document_mask] makes the block mask
+of such a row, from document ids or flash-attn's ``cu_seqlens``;
+[`varlen_attention`][attnkit.varlen.varlen_attention] takes flash-attn's packed layout. Only the
+blocks on the sequences' diagonal are computed.
 
 Shapes: ``total`` the packed tokens, ``h`` heads, ``d`` head dim, ``n`` sequences.
 """

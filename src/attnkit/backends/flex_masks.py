@@ -1,6 +1,6 @@
-"""How a call's masks reach torch's FlexAttention: as a ``BlockMask`` whose block tables skip
-what causal, window and a caller's block mask leave out (combined, regridded to the kernels'
-blocks and cached), with ``key_mask`` and a bool ``attn_mask`` indexed in its ``mask_mod``; or,
+"""The flex backend's ``BlockMask``: how a call's masks reach torch's FlexAttention, as a
+``BlockMask`` whose block tables skip what causal, window and a caller's block mask leave out
+(combined, regridded to the kernels' blocks and cached), with ``key_mask`` and a bool ``attn_mask`` indexed in its ``mask_mod``; or,
 inside ``torch.compile``, where no table is built while tracing, as a ``mask_mod`` the
 ``score_mod`` applies as ``-inf`` scores. The flex backend's half for masks
 ([`attnkit.backends.flex`][attnkit.backends.flex])."""

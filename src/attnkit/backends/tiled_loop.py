@@ -136,26 +136,26 @@ class Plan:
         so a score made non-finite by the inputs is NaN; only a mask (or ``score_mod``) gives -inf
         (a +inf bias makes the row's max +inf, hence NaN). ``whole``: the block is every row and
         key, and a block mask applies densely."""
-        req = self.call
+        call = self.call
         b, h_kv, g = self.b, self.h_kv, self.groups
         raw = torch.matmul(q_blk, k_blk.transpose(-2, -1))  # (b, h_kv, g*bq, d) x (b, h_kv, d, bk)
         scores = raw.to(self.stats_dtype).view(b, h_kv, g, i1 - i0, j1 - j0)
         capped = None
-        if req.softcap is not None:
-            capped = torch.tanh(scores / req.softcap)
-            scores = capped * req.softcap
-        if req.alibi_slopes is not None:
-            slopes = req.alibi_slopes.to(self.stats_dtype)
+        if call.softcap is not None:
+            capped = torch.tanh(scores / call.softcap)
+            scores = capped * call.softcap
+        if call.alibi_slopes is not None:
+            slopes = call.alibi_slopes.to(self.stats_dtype)
             neg_slopes = -slopes.where(torch.isfinite(slopes), NAN).view(h_kv, g, 1, 1)
             distance = self.distance(i0, i1, j0, j1, q_blk.device)  # (bq, bk)
             scores = scores.addcmul_(neg_slopes, distance)  # one pass: score -= slope |p(i) - j|
         recorded = None
-        if req.score_mod is not None:
+        if call.score_mod is not None:
             scores, recorded = self._score_mod(scores, i0, i1, j0, j1, tape)
-        bias = req.masks.bias((i0, i1), (j0, j1))
+        bias = call.masks.bias((i0, i1), (j0, j1))
         if bias is not None:
             scores = scores + _by_group(bias.to(self.stats_dtype), h_kv, g)
-        allowed = req.masks.allowed(
+        allowed = call.masks.allowed(
             self.t, self.s, q_blk.device, (i0, i1), (j0, j1), with_window=window
         )
         if allowed is not None:
@@ -317,8 +317,10 @@ def forward(q5: Tensor, k: Tensor, v: Tensor, plan: Plan) -> tuple[Tensor, Tenso
     if careful:
         finite = torch.isfinite(v)
         clean_v, bad_v = v.where(finite, 0.0), (~finite).to(plan.matmul_dtype)
-    req = plan.call  # masks that may hide keys inside a block (key_mask padding is zero already)
-    masked_blocks = any(x is not None for x in (req.masks.attn_mask, req.score_mod, req.block_mask))
+    call = plan.call  # masks that may hide keys inside a block (key_mask padding is zero already)
+    masked_blocks = any(
+        x is not None for x in (call.masks.attn_mask, call.score_mod, call.block_mask)
+    )
     step = mods.compiled_or_eager(online_softmax_) if plan.compile_mods else online_softmax_
     for i0, i1 in plan.query_blocks():
         bq = i1 - i0

@@ -29,13 +29,13 @@ def _merge(out: Tensor, lse: Tensor, out_b: Tensor, lse_b: Tensor) -> None:
     lse.copy_(both)
 
 
-def forward_pass(q, k, v, slopes, key_mask, call: RingPlan) -> tuple[Tensor, Tensor]:
+def forward_pass(q, k, v, slopes, key_mask, plan: RingPlan) -> tuple[Tensor, Tensor]:
     with torch.autocast(q.device.type, enabled=False):  # in the inputs' dtype, as in one process
-        return _ring_forward(q, k, v, slopes, key_mask, call)
+        return _ring_forward(q, k, v, slopes, key_mask, plan)
 
 
-def _ring_forward(q, k, v, slopes, key_mask, call: RingPlan) -> tuple[Tensor, Tensor]:
-    ring = call.ring
+def _ring_forward(q, k, v, slopes, key_mask, plan: RingPlan) -> tuple[Tensor, Tensor]:
+    ring = plan.ring
     stats = torch.promote_types(q.dtype, torch.float32)
     b, h, t, _ = q.shape
     out = q.new_zeros(b, h, t, v.shape[-1], dtype=stats)
@@ -45,17 +45,17 @@ def _ring_forward(q, k, v, slopes, key_mask, call: RingPlan) -> tuple[Tensor, Te
         """Merge this rank's queries' attention to piece ``j`` of rank ``src``'s keys into the
         rows' running output and lse."""
         k_src, v_src, mask_src = _received(held)
-        for qc, kc in call.pairs(src, j):
+        for qc, kc in plan.pairs(src, j):
             qi, ki, vi = q[:, :, qc.rows], k_src[:, :, kc.rows], v_src[:, :, kc.rows]
             mi = None if mask_src is None else mask_src[:, kc.rows]
-            pair = call.pair(qi, ki, vi, mi, slopes, (), qc, kc)
+            pair = plan.pair(qi, ki, vi, mi, slopes, (), qc, kc)
             out_b, lse_b = tiled_function.partial(pair)  # in `stats`: rounded at the end
             _merge(out[:, :, qc.rows], lse[:, :, qc.rows], out_b, lse_b)
 
     held: list[Tensor] = []
-    for j, step, src in call.schedule():
+    for j, step, src in plan.schedule():
         if step == 0:
-            held = _travelling(k, v, key_mask, call.k_pieces[ring.rank][j])
+            held = _travelling(k, v, key_mask, plan.k_pieces[ring.rank][j])
         goes_on = step < ring.size - 1  # to the next rank, which computes with it next step
         incoming = [torch.empty_like(x) for x in held] if goes_on else []
         arrived = ring.exchange(held if goes_on else [], incoming, "keys and values")
@@ -65,13 +65,13 @@ def _ring_forward(q, k, v, slopes, key_mask, call: RingPlan) -> tuple[Tensor, Te
     return out.to(q.dtype), lse
 
 
-def backward_pass(q, k, v, slopes, key_mask, out, lse, dout, dlse, mod_tensors, call: RingPlan):
+def backward_pass(q, k, v, slopes, key_mask, out, lse, dout, dlse, mod_tensors, plan: RingPlan):
     """The gradients of this rank's q, k, v (and of the slopes and the mod's tensors: this rank's
     part). The pieces of keys and values go around as in the forward. Each step computes the
     gradients of the piece it holds from this rank's queries while the sum of the ranks before it
     for that piece arrives; the sum then goes on, and after a round reaches the piece's own rank
     (during the next round's first step, or after the last round)."""
-    ring = call.ring
+    ring = plan.ring
     stats = torch.promote_types(q.dtype, torch.float32)
     dq = torch.zeros_like(q, dtype=stats)
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)  # each row placed once, when its sum is home
@@ -86,10 +86,10 @@ def backward_pass(q, k, v, slopes, key_mask, out, lse, dout, dlse, mod_tensors, 
         k_src, v_src, mask_src = _received(held)
         dk_piece = k_src.new_zeros(k_src.shape, dtype=stats)
         dv_piece = v_src.new_zeros(v_src.shape, dtype=stats)
-        for qc, kc in call.pairs(src, j):
+        for qc, kc in plan.pairs(src, j):
             qi, ki, vi = q[:, :, qc.rows], k_src[:, :, kc.rows], v_src[:, :, kc.rows]
             mi = None if mask_src is None else mask_src[:, kc.rows]
-            pair = call.pair(qi, ki, vi, mi, slopes, mod_tensors, qc, kc)
+            pair = plan.pair(qi, ki, vi, mi, slopes, mod_tensors, qc, kc)
             rows = (slice(None), slice(None), qc.rows)
             gq, gk, gv, gs, gm = tiled_function.backward(
                 pair,
@@ -113,15 +113,15 @@ def backward_pass(q, k, v, slopes, key_mask, out, lse, dout, dlse, mod_tensors, 
 
     def home(j: int, sums: list[Tensor]) -> None:
         """The sums over every rank of this rank's piece ``j``: its keys' and values' gradients."""
-        piece = call.k_pieces[ring.rank][j]
+        piece = plan.k_pieces[ring.rank][j]
         piece.place(sums[0], dk, 2)
         piece.place(sums[1], dv, 2)
 
     held: list[Tensor] = []
     sums: list[Tensor] = []  # of the piece computed last step, for the next rank
-    for j, step, src in call.schedule():
+    for j, step, src in plan.schedule():
         if step == 0:
-            held = _travelling(k, v, key_mask, call.k_pieces[ring.rank][j])
+            held = _travelling(k, v, key_mask, plan.k_pieces[ring.rank][j])
         goes_on = step < ring.size - 1
         incoming = [torch.empty_like(x) for x in held] if goes_on else []
         before = [torch.empty_like(x) for x in sums]  # step 0: this rank's piece j - 1, home
@@ -137,7 +137,7 @@ def backward_pass(q, k, v, slopes, key_mask, out, lse, dout, dlse, mod_tensors, 
         sums, held = grads, incoming
     back = [torch.empty_like(x) for x in sums]  # the last piece's sums go home
     ring.exchange(sums, back, "gradients of keys and values")()
-    home(len(call.k_pieces[ring.rank]) - 1, back)
+    home(len(plan.k_pieces[ring.rank]) - 1, back)
     return dq.to(q.dtype), dk, dv, dslopes, mod_grads
 
 
@@ -162,10 +162,10 @@ class RingAttention(torch.autograd.Function):
     shards, its output and its lse."""
 
     @staticmethod
-    def forward(ctx, q, k, v, slopes, key_mask, call: RingPlan):
-        out, lse = forward_pass(q, k, v, slopes, key_mask, call)
+    def forward(ctx, q, k, v, slopes, key_mask, plan: RingPlan):
+        out, lse = forward_pass(q, k, v, slopes, key_mask, plan)
         ctx.save_for_backward(q, k, v, slopes, key_mask, out, lse)
-        ctx.call = call
+        ctx.plan = plan
         ctx.set_materialize_grads(False)
         return out, lse
 
@@ -179,7 +179,7 @@ class RingAttention(torch.autograd.Function):
         q, k, v, slopes, key_mask, out, lse, *mod_tensors = ctx.saved_tensors
         with torch.autocast(q.device.type, enabled=False):
             dq, dk, dv, dslopes, mod_grads = backward_pass(
-                q, k, v, slopes, key_mask, out, lse, dout, dlse, tuple(mod_tensors), ctx.call
+                q, k, v, slopes, key_mask, out, lse, dout, dlse, tuple(mod_tensors), ctx.plan
             )
         return dq, dk, dv, dslopes, None, None, *mod_grads
 
@@ -188,9 +188,9 @@ class RingAttentionWithMods(RingAttention):
     """The same, for a ``score_mod`` that reads tensors requiring grad: they follow as inputs."""
 
     @staticmethod
-    def forward(ctx, q, k, v, slopes, key_mask, call: RingPlan, *mod_tensors):
-        out, lse = forward_pass(q, k, v, slopes, key_mask, call)
+    def forward(ctx, q, k, v, slopes, key_mask, plan: RingPlan, *mod_tensors):
+        out, lse = forward_pass(q, k, v, slopes, key_mask, plan)
         ctx.save_for_backward(q, k, v, slopes, key_mask, out, lse, *mod_tensors)
-        ctx.call = call
+        ctx.plan = plan
         ctx.set_materialize_grads(False)
         return out, lse

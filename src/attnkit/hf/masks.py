@@ -1,6 +1,6 @@
-"""The masks of a Hugging Face model, kept compact: what transformers asks its mask builder for,
-read back as attnkit's masks (``causal``, ``window``, ``key_mask``, documents), never a ``t x s``
-tensor.
+"""A Hugging Face model's masks (causal, sliding window, chunks, padding, packed sequences), kept
+compact: what transformers asks its mask builder for, read back as attnkit's masks (``causal``,
+``window``, ``key_mask``, documents), never a ``t x s`` tensor outside compiled code.
 
 transformers composes a mask as a function of ``(batch, head, q_idx, kv_idx)`` from small
 pieces (causal, a sliding window, a padding mask, packed sequences, joined by ``and_masks``) and
