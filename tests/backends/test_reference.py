@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from attnkit.backends.base import Path
+from attnkit.backends.base import Path, Route
 from attnkit.backends.reference import (
     BACKEND,
     differentiable_grads,
@@ -106,7 +106,8 @@ def test_results_come_back_in_the_inputs_dtype_and_the_lse_in_float32_or_float64
         *(x.double() for x in (q, k, v)), causal=True, return_lse=True, backend="reference"
     )
     assert torch.equal(out, exact.to(dtype)) and torch.equal(lse, exact_lse.to(lse_dtype))
-    assert BACKEND.path(checked_call(q, k, v)) == Path("float64", "float64")
+    assert BACKEND.path(checked_call(q, k, v)) == Route("float64", "float64")
+    assert Path is Route  # the former name still imports
 
 
 def test_its_memory_is_the_results_and_three_float64_score_matrices():

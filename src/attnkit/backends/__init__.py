@@ -46,7 +46,7 @@ from typing import NamedTuple
 import torch
 
 from attnkit.backends import _native, decode, flex, reference, sdpa, tiled
-from attnkit.backends.base import AttentionOutput, Backend, Call, Path
+from attnkit.backends.base import AttentionOutput, Backend, Call, Path, Route
 
 BACKENDS: dict[str, Backend] = {
     backend.name: backend
@@ -222,6 +222,7 @@ __all__ = [
     "BackendChoice",
     "Call",
     "Path",
+    "Route",
     "choose_backend",
     "run",
 ]

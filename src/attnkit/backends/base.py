@@ -139,7 +139,7 @@ class AttentionOutput(NamedTuple):
     weights: Tensor | None = None
 
 
-class Path(NamedTuple):
+class Route(NamedTuple):
     """The code inside a backend that runs a call, as
     [`attnkit.functional.which_backend`][attnkit.functional.which_backend] names it.
 
@@ -152,6 +152,10 @@ class Path(NamedTuple):
 
     path: str
     products: str | None = None
+
+
+Path = Route
+"""The former name of [`Route`][attnkit.backends.base.Route], kept for code that imports it."""
 
 
 class Backend:
@@ -171,7 +175,7 @@ class Backend:
         it does not): its own speed rule, beside its kernel."""
         return None
 
-    def path(self, call: Call) -> Path:
+    def path(self, call: Call) -> Route:
         """The code inside it that would run ``call``."""
         raise NotImplementedError
 

@@ -29,7 +29,7 @@ from torch.overrides import has_torch_function
 
 from attnkit._tracing import traced
 from attnkit.backends import _native
-from attnkit.backends.base import AttentionOutput, Backend, Call, Path, forward_ad_active
+from attnkit.backends.base import AttentionOutput, Backend, Call, Route, forward_ad_active
 
 MAX_ROWS = 16
 """The most query rows per key/value head (GQA group size x queries) the kernel takes."""
@@ -105,8 +105,8 @@ class DecodeBackend(Backend):
     def refuses(self, call: Call) -> str | None:
         return refuses(call)
 
-    def path(self, call: Call) -> Path:
-        return Path("native", "float32")
+    def path(self, call: Call) -> Route:
+        return Route("native", "float32")
 
     def run(self, call: Call) -> AttentionOutput:
         return decode(call)

@@ -35,7 +35,7 @@ from torch.nn.attention import flex_attention as torch_flex
 
 from attnkit._tracing import traced
 from attnkit.backends import base, flex_masks, tiled
-from attnkit.backends.base import AttentionOutput, Backend, Call, Path
+from attnkit.backends.base import AttentionOutput, Backend, Call, Route
 from attnkit.backends.nonfinite import can_branch_on_data, nonfinite_rows
 from attnkit.backends.reference import differentiable_grads
 from attnkit.backends.sinks import join as join_sinks
@@ -360,8 +360,8 @@ class FlexBackend(Backend):
         reason = tiled.BACKEND.faster_than(other, call)  # on CUDA its loop is slower than this
         return None if reason is None else f"{reason} (the tiled backend's rule)"
 
-    def path(self, call: Call) -> Path:
-        return Path("compiled")
+    def path(self, call: Call) -> Route:
+        return Route("compiled")
 
     def memory(self, call: Call) -> tuple[int, str]:
         b, h, t, _ = call.q.shape

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnkit import block_mask, mods
-from attnkit.backends.base import AttentionOutput, Backend, Call, Path, result_bytes
+from attnkit.backends.base import AttentionOutput, Backend, Call, Route, result_bytes
 from attnkit.backends.nonfinite import NAN, nan_unless_finite
 from attnkit.masks import alibi_bias, zero_padding
 
@@ -162,8 +162,8 @@ class ReferenceBackend(Backend):
         | {"sinks"}
     )
 
-    def path(self, call: Call) -> Path:
-        return Path("float64", "float64")
+    def path(self, call: Call) -> Route:
+        return Route("float64", "float64")
 
     def memory(self, call: Call) -> tuple[int, str]:
         b, h, t, _ = call.q.shape

@@ -33,7 +33,7 @@ from attnkit.backends.base import (
     AttentionOutput,
     Backend,
     Call,
-    Path,
+    Route,
     forward_ad_active,
     gradient_levels,
     result_bytes,
@@ -274,8 +274,8 @@ class SdpaBackend(Backend):
             )
         return None
 
-    def path(self, call: Call) -> Path:
-        return Path("torch")
+    def path(self, call: Call) -> Route:
+        return Route("torch")
 
     def memory(self, call: Call) -> tuple[int, str]:
         b, h, t, _ = call.q.shape

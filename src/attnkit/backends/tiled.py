@@ -52,7 +52,7 @@ from attnkit.backends.base import (
     AttentionOutput,
     Backend,
     Call,
-    Path,
+    Route,
     forward_ad_active,
     gradient_levels,
     wants_grad,
@@ -203,17 +203,17 @@ class TiledBackend(Backend):
             return "the C++ kernel applies the positional mask that SDPA would read from memory"
         return None
 
-    def path(self, call: Call) -> Path:
+    def path(self, call: Call) -> Route:
         """``native`` or ``loop``, and the block products: in the C++ kernel ``"float32"``,
         ``"bf16-avx512_bf16"`` or ``"bf16-portable"``; in the loop, the dtype torch multiplies in;
         None under ``torch.compile``, whose compiled loop inductor chooses."""
         if traced():
-            return Path("loop")
+            return Route("loop")
         products = _products(call)
         kernel = tiled_function.kernel_for(call, products)
         if kernel is None:
-            return Path("loop", str(products).removeprefix("torch."))
-        return Path("native", tiled_native.products(kernel, products))
+            return Route("loop", str(products).removeprefix("torch."))
+        return Route("native", tiled_native.products(kernel, products))
 
     def run(self, call: Call) -> AttentionOutput:
         if call.sinks is None:
