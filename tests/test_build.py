@@ -222,8 +222,12 @@ def test_waiting_for_a_live_build_has_a_limit(fresh, tmp_path, monkeypatch):
 
 
 INTERRUPTED = """
-import os, sys
+import os, signal, sys
 from attnkit import _build
+# Ctrl-C as at a terminal, whatever this suite's process inherited or set (ignored or blocked
+# there, it would be so here and in the compiler too)
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+signal.signal(signal.SIGINT, signal.default_int_handler)
 sys.stderr.write(f"pid {os.getpid()}\\n")
 _build.build("tiled", "avx2")
 """

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from attnkit import MultiHeadAttention, attention
+from attnkit.backends import sdpa as sdpa_backend
 from attnkit.functional import which_backend
 from helpers.devices import CUDA
 from helpers.oracle import naive_attention
@@ -255,7 +256,7 @@ def test_sdpa_refuses_a_second_derivative_through_a_fused_kernels_dropout(monkey
         """torch's fused CPU kernel, which has no dropout, stands in for a GPU's, which has."""
         return torch_sdpa(*args, dropout_p=0.0, **kwargs)
 
-    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", fused_dropout)
+    monkeypatch.setattr(sdpa_backend, "_TORCH_SDPA", fused_dropout)  # the function it calls
     out = attention(q, k, v, dropout_p=0.3, backend="sdpa")
     with pytest.raises(
         ValueError, match="backend 'sdpa' cannot differentiate twice through dropout"
