@@ -278,21 +278,17 @@ def check_sinks(sinks: object, num_heads: int, device: torch.device) -> Tensor:
     return sinks
 
 
-def check_block_mask(block_mask, mask_mod, b: int, h: int, t: int, s: int, device):
-    """``block_mask`` (a torch ``BlockMask`` built for ``(t, s)``, batches 1 or ``b``, heads 1 or
-    ``h``), or the one ``mask_mod`` builds, or None."""
-    if mask_mod is not None:
-        if block_mask is not None:
-            raise ValueError(
-                "give block_mask or mask_mod, not both (a BlockMask holds its mask_mod)"
-            )
-        if not callable(mask_mod):
-            raise TypeError(f"mask_mod must be a function, got {type(mask_mod).__name__}")
-        from attnkit.block_mask import create_block_mask
+def check_mask_mod(mask_mod, block_mask) -> None:
+    """``mask_mod`` a function, and not given with a ``block_mask`` (which holds its own)."""
+    if block_mask is not None:
+        raise ValueError("give block_mask or mask_mod, not both (a BlockMask holds its mask_mod)")
+    if not callable(mask_mod):
+        raise TypeError(f"mask_mod must be a function, got {type(mask_mod).__name__}")
 
-        return create_block_mask(mask_mod, b, h, t, s, device=device)
-    if block_mask is None:
-        return None
+
+def check_block_mask(block_mask, b: int, h: int, t: int, s: int, device):
+    """``block_mask``: a torch ``BlockMask`` built for ``(t, s)``, batches 1 or ``b``, heads 1 or
+    ``h``, on the queries' device."""
     from torch.nn.attention.flex_attention import BlockMask
 
     if not isinstance(block_mask, BlockMask):

@@ -40,6 +40,7 @@ from attnkit._tracing import traced
 from attnkit.backends import BackendChoice, Call, choose_backend, decode, run
 from attnkit.backends.base import AttentionOutput, call_of
 from attnkit.backends.sinks import join as join_sinks
+from attnkit.block_mask import create_block_mask
 from attnkit.masks import Masks, merge_window
 from attnkit.mods import MaskMod, ScoreMod
 
@@ -290,8 +291,11 @@ def checked_call(
         extras["sinks"] = _checks.check_sinks(sinks, h, q.device)
     if not (type(dropout_p) is float and dropout_p == 0.0):
         extras["dropout_p"] = _checks.check_probability(dropout_p, "dropout_p")
-    if block_mask is not None or mask_mod is not None:
-        extras["block_mask"] = _checks.check_block_mask(block_mask, mask_mod, b, h, t, s, q.device)
+    if mask_mod is not None:
+        _checks.check_mask_mod(mask_mod, block_mask)
+        extras["block_mask"] = create_block_mask(mask_mod, b, h, t, s, device=q.device)
+    elif block_mask is not None:
+        extras["block_mask"] = _checks.check_block_mask(block_mask, b, h, t, s, q.device)
     if nonfinite_keys is not None:
         _checks.check_nonfinite_keys(nonfinite_keys, (b, k.shape[1], s), k.device)
         if k is keys_as_given:  # (autocast's cast may have made a large key infinite)

@@ -16,6 +16,7 @@ from attnkit import _checks, functional, masks, mods
 from attnkit.backends import choose_backend
 from attnkit.backends.base import AttentionOutput, Call, call_of
 from attnkit.backends.sinks import join as join_sinks
+from attnkit.block_mask import create_block_mask
 from attnkit.distributed import passes
 from attnkit.distributed.layout import LAYOUTS, Chunk, Piece, chunks, local, pieces_of
 from attnkit.distributed.transport import DEFAULT_TIMEOUT, Ring
@@ -291,7 +292,7 @@ class RingPlan:
         window = masks.merge_window(self.causal, self.window, t, s, shift)
         block_mask = None
         if at["mask_mod"] is not None:
-            block_mask = _checks.check_block_mask(None, at["mask_mod"], b, h, t, s, q.device)
+            block_mask = create_block_mask(at["mask_mod"], b, h, t, s, device=q.device)
         return call_of(
             q,
             k,

@@ -1,0 +1,71 @@
+"""The layer table of docs/architecture.md, held against the code: every import of an attnkit
+module, at the top of a file or inside a function, runs to the importer's own layer or one
+listed before it."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[1]
+PACKAGE = ROOT / "src" / "attnkit"
+
+
+def layers() -> dict[str, int]:
+    """Each top-level name of the package (``_checks``, ``backends``, ...) and its row's number,
+    from the table's ``files`` column."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    section = text.split("## The layers, bottom up", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ") and "`" in line]
+    found = {}
+    for number, row in enumerate(rows):
+        files = row.split("|")[2]
+        for name in re.findall(r"`([\w.]+/?)`", files):
+            found[name.removesuffix("/").removesuffix(".py")] = number
+    return found
+
+
+def top_level(module: str) -> str:
+    """``attnkit.backends.sdpa`` -> ``backends``; ``attnkit`` -> ``__init__``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def imports(path: Path) -> list[tuple[str, int]]:
+    """The attnkit modules ``path`` imports, with their lines."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module == "attnkit":  # from attnkit import functional, ...
+                found += [(f"attnkit.{alias.name}", node.lineno) for alias in node.names]
+            elif node.module.startswith("attnkit."):
+                found.append((node.module, node.lineno))
+        elif isinstance(node, ast.Import):
+            found += [(a.name, node.lineno) for a in node.names if a.name.startswith("attnkit.")]
+    return found
+
+
+FILES = sorted(PACKAGE.rglob("*.py"))
+
+
+def test_the_table_places_every_part_of_the_package_once():
+    table = layers()
+    parts = {p.name.removesuffix(".py") for p in PACKAGE.iterdir() if p.suffix == ".py" or (
+        p.is_dir() and (p / "__init__.py").exists())}  # fmt: skip
+    assert parts - table.keys() == set(), "not in docs/architecture.md's table"
+    assert table.keys() - parts == set(), "in the table, not in the package"
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_no_import_runs_upward(path):
+    table = layers()
+    me = top_level(".".join(("attnkit", *path.relative_to(PACKAGE).with_suffix("").parts)))
+    upward = [
+        f"line {line}: {module} ({top_level(module)}, row {table[top_level(module)]})"
+        for module, line in imports(path)
+        if top_level(module) in table and table[top_level(module)] > table[me]
+    ]
+    assert not upward, f"{path.name} (row {table[me]}) imports upward: {upward}"
