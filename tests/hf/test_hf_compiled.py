@@ -39,6 +39,16 @@ LOCAL = {  # models with layers that see part of the keys: (config, model, optio
         "Gemma2Config", "Gemma2ForCausalLM",
         {"head_dim": 8, "sliding_window": 4, "attn_logit_softcapping": 5.0}, True,
     ),
+    "gemma3, sliding layers, padded": (
+        "Gemma3TextConfig", "Gemma3ForCausalLM",
+        {"head_dim": 8, "sliding_window": 4,
+         "layer_types": ["sliding_attention", "full_attention"]}, True,
+    ),
+    "qwen3, sliding layers, padded": (
+        "Qwen3Config", "Qwen3ForCausalLM",
+        {"head_dim": 8, "sliding_window": 4, "use_sliding_window": True,
+         "layer_types": ["sliding_attention", "full_attention"]}, True,
+    ),
     "llama4, chunked, padded": (
         "Llama4TextConfig", "Llama4ForCausalLM",
         {"head_dim": 8, "attention_chunk_size": 4, "num_local_experts": 2,
@@ -80,14 +90,22 @@ class _Recompiles(logging.Handler):
         self.count += "Recompiling" in record.getMessage()
 
 
-def test_generation_with_a_static_cache_never_recompiles_and_matches_eager(device):
+GENERATORS = {  # the families whose compiled generation recompiled at every step
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel"),
+}
+
+
+@pytest.mark.parametrize("family", GENERATORS)
+def test_generation_with_a_static_cache_never_recompiles_and_matches_eager(family, device):
     """As transformers' own test_generate_compile_model_forward_fullgraph: two generations of
     padded batches of the same shape, the forward compiled with dynamic=False; the mask that
     generate builds outside the compiled forward holds nothing that changes with the step."""
     from transformers.generation import CompileConfig
 
     torch._dynamo.reset()
-    model = model_of("LlamaConfig", "LlamaForCausalLM").to(device)
+    model = model_of(*GENERATORS[family]).to(device)
     ids = torch.randint(1, 64, (4, 9), device=device)
     mask = torch.ones_like(ids)
     mask[1, :2] = 0

@@ -41,6 +41,14 @@ CASES = {  # name: (module options, call arguments, torch's class, the words of 
         {"key_padding_mask": torch.zeros(S, dtype=torch.bool)}, (X, KV, KV), AssertionError,
         "expected `key_padding_mask` to be `None` or 2-D but found 1-D tensor instead",
     ),
+    "a padding mask of another length": (
+        {"key_padding_mask": torch.zeros(N, S + 1, dtype=torch.bool)}, (X, KV, KV), AssertionError,
+        r"Expected key_padded_mask.shape\[1\] to be 7, but got 8",
+    ),
+    "a padding mask of another batch": (
+        {"key_padding_mask": torch.zeros(N + 1, S, dtype=torch.bool)}, (X, KV, KV), AssertionError,
+        r"Expected key_padded_mask.shape\[0\] to be 3, but got 4",
+    ),
     "is_causal without a mask": (
         {"is_causal": True}, (X, X, X), RuntimeError,
         "Need attn_mask if specifying the is_causal hint",
@@ -65,3 +73,14 @@ def test_a_mask_of_another_kind_is_named():
     ours = MultiheadAttention(E, H, batch_first=True)
     with pytest.raises(TypeError, match="only bool and floating types of key_padding_mask"):
         ours(X, KV, KV, key_padding_mask=torch.zeros(N, S, dtype=torch.long))
+
+
+def test_inputs_of_another_dtype_than_the_weights_are_refused_as_torchs():
+    """A bias of another dtype is taken in the inputs' (torch's layer takes it); inputs of another
+    dtype than the weights are not, by either."""
+    theirs = torch.nn.MultiheadAttention(E, H, batch_first=True)
+    ours = MultiheadAttention(E, H, batch_first=True)
+    x = X.double()
+    for module in (theirs, ours):
+        with pytest.raises(RuntimeError, match="dtype"):
+            module(x, x, x)

@@ -4,7 +4,8 @@
 ``AttentionInterface`` and ``AttentionMaskInterface``. Every model that calls attention through
 that interface (Llama, Qwen, Mistral, Gemma, GPT-OSS, Phi, OLMo, SmolLM, GPT-2, BERT, ModernBERT,
 ...) then runs it on [`attention`][attnkit.functional.attention]: its C++ kernels with soft-capping,
-sliding windows and learned sinks, with a backward in O(N) memory, and no dense mask.
+sliding windows and learned sinks, with a backward in O(N) memory, and no dense mask outside
+``torch.compile``.
 
 Example:
     >>> import attnkit.hf
@@ -35,6 +36,8 @@ from typing import Any
 try:
     import transformers  # noqa: F401  (the optional extra: say how to install it)
 except ModuleNotFoundError as missing:
+    if missing.name != "transformers":  # transformers is there, one of its own imports is not
+        raise
     raise ModuleNotFoundError(
         "attnkit.hf needs Hugging Face transformers: pip install 'attnkit[hf]'", name=missing.name
     ) from None

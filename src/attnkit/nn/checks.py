@@ -60,6 +60,8 @@ def check_inputs(
             "Need attn_mask if specifying the is_causal hint. You may use the "
             "Transformer module method `generate_square_subsequent_mask` to create this mask."
         )
+    if key_padding_mask is not None:
+        _check_key_padding_mask(key_padding_mask, key, module.batch_first, batched)
     dropped = is_causal and key_padding_mask is None and not need_weights
     if attn_mask is not None and not dropped:
         _check_attn_mask(attn_mask, query, key, module, batched)
@@ -125,3 +127,16 @@ def _check_attn_mask(
             f"The shape of the {attn_mask.dim()}D attn_mask is {attn_mask.shape}, but should be "
             f"{expected}."
         )
+
+
+def _check_key_padding_mask(
+    key_padding_mask: Tensor, key: Tensor, batch_first: bool, batched: bool
+) -> None:
+    """``key_padding_mask`` is ``(N, S)``, or ``(S,)`` unbatched."""
+    if not batched:
+        expected = (key.shape[0],)
+    else:
+        expected = (key.shape[0], key.shape[1]) if batch_first else (key.shape[1], key.shape[0])
+    for dim, (got, want) in enumerate(zip(key_padding_mask.shape, expected)):
+        if got != want:
+            raise ShapeError(f"Expected key_padded_mask.shape[{dim}] to be {want}, but got {got}")

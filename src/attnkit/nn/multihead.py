@@ -114,7 +114,7 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
 
 def _out(module: torch.nn.MultiheadAttention, dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
     bias = module.out_proj.bias
-    return module.out_proj.weight.to(dtype), None if bias is None else bias.to(dtype)
+    return module.out_proj.weight, None if bias is None else bias.to(dtype)
 
 
 def _heads(
@@ -129,8 +129,8 @@ def _heads(
         weights = module.in_proj_weight.chunk(3)
     else:
         weights = (module.q_proj_weight, module.k_proj_weight, module.v_proj_weight)
-    q, k, v = (  # the parameters in the inputs' dtype, as torch's layer takes them
-        F.linear(x, w.to(x.dtype), None if b is None else b.to(x.dtype))
+    q, k, v = (  # a bias of another dtype taken in the inputs', as torch's layer takes it
+        F.linear(x, w, None if b is None else b.to(x.dtype))
         for x, w, b in zip((query, key, value), weights, biases)
     )
     n = q.shape[0]
