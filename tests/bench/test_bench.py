@@ -14,7 +14,9 @@ from attnkit.cli import main
 
 
 def test_smoke_runs_end_to_end(tmp_path, capsys):
-    assert main(["bench", "--smoke", "--out", str(tmp_path)]) == 0
+    # fp32 alone: the docs test runs the smoke preset's bf16 kernel and module cases (the
+    # benchmarking guide's `--dtypes bf16 ... --module`), each case a fresh process
+    assert main(["bench", "--smoke", "--dtypes", "fp32", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "| kernel case | implementation | median ms | vs torch-sdpa |" in out
     assert "| module case | implementation | median ms | vs torch-mha |" in out
