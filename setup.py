@@ -1,7 +1,7 @@
 """A wheel made where torch is installed carries attnkit's C++ kernels, prebuilt.
 
 ``pip wheel . --no-build-isolation`` (torch installed) compiles each kernel once per CPU level of
-``attnkit._build.WHEEL_LEVELS`` into ``attnkit/_prebuilt`` and tags the wheel for this Python and
+``attnkit.kernels.build.WHEEL_LEVELS`` into ``attnkit/_prebuilt`` and tags the wheel for this Python and
 platform; ``ATTNKIT_WHEEL_LEVELS=avx2,avx512`` picks the levels. With build isolation (torch absent
 from the build environment) and in editable installs, the wheel carries none: a checkout's kernels
 are built into the extensions folder by ``attnkit build`` or on first use. torch stays out of
@@ -19,7 +19,7 @@ from pathlib import Path
 from setuptools import Distribution, setup
 from setuptools.command.build_py import build_py
 
-BUILD = Path(__file__).parent / "src" / "attnkit" / "_build.py"
+BUILD = Path(__file__).parent / "src" / "attnkit" / "kernels" / "build.py"
 
 
 def _torch_installed() -> bool:
@@ -27,7 +27,7 @@ def _torch_installed() -> bool:
 
 
 def _builder():
-    """attnkit._build, loaded by path: importing attnkit would import all of it."""
+    """attnkit.kernels.build, loaded by path: importing attnkit would import all of it."""
     spec = importlib.util.spec_from_file_location("attnkit_build", BUILD)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up while they are made

@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from attnkit import attention
-from attnkit.backends.nonfinite import zero_or_nan_rows
 from attnkit.backends.sdpa import nans_seen
+from attnkit.rules.nonfinite import zero_or_nan_rows
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"

@@ -12,8 +12,10 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
-from attnkit import _cpu
-from attnkit.backends import force, tiled_function, tiled_native
+from attnkit import force
+from attnkit.kernels import cpu as _cpu
+from attnkit.tiled import autograd as tiled_function
+from attnkit.tiled import native as tiled_native
 from helpers.devices import CUDA, forced_path
 
 # Small example counts keep `make test` quick on a 2-core machine; ATTNKIT_HYPOTHESIS=thorough for more.

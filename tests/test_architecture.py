@@ -69,3 +69,49 @@ def test_no_import_runs_upward(path):
         if top_level(module) in table and table[top_level(module)] > table[me]
     ]
     assert not upward, f"{path.name} (row {table[me]}) imports upward: {upward}"
+
+
+def module_of(path: Path) -> str:
+    """``src/attnkit/backends/sdpa.py`` -> ``attnkit.backends.sdpa``; a package is its ``__init__``."""
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Each attnkit module and the attnkit modules it imports (anywhere in it, also under
+    ``TYPE_CHECKING``), a ``from package import name`` read as the submodule where there is one."""
+    known = {module_of(p) for p in FILES}
+    graph = {}
+    for path in FILES:
+        me = module_of(path)
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                if node.module.startswith("attnkit"):
+                    subs = {f"{node.module}.{a.name}" for a in node.names} & known
+                    found |= subs or ({node.module} & known)
+            elif isinstance(node, ast.Import):
+                found |= {a.name for a in node.names} & known
+        graph[me] = found - {me}
+    return graph
+
+
+def test_no_import_circle():
+    graph = import_graph()
+    circles, state = [], {}
+
+    def visit(module: str, trail: list[str]) -> None:
+        state[module] = "open"
+        for other in sorted(graph.get(module, ())):
+            if other.startswith(module + "."):  # a package's __init__ gathering its own modules
+                continue
+            if state.get(other) == "open":
+                circles.append(" -> ".join([*trail[trail.index(other) :], other]))
+            elif other not in state:
+                visit(other, [*trail, other])
+        state[module] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    assert not circles, "import circles:\n" + "\n".join(circles)

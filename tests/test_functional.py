@@ -8,8 +8,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from attnkit import attention
-from attnkit.backends import BACKENDS, tiled_function
+from attnkit.backends import BACKENDS
 from attnkit.functional import which_backend
+from attnkit.tiled import autograd as tiled_function
 from helpers.devices import CUDA, expected_products, forced_path
 from helpers.oracle import naive_attention
 

@@ -86,10 +86,10 @@ def test_the_check_finds_what_it_looks_for(tmp_path):
     reads a package-private module's public names."""
     fake = tmp_path / "fake.py"
     fake.write_text(
-        "from attnkit import _cpu, mods\n"
+        "from attnkit import _checks, mods\n"
         "from attnkit.masks import _block\n"
         "mods._WORTH_COMPILING\n"
-        "_cpu.features()\n"
+        '_checks.check_flag(True, "x")\n'
     )
     found = foreign_private_names(fake, "attnkit.fake")
     assert found == ["from attnkit.masks import _block", "attnkit.mods._WORTH_COMPILING (line 3)"]

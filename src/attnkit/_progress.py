@@ -49,7 +49,7 @@ class Board:
     a new one is written every ``every`` seconds. The batch ends when nothing runs, and the next
     ``start`` begins another. Messages go through ``say``, which clears the line first.
 
-    Stdlib only: ``attnkit._build`` uses it, and that module must not import torch to build.
+    Stdlib only: ``attnkit.kernels.build`` uses it, and that module must not import torch to build.
     """
 
     def __init__(self, every: float = 10.0, prefix: str = "attnkit: ") -> None:
@@ -125,4 +125,4 @@ class Board:
 
 
 BUILDS = Board()
-"""The progress line of this process's kernel builds (`attnkit._build.build`)."""
+"""The progress line of this process's kernel builds (`attnkit.kernels.build.build`)."""

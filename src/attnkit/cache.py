@@ -18,8 +18,8 @@ from torch import Tensor, nn
 
 from attnkit import _checks
 from attnkit._tracing import traced
-from attnkit.backends.nonfinite import nonfinite_rows
 from attnkit.masks import alibi_bias, window_mask
+from attnkit.rules.nonfinite import nonfinite_rows
 
 
 class KVCache(nn.Module):

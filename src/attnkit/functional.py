@@ -1,6 +1,6 @@
 """``attention(q, k, v, ...)``: the one entry point that every attnkit module calls.
 
-It checks the inputs once into one [`Call`][attnkit.backends.base.Call] (the tensors, the masks
+It checks the inputs once into one [`Call`][attnkit.call.Call] (the tensors, the masks
 gathered into one [`Masks`][attnkit.masks.Masks], the options), then runs the backend that
 [`choose_backend`][attnkit.backends.choose_backend] picks. Semantics, with queries aligned bottom-right
 (query ``i`` sits at ``p(i) = i + s - t``):
@@ -29,20 +29,18 @@ length, ``d`` head dim.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
 from attnkit import _checks, mods
 from attnkit._tracing import traced
-from attnkit.backends import BackendChoice, Call, choose_backend, decode, run
-from attnkit.backends.base import AttentionOutput, call_of
-from attnkit.backends.sinks import join as join_sinks
+from attnkit.backends import BackendChoice, choose_backend, run
 from attnkit.block_mask import create_block_mask
+from attnkit.call import AttentionOutput, Call, call_of
 from attnkit.masks import Masks, merge_window
 from attnkit.mods import MaskMod, ScoreMod
+from attnkit.rules.sinks import join as join_sinks
 
 
 def attention(
@@ -193,7 +191,7 @@ def which_backend(
 ) -> BackendChoice:
     """What [`attention`][attnkit.functional.attention] would run for these arguments, without running it: the backend, the
     path inside it (its C++ kernel or its PyTorch loop), why, and its block products (float32, or
-    bf16 with AVX512-BF16, ...; they depend on the CPU, see `attnkit._cpu`). The same checks run, and the same
+    bf16 with AVX512-BF16, ...; they depend on the CPU, see `attnkit.kernels.cpu`). The same checks run, and the same
     errors are raised, as in [`attention`][attnkit.functional.attention]; the answer depends on the tensors' dtype, device and
     ``requires_grad``, on grad mode and on transforms in effect, as the call's would.
 
@@ -254,7 +252,7 @@ def checked_call(
     shift: int = 0,
 ) -> Call:
     """Check the arguments of [`attention`][attnkit.functional.attention] and gather them into one
-    [`Call`][attnkit.backends.base.Call]: the only place they are checked. ``shift``: the queries sit
+    [`Call`][attnkit.call.Call]: the only place they are checked. ``shift``: the queries sit
     that many positions right of bottom-right alignment ([`Masks`][attnkit.masks.Masks]); ring
     attention's chunks, never a user's call."""
     keys_as_given = k
@@ -340,17 +338,3 @@ def _adds_to_score(score_mod: ScoreMod, q: Tensor) -> bool:
     if q.device.type != "cpu" or traced():
         return False
     return mods.adds_to_score(score_mod)
-
-
-def linear_all(
-    x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None]
-) -> list[Tensor]:
-    """``[torch.nn.functional.linear(x, w, b) for w, b in zip(weights, biases)]``: the projections
-    of a module. A decoding step's few rows, without gradients, go to the decode kernel's
-    matrix-vector product ([`attnkit.backends.decode.linear`][attnkit.backends.decode.linear]),
-    which streams every weight in one pass on every thread; the result is the same."""
-    if decode.runs_linear(x, weights, biases):
-        rows = decode.linear(x, weights, biases)
-        if rows is not None:
-            return rows
-    return [torch.nn.functional.linear(x, w, b) for w, b in zip(weights, biases)]

@@ -15,8 +15,8 @@ import torch
 from torch import Tensor
 
 from attnkit import _checks
-from attnkit.backends.reference import masked_softmax
 from attnkit.masks import causal_mask
+from attnkit.rules.exact import masked_softmax
 
 Normalize = Literal["softmax", "sum"]
 

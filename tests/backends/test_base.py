@@ -8,14 +8,8 @@ import torch
 from torch.autograd import forward_ad
 
 import attnkit
-from attnkit.backends.base import (
-    Backend,
-    call_of,
-    forward_ad_active,
-    gradient_levels,
-    result_bytes,
-    wants_grad,
-)
+from attnkit.backends.base import Backend, result_bytes
+from attnkit.call import call_of, forward_ad_active, gradient_levels, wants_grad
 from attnkit.functional import checked_call
 from attnkit.masks import Masks
 

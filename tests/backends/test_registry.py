@@ -8,13 +8,16 @@ import math
 import pytest
 import torch
 
-from attnkit import _cpu, attention
-from attnkit.backends import AUTO_ORDER, BACKENDS, _native, choose_backend, tiled, tiled_native
-from attnkit.backends.base import Call, call_of
-from attnkit.backends.force import forced
+from attnkit import attention
+from attnkit.backends import AUTO_ORDER, BACKENDS, choose_backend, tiled
 from attnkit.backends.tiled import HALF_NATIVE_FROM
+from attnkit.call import Call, call_of
+from attnkit.force import forced
 from attnkit.functional import which_backend
+from attnkit.kernels import cpu as _cpu
+from attnkit.kernels import loader as _native
 from attnkit.masks import Masks
+from attnkit.tiled import native as tiled_native
 
 
 def qkv(n=1024, h=12, dtype=torch.float32, requires_grad=False):

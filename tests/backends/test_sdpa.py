@@ -174,7 +174,7 @@ def test_the_gpus_form_gives_the_same_output_and_gradients_as_a_look(causal):
     """On a CPU inside force.blind, sdpa applies the rule as on a GPU (nans_seen): the same output
     and the same gradients, of the finite rows and of every row, NaN where they are NaN, as with a
     look."""
-    from attnkit.backends import force
+    from attnkit import force
 
     q, k = finite_qk()
     v = torch.randn(B, H_KV, T, D)
@@ -203,7 +203,7 @@ def test_the_gpus_form_gives_the_same_output_and_gradients_as_a_look(causal):
 def test_a_record_of_the_keys_rows_gives_what_a_read_of_the_keys_gives(device, blind, masks, t, s):
     """``nonfinite_keys`` in place of a pass over k (on a GPU, a whole cache each decoding step):
     the same output, NaN in the same rows, as or without force.blind (the GPU's form)."""
-    from attnkit.backends import force
+    from attnkit import force
 
     q, k = torch.randn(B, H, t, D, device=device), torch.randn(B, H_KV, s, D, device=device)
     v = torch.randn(B, H_KV, s, D, device=device)

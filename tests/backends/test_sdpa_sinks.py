@@ -108,8 +108,8 @@ def test_on_a_cpu_auto_takes_the_tiled_kernel_for_sinks_from_its_builds_threshol
     """On a CPU torch's flash kernel and the passes that join the sinks ran slower than the tiled
     C++ kernel and the same passes from 384 x 384 scores on the AVX2 build, 512 x 512 on the
     AVX-512 ones (docs/bench/choices.md), where that kernel runs."""
-    from attnkit import _cpu
     from attnkit.backends import tiled
+    from attnkit.kernels import cpu as _cpu
 
     if narrowed is not None:  # the AVX2 kind's threshold on any CPU that has AVX2
         if not _cpu.has("avx2"):
@@ -129,8 +129,8 @@ def test_on_a_cpu_auto_takes_the_tiled_kernel_for_sinks_from_its_builds_threshol
 )
 def test_the_sinks_threshold_is_the_avx512_builds_but_on_the_avx2_one(level, n, monkeypatch):
     """Measured on the AVX2 and AVX-512 kinds; the builds not measured take the AVX-512 one's."""
-    from attnkit import _cpu
     from attnkit.backends import tiled
+    from attnkit.kernels import cpu as _cpu
 
     monkeypatch.setattr(_cpu, "build_level", lambda: level)
     assert tiled.sinks_native_from() == n * n

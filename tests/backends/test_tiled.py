@@ -12,9 +12,13 @@ import textwrap
 import pytest
 import torch
 
-from attnkit import _cpu, attention
-from attnkit.backends import _native, tiled_function, tiled_loop, tiled_native
+from attnkit import attention
 from attnkit.functional import which_backend
+from attnkit.kernels import cpu as _cpu
+from attnkit.kernels import loader as _native
+from attnkit.tiled import autograd as tiled_function
+from attnkit.tiled import loop as tiled_loop
+from attnkit.tiled import native as tiled_native
 from helpers.oracle import naive_attention
 
 
@@ -391,7 +395,7 @@ def test_the_quick_look_before_the_speed_rules_skips_no_rule(monkeypatch):
     """`faster_than` first asks `_may_be_faster`, on every call `auto` takes to SDPA: over
     dtypes, lengths, masks and options, its answer is the rules' own, asked with no quick look."""
     from attnkit.backends import sdpa, tiled
-    from attnkit.backends.base import call_of
+    from attnkit.call import call_of
     from attnkit.masks import Masks
 
     pad = torch.ones(1, 2048, dtype=torch.bool)

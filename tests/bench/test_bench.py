@@ -8,9 +8,9 @@ import json
 
 import torch
 
-from attnkit.backends import tiled_native
 from attnkit.bench import BenchConfig, run
 from attnkit.cli import main
+from attnkit.tiled import native as tiled_native
 
 
 def test_smoke_runs_end_to_end(tmp_path, capsys):

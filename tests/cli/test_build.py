@@ -10,7 +10,8 @@ from attnkit.cli import main
 
 
 def test_build_reports_what_is_built_for_which_cpu_and_where(capsys):
-    from attnkit import _build, _cpu
+    from attnkit.kernels import build as _build
+    from attnkit.kernels import cpu as _cpu
 
     assert main(["build"]) == 0  # `make test` built them: nothing to do but report
     out = capsys.readouterr().out.splitlines()

@@ -93,7 +93,7 @@ def test_the_shortest_context_said_is_taken(task, context, tmp_path, capsys):
 
 
 def test_help_says_the_threads_and_the_longest_context(capsys):
-    from attnkit.learn.train import max_context
+    from attnkit.learn.settings import max_context
 
     with pytest.raises(SystemExit):
         main(["learn", "--help"])

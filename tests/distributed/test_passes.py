@@ -11,9 +11,9 @@ import math
 import pytest
 import torch
 
-from attnkit.distributed import ring
+from attnkit.distributed import plan as pieces
 from attnkit.distributed.passes import RingAttention, forward_pass
-from attnkit.distributed.ring import RingPlan
+from attnkit.distributed.plan import RingPlan
 from attnkit.distributed.transport import Ring
 from attnkit.functional import attention, checked_call
 
@@ -65,8 +65,8 @@ def plan_of(q, k, v, options):
 @pytest.fixture(autouse=True)
 def small_pieces(monkeypatch):
     """Pieces of about 2 keys and 5 queries: six rounds of keys, unequal pieces of queries."""
-    monkeypatch.setattr(ring, "KEY_PIECE", 2)
-    monkeypatch.setattr(ring, "QUERY_PIECE", 5)
+    monkeypatch.setattr(pieces, "KEY_PIECE", 2)
+    monkeypatch.setattr(pieces, "QUERY_PIECE", 5)
 
 
 @pytest.mark.parametrize("name", CASES)

@@ -9,7 +9,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from attnkit.backends import force, tiled_native
+from attnkit import force
+from attnkit.tiled import native as tiled_native
 
 CUDA = pytest.param(
     "cuda",
@@ -24,7 +25,7 @@ CUDA = pytest.param(
 @contextlib.contextmanager
 def forced_path(path: str) -> Iterator[str]:
     """The backend's name in ``path`` (``"tiled"``, or ``"tiled:loop"`` and the other paths of
-    attnkit.backends.force, or ``"sdpa:blind"`` for force.blind), with that path forced inside:
+    attnkit.force, or ``"sdpa:blind"`` for force.blind), with that path forced inside:
     every path is checked on any CPU."""
     name, _, inside = path.partition(":")
     if inside == "blind":  # the backend as on a GPU: no look at the data from Python

@@ -15,10 +15,10 @@ from torch import Tensor
 
 from attnkit import distributed as ring
 from attnkit import functional as F
-from attnkit.backends import tiled_function
 from attnkit.bench.launch import run_local
-from attnkit.distributed import ring as plan
+from attnkit.distributed import plan
 from attnkit.distributed.transport import Ring
+from attnkit.tiled import autograd as tiled_function
 
 
 def free_port() -> int:

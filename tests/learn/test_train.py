@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from attnkit.learn import Settings, learn
-from attnkit.learn.train import DEFAULTS, learning_rate, snapshot_steps
+from attnkit.learn.settings import DEFAULTS
+from attnkit.learn.train import learning_rate, snapshot_steps
 
 TINY = {"steps": 6, "layers": 2, "heads": 2, "dim": 16, "context": 16}
 
@@ -115,7 +116,7 @@ def test_a_run_loads_no_cpp_kernel(monkeypatch):
     """A first build of a kernel takes half a minute or more of a 2-core machine: the snapshots'
     short probes must not ask for one (the decode kernel's products of 16 rows or fewer, the
     tiled kernel's weights)."""
-    from attnkit.backends import _native
+    from attnkit.kernels import loader as _native
 
     loaded = []
     for name, kernel in _native.KERNELS.items():

@@ -73,7 +73,7 @@ def test_threads_making_a_mods_first_call_together_compile_it_once_and_agree(mon
     import threading
 
     from attnkit import functional as F
-    from attnkit.backends.force import forced
+    from attnkit.force import forced
 
     torch._dynamo.reset()  # a first compile: dynamo keeps its graphs per code object, process-wide
     compiled = []

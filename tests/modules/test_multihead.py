@@ -7,7 +7,7 @@ import torch
 
 import attnkit
 from attnkit import KVCache, MultiHeadAttention, alibi_slopes
-from attnkit.backends import tiled_function
+from attnkit.tiled import autograd as tiled_function
 from helpers.devices import CUDA
 from helpers.oracle import projected_attention_reference
 from helpers.zoo import H

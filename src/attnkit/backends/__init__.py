@@ -28,7 +28,7 @@ takes the first backend that supports every option in use and does not refuse th
 a later one take over where that one's own speed rule says it is faster here (the tiled kernel over
 SDPA, for instance, where SDPA would materialise a dense positional mask:
 [`attnkit.backends.tiled`][attnkit.backends.tiled]; on CUDA, torch's compiled FlexAttention of
-``attnkit.backends.flex``). Choosing never builds, loads or writes
+``attnkit.backends.torch_flex``). Choosing never builds, loads or writes
 anything: a C++ kernel is built or loaded at the first call that runs it.
 
 A backend named explicitly that cannot do what was asked raises, naming the option; nothing falls
@@ -45,12 +45,20 @@ from typing import NamedTuple
 
 import torch
 
-from attnkit.backends import _native, decode, flex, reference, sdpa, tiled
-from attnkit.backends.base import AttentionOutput, Backend, Call, Path, Route
+from attnkit.backends import decode, reference, sdpa, tiled, torch_flex
+from attnkit.backends.base import Backend, Path, Route
+from attnkit.call import AttentionOutput, Call
+from attnkit.kernels import loader
 
 BACKENDS: dict[str, Backend] = {
     backend.name: backend
-    for backend in (reference.BACKEND, sdpa.BACKEND, flex.BACKEND, tiled.BACKEND, decode.BACKEND)
+    for backend in (
+        reference.BACKEND,
+        sdpa.BACKEND,
+        torch_flex.BACKEND,
+        tiled.BACKEND,
+        decode.BACKEND,
+    )
 }
 """The backends by name; ``backend=`` takes one of these names or ``"auto"``."""
 
@@ -208,7 +216,7 @@ def run(name: str, call: Call) -> AttentionOutput:
     _check_memory(backend, call)
     try:
         return backend.run(call)
-    except _native.KernelUnavailableError as error:
+    except loader.KernelUnavailableError as error:
         if name != "auto":
             raise ValueError(f"{error}; use backend='auto'") from None
     return _auto(call)[0].run(call)

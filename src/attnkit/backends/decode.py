@@ -4,7 +4,7 @@ Each decoding step reads the whole cache, so its speed is the memory bus's. torc
 path compute ``q . K`` and ``weights . V`` as two matrix-vector products, reading the cache twice per
 query head group, and in bf16 on CPUs without bf16 matrix units they run several times slower than
 the bus. This backend runs a small C++ kernel (``decode.cpp``, built once for this CPU and kept:
-`attnkit.backends._native`) that streams each key/value head once for all the query
+`attnkit.kernels.loader`) that streams each key/value head once for all the query
 rows that share it (GQA groups included), with FlashAttention's online softmax; the splits of the keys
 that the threads share are merged here.
 
@@ -14,22 +14,18 @@ CPU tensors in float32, bfloat16 or float16 that need no gradient, with at most
 [`MAX_ROWS`][attnkit.backends.decode.MAX_ROWS] query rows per key/value head. Where the kernel cannot be built (no C++ compiler;
 or ``ATTNKIT_NATIVE=0``), [`refuses`][attnkit.backends.decode.refuses] says why and ``auto`` uses SDPA instead.
 
-The same kernel file has the other half of a decoding step's memory traffic: [`linear`][attnkit.backends.decode.linear], the
-projections of a few token rows, which stream the layer's weights once on every thread (the modules
-call it through `attnkit.modules._common.project`, and fall back to ``nn.Linear`` likewise).
+The same build holds the other half of a decoding step's memory traffic, the projections of a
+few token rows ([`attnkit.kernels.gemv`][attnkit.kernels.gemv]).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
-from torch import Tensor
-from torch.overrides import has_torch_function
 
 from attnkit._tracing import traced
-from attnkit.backends import _native
-from attnkit.backends.base import AttentionOutput, Backend, Call, Route, forward_ad_active
+from attnkit.backends.base import Backend, Route
+from attnkit.call import AttentionOutput, Call, forward_ad_active
+from attnkit.kernels import loader
 
 MAX_ROWS = 16
 """The most query rows per key/value head (GQA group size x queries) the kernel takes."""
@@ -40,7 +36,7 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _NO_MASK = torch.empty(0, dtype=torch.bool)
 _NO_SINKS = torch.empty(0)
 
-KERNEL = _native.KERNELS["decode"]
+KERNEL = loader.KERNELS["decode"]
 
 
 def refuses(call: Call) -> str | None:
@@ -81,12 +77,12 @@ def decode(call: Call) -> AttentionOutput:
     so that every thread has work, into no more than ``s //`` [`MIN_KEYS_PER_SPLIT`][attnkit.backends.decode.MIN_KEYS_PER_SPLIT] splits.
 
     Raises:
-        attnkit.backends._native.KernelUnavailableError: the kernel could not be built or loaded now (the
+        attnkit.kernels.loader.KernelUnavailableError: the kernel could not be built or loaded now (the
             registry then chooses again).
     """
     kernel = KERNEL.load()
     if kernel is None:
-        raise _native.KernelUnavailableError(
+        raise loader.KernelUnavailableError(
             f"backend 'decode' is unavailable: {KERNEL.usable()[1]}"
         )
     key_mask = call.masks.key_mask
@@ -113,51 +109,3 @@ class DecodeBackend(Backend):
 
 
 BACKEND = DecodeBackend()
-
-
-def runs_linear(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None]) -> bool:
-    """Whether [`linear`][attnkit.backends.decode.linear] computes exactly what ``torch.nn.functional.linear`` would for each
-    weight and bias: at most [`MAX_ROWS`][attnkit.backends.decode.MAX_ROWS] rows of plain CPU tensors of one dtype (float32,
-    bfloat16 or float16), contiguous weights and biases, nothing that needs a gradient; outside
-    autocast, tracing, ``torch.compile``, ``torch.func`` transforms and ``__torch_function__`` or
-    dispatch modes; with a kernel at hand or to be built (checked last, so that a training step
-    never looks for it)."""
-    grad = torch.is_grad_enabled()
-    if (
-        torch.jit.is_tracing()  # first: under tracing, the shapes below would be tensors
-        or not weights
-        or x.dim() == 0
-        or not 0 < x.numel() <= MAX_ROWS * x.shape[-1]
-        or not x.is_cpu
-        or x.dtype not in _DTYPES
-        or (grad and x.requires_grad)
-        or torch.is_autocast_enabled("cpu")
-        or traced()
-        or torch._C._are_functorch_transforms_active()  # vmap, grad, ...: x or a weight is wrapped
-        or torch._C._is_torch_function_mode_enabled()
-        or torch._C._len_torch_dispatch_stack() > 0
-    ):
-        return False
-    params = [*weights, *(b for b in biases if b is not None)]
-    if has_torch_function((x, *params)):  # subclasses that override torch functions
-        return False
-    for p in params:
-        if (
-            not p.is_cpu
-            or p.dtype != x.dtype
-            or not p.is_contiguous()
-            or (grad and p.requires_grad)
-        ):
-            return False
-    return KERNEL.usable()[0]
-
-
-def linear(
-    x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None]
-) -> list[Tensor] | None:
-    """``[torch.nn.functional.linear(x, w, b) for w, b in zip(weights, biases)]`` for the few rows
-    of a decoding step (see [`runs_linear`][attnkit.backends.decode.runs_linear]), in one pass of the threads over every weight (the
-    query, key and value projections of a token in one call), where torch's matrix-vector product
-    runs on one thread; None if the kernel could not be built or loaded now."""
-    kernel = KERNEL.load()
-    return None if kernel is None else kernel.linear(x, list(weights), list(biases))

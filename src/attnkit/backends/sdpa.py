@@ -29,26 +29,18 @@ from torch import Tensor
 from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from attnkit._tracing import traced
-from attnkit.backends.base import (
-    AttentionOutput,
-    Backend,
-    Call,
-    Route,
-    forward_ad_active,
-    gradient_levels,
-    result_bytes,
-    wants_grad,
-)
-from attnkit.backends.nonfinite import (
+from attnkit.backends.base import Backend, Route, result_bytes
+from attnkit.backends.sdpa_sinks import attention_with_sinks
+from attnkit.backends.sdpa_sinks import refuses as refuses_sinks
+from attnkit.call import AttentionOutput, Call, forward_ad_active, gradient_levels, wants_grad
+from attnkit.masks import alibi_bias, zero_padding
+from attnkit.rules.exact import differentiable_grads
+from attnkit.rules.nonfinite import (
     all_finite,
     can_branch_on_data,
     nonfinite_rows,
     zero_or_nan_rows,
 )
-from attnkit.backends.reference import differentiable_grads
-from attnkit.backends.sdpa_sinks import attention_with_sinks
-from attnkit.backends.sdpa_sinks import refuses as refuses_sinks
-from attnkit.masks import alibi_bias, zero_padding
 
 _NAN = float("nan")
 
@@ -178,7 +170,7 @@ def rows_made_nan(
     One pass over q and k and, with a dense mask, over the mask: ``O((t + s) d + t s)`` next to the
     kernel's ``O(t s d)``; without one, the rows that see a bad key come from
     [`nans_seen`][attnkit.backends.sdpa.nans_seen], on ``(b, h, t)`` values only. Branches on data only where Python may (see
-    [`can_branch_on_data`][attnkit.backends.nonfinite.can_branch_on_data]), so ``torch.compile`` and ``vmap`` stay
+    [`can_branch_on_data`][attnkit.rules.nonfinite.can_branch_on_data]), so ``torch.compile`` and ``vmap`` stay
     whole."""
     h, h_kv = q.shape[1], k.shape[1]
     known = nonfinite_keys

@@ -2,7 +2,7 @@
 
 torch's public ``scaled_dot_product_attention`` returns the output only. Its flash kernels (the
 CPU's, and CUDA's for half precision) and cuDNN's also return each row's log-sum-exp ``lse``, from
-which a sink joins the output exactly ([`attnkit.backends.sinks`][attnkit.backends.sinks]):
+which a sink joins the output exactly ([`attnkit.rules.sinks`][attnkit.rules.sinks]):
 
     lse' = logaddexp(lse, z_h),    y = out * exp(lse - lse')
 
@@ -20,10 +20,10 @@ import torch
 from torch import Tensor
 from torch.nn.attention import SDPBackend
 
-from attnkit.backends.base import Call
-from attnkit.backends.reference import differentiable_grads
-from attnkit.backends.sinks import share_of_keys
+from attnkit.call import Call
 from attnkit.masks import Masks
+from attnkit.rules.exact import differentiable_grads
+from attnkit.rules.sinks import share_of_keys
 
 _FLASH, _CUDNN = SDPBackend.FLASH_ATTENTION.value, SDPBackend.CUDNN_ATTENTION.value
 """torch's fused kernels whose lse this path takes, as numbered by `_fused_sdp_choice`."""
@@ -126,7 +126,7 @@ def _backward(kernel: str, dy, q, k, v, y, lse, state, causal: bool, scale: floa
 class _SinksJoined(torch.autograd.Function):
     """Attention with sinks on one of torch's fused kernels, forward and backward (see the
     module's note). A backward with ``create_graph=True`` differentiates the reference backend's
-    recomputation ([`differentiable_grads`][attnkit.backends.reference.differentiable_grads])."""
+    recomputation ([`differentiable_grads`][attnkit.rules.exact.differentiable_grads])."""
 
     @staticmethod
     def forward(ctx, q, k, v, sinks, kernel: str, causal: bool, scale: float):

@@ -1,10 +1,10 @@
 """The tiled backend: FlashAttention-2's online softmax, block by block.
 
-Two implementations of one algorithm: the PyTorch loop of [`attnkit.backends.tiled_loop`][attnkit.backends.tiled_loop], the
-readable shape of it, and ``tiled.cpp`` ([`attnkit.backends.tiled_native`][attnkit.backends.tiled_native]), which runs where the
+Two implementations of one algorithm: the PyTorch loop of [`attnkit.tiled.loop`][attnkit.tiled.loop], the
+readable shape of it, and ``tiled.cpp`` ([`attnkit.tiled.native`][attnkit.tiled.native]), which runs where the
 block products are float32 on a CPU: there a dozen tensor operations per block, each a pass over
 the block in memory, become a few passes over a row that is in cache. Both are tested against the
-float64 oracle, option by option. [`attnkit.backends.tiled_function`][attnkit.backends.tiled_function] holds what they
+float64 oracle, option by option. [`attnkit.tiled.autograd`][attnkit.tiled.autograd] holds what they
 share: the autograd function, its ``vmap`` rule and the weights. This module is the backend as the
 registry sees it: what it refuses, where it is faster than SDPA, which path runs.
 
@@ -21,7 +21,7 @@ Grouped-query attention costs nothing extra: the ``g = h / h_kv`` query heads th
 head are stacked into one ``(g * block_q)``-row block, so each key block is multiplied once.
 
 Dropout draws its mask block by block from a hash of the call's seed, the row and the key
-([`attnkit.backends.dropout`][attnkit.backends.dropout]), and the backward draws it again.
+([`attnkit.rules.dropout`][attnkit.rules.dropout]), and the backward draws it again.
 
 Gradients reach every input and every output: the lse (its gradient enters the backward as
 ``D_i - dlse_i``), the weights (recomputed from the lse, differentiably when they need a gradient)
@@ -31,7 +31,7 @@ at the reference's ``O(t * s)`` memory for that call.
 
 Precision: softmax statistics and accumulators are float32 (float64 for float64 inputs). The matrix
 products run in the input dtype where the hardware has fast half-precision products (CUDA; on a CPU,
-bf16 with AVX512-BF16 or AMX and fp16 with AMX-FP16, as `attnkit._cpu` reports); elsewhere
+bf16 with AVX512-BF16 or AMX and fp16 with AMX-FP16, as `attnkit.kernels.cpu` reports); elsewhere
 half-precision blocks are multiplied in float32, which is both faster and more accurate there (bf16
 GEMM without hardware support is hundreds of times slower than fp32). Where its build has AVX512-BF16,
 the C++ kernel multiplies bf16 blocks itself with float32 sums, so scores are never rounded to bf16;
@@ -45,19 +45,13 @@ from __future__ import annotations
 
 import torch
 
-from attnkit import _cpu
 from attnkit._tracing import traced
-from attnkit.backends import sdpa, tiled_function, tiled_native
-from attnkit.backends.base import (
-    AttentionOutput,
-    Backend,
-    Call,
-    Route,
-    forward_ad_active,
-    gradient_levels,
-    wants_grad,
-)
-from attnkit.backends.sinks import join as join_sinks
+from attnkit.backends import sdpa
+from attnkit.backends.base import Backend, Route
+from attnkit.call import AttentionOutput, Call, forward_ad_active, gradient_levels, wants_grad
+from attnkit.kernels import cpu
+from attnkit.rules.sinks import join as join_sinks
+from attnkit.tiled import autograd, native
 
 DENSE_MASK_LIMIT = 2**24
 """The largest mask SDPA is given to materialise (elements; 64 MiB of float32) before "auto"
@@ -71,13 +65,13 @@ t != s and padding go to the tiled backend at any size on a CPU: no dense mask i
 SINKS_NATIVE_FROM = {"avx2": 384 * 384, "avx512": 512 * 512}
 """The fewest scores t * s from which the tiled C++ kernel with sinks overtakes SDPA's path for
 them (torch's CPU flash kernel, through its lse), in float32, causal, per build of the kernel
-(`attnkit._cpu.build_level`): measured on the AVX2 and AVX-512 kinds (docs/bench/choices.md). The
+(`attnkit.kernels.cpu.build_level`): measured on the AVX2 and AVX-512 kinds (docs/bench/choices.md). The
 other builds take the AVX-512 one's."""
 
 
 def sinks_native_from() -> int:
     """[`SINKS_NATIVE_FROM`][attnkit.backends.tiled.SINKS_NATIVE_FROM] for this CPU's build."""
-    return SINKS_NATIVE_FROM.get(_cpu.build_level(), SINKS_NATIVE_FROM["avx512"])
+    return SINKS_NATIVE_FROM.get(cpu.build_level(), SINKS_NATIVE_FROM["avx512"])
 
 
 _OPTIONS_RULED = frozenset({"dropout_p", "window", "alibi_slopes", "sinks"})
@@ -101,7 +95,7 @@ def _call_dtype(call: Call) -> torch.dtype:
 
 
 def _products(call: Call) -> torch.dtype:
-    return tiled_function.matmul_dtype(_call_dtype(call), call.q.device)
+    return autograd.matmul_dtype(_call_dtype(call), call.q.device)
 
 
 def _may_be_faster(call: Call) -> bool:
@@ -153,7 +147,7 @@ class TiledBackend(Backend):
         _, h, t, _ = q.shape
         s = k.shape[-2]
         grad = half and wants_grad(q, k, v)  # the rules below that ask apply to half precision
-        if grad and not tiled_function.fast_half_matmul(q.dtype, q.device):
+        if grad and not autograd.fast_half_matmul(q.dtype, q.device):
             return (
                 f"SDPA's {q.dtype} backward is slow on a CPU without fast half-precision products"
             )
@@ -163,7 +157,7 @@ class TiledBackend(Backend):
             and q.device.type == "cpu"
             and t >= rows
             and t * s >= scores
-            and not _cpu.has("amx_bf16")
+            and not cpu.has("amx_bf16")
             and self.path(call).products == "bf16-avx512_bf16"  # the C++ kernel, with vdpbf16ps
         ):
             return "its bf16 block products (AVX512-BF16) with float32 sums run faster than SDPA's"
@@ -210,15 +204,15 @@ class TiledBackend(Backend):
         if traced():
             return Route("loop")
         products = _products(call)
-        kernel = tiled_function.kernel_for(call, products)
+        kernel = autograd.kernel_for(call, products)
         if kernel is None:
             return Route("loop", str(products).removeprefix("torch."))
-        return Route("native", tiled_native.products(kernel, products))
+        return Route("native", native.products(kernel, products))
 
     def run(self, call: Call) -> AttentionOutput:
         if call.sinks is None:
-            return tiled_function.run(call)
-        keys_alone = tiled_function.run(call._replace(sinks=None, return_lse=True))
+            return autograd.run(call)
+        keys_alone = autograd.run(call._replace(sinks=None, return_lse=True))
         return join_sinks(keys_alone, call.sinks, call.return_lse)
 
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import torch
 
-from attnkit import _cpu
 from attnkit.bench.flex_cases import OWN_MASK
 from attnkit.bench.measure import Result
+from attnkit.kernels import cpu
 
 BASELINES = {"kernel": "torch-sdpa", "module": "torch-mha"}
 
@@ -47,7 +47,7 @@ def machine(device: str = "cpu") -> dict:
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "cpu_features": _cpu.describe(),
+        "cpu_features": cpu.describe(),
         "python": platform.python_version(),
         **(gpu() if device != "cpu" else {}),
     }

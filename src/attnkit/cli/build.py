@@ -22,13 +22,12 @@ def add(commands) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from attnkit import _build, _cpu
-    from attnkit.backends import _native
+    from attnkit.kernels import build, cpu, loader
 
     print(
-        f"attnkit: C++ kernels for this CPU ({_cpu.describe()}): the {_cpu.build_level()} build, "
-        f"for torch {_build.torch_build_id()['torch']}; extensions folder "
-        f"{_build.extensions_folder()}"
+        f"attnkit: C++ kernels for this CPU ({cpu.describe()}): the {cpu.build_level()} build, "
+        f"for torch {build.torch_build_id()['torch']}; extensions folder "
+        f"{build.extensions_folder()}"
     )
     said = {
         "prebuilt": "prebuilt in the wheel",
@@ -37,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
         "missing": "not built yet",
         "failed": "could not be built",
     }
-    reports = _native.build_all(force=args.force, check=args.check)
+    reports = loader.build_all(force=args.force, check=args.check)
     for report in reports:
         took = f" in {report.seconds:.0f} s" if report.origin == "built" else ""
         print(

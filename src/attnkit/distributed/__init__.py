@@ -40,7 +40,8 @@ ranks' agreement, the plan of a call), ``passes`` (the forward and backward arou
 
 from attnkit.distributed.layout import LAYOUTS, chunks, shard, unshard
 from attnkit.distributed.module import ContextParallel
-from attnkit.distributed.ring import KEY_PIECE, QUERY_PIECE, ring_attention
+from attnkit.distributed.plan import KEY_PIECE, QUERY_PIECE
+from attnkit.distributed.ring import ring_attention
 from attnkit.distributed.transport import DEFAULT_TIMEOUT, RingError
 
 __all__ = [

@@ -10,11 +10,11 @@ import torch
 from torch import Tensor
 
 from attnkit import masks
-from attnkit.backends import tiled_function
 from attnkit.distributed.layout import Piece
+from attnkit.tiled import autograd
 
 if TYPE_CHECKING:
-    from attnkit.distributed.ring import RingPlan
+    from attnkit.distributed.plan import RingPlan
 
 _NEG_INF = float("-inf")
 
@@ -49,7 +49,7 @@ def _ring_forward(q, k, v, slopes, key_mask, plan: RingPlan) -> tuple[Tensor, Te
             qi, ki, vi = q[:, :, qc.rows], k_src[:, :, kc.rows], v_src[:, :, kc.rows]
             mi = None if mask_src is None else mask_src[:, kc.rows]
             pair = plan.pair(qi, ki, vi, mi, slopes, (), qc, kc)
-            out_b, lse_b = tiled_function.partial(pair)  # in `stats`: rounded at the end
+            out_b, lse_b = autograd.partial(pair)  # in `stats`: rounded at the end
             _merge(out[:, :, qc.rows], lse[:, :, qc.rows], out_b, lse_b)
 
     held: list[Tensor] = []
@@ -91,13 +91,13 @@ def backward_pass(q, k, v, slopes, key_mask, out, lse, dout, dlse, mod_tensors, 
             mi = None if mask_src is None else mask_src[:, kc.rows]
             pair = plan.pair(qi, ki, vi, mi, slopes, mod_tensors, qc, kc)
             rows = (slice(None), slice(None), qc.rows)
-            gq, gk, gv, gs, gm = tiled_function.backward(
+            gq, gk, gv, gs, gm = autograd.backward(
                 pair,
                 out[rows],
                 lse[rows],
                 None if dout is None else dout[rows],
                 None if dlse is None else dlse[rows],
-                tiled_function.spec_of(pair),
+                autograd.spec_of(pair),
                 slopes_grad=slopes_grad,
                 cast=False,
             )

@@ -20,7 +20,8 @@ from attnkit.learn.roles import (
     role_scores,
     self_score,
 )
-from attnkit.learn.train import Settings, learn
+from attnkit.learn.settings import Settings
+from attnkit.learn.train import learn
 
 __all__ = [
     "LearnResult",

@@ -28,8 +28,8 @@ from torch import Tensor
 from attnkit.learn.roles import ROLES
 
 if TYPE_CHECKING:
+    from attnkit.learn.settings import Settings
     from attnkit.learn.tasks import Task
-    from attnkit.learn.train import Settings
 
 TOOK_ROLE = 0.5
 """A head "took" a role when its score at the end reached this."""

@@ -5,12 +5,9 @@ Shapes: ``b`` batch, ``t`` tokens, ``h`` heads, ``d`` head dim, ``e = h * d`` em
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from torch import Tensor
 
-from torch import Tensor, nn
-from torch.nn.modules import module as _module
-
-from attnkit import _checks, functional
+from attnkit import _checks
 
 
 def as_batched(
@@ -25,43 +22,6 @@ def as_batched(
     _checks.check_features(x, name, features, features_name)
     _checks.check_matches_parameters(x, name, like)
     return (x.unsqueeze(0), True) if x.dim() == 2 else (x, False)
-
-
-_LINEAR_FORWARD = nn.Linear.forward
-
-
-def project(layer: nn.Linear, x: Tensor) -> Tensor:
-    """``layer(x)``, through `project_all`."""
-    return project_all((layer,), x)[0]
-
-
-def project_all(layers: Sequence[nn.Linear], x: Tensor) -> list[Tensor]:
-    """``[layer(x) for layer in layers]``, the plain ``nn.Linear`` layers through
-    [`attnkit.functional.linear_all`][attnkit.functional.linear_all] (which streams the weights of
-    a decoding step's every layer in one pass); a layer that is not a plain ``nn.Linear`` (a
-    subclass, hooks, a ``forward`` of its own) is called as a module, and so are the others."""
-    if (
-        _module._global_forward_hooks
-        or _module._global_forward_pre_hooks
-        or nn.Linear.forward is not _LINEAR_FORWARD  # patched on the class since attnkit's import
-    ):
-        return [layer(x) for layer in layers]
-    weights, biases = [], []
-    for layer in layers:
-        state = vars(layer)
-        params = state["_parameters"]  # layer.weight, without nn.Module.__getattr__'s search
-        if (
-            type(layer) is not nn.Linear
-            or state["_forward_hooks"]
-            or state["_forward_pre_hooks"]
-            or "forward" in state
-            or "weight" not in params
-            or "bias" not in params
-        ):
-            return [layer(x) for layer in layers]
-        weights.append(params["weight"])
-        biases.append(params["bias"])
-    return functional.linear_all(x, weights, biases)
 
 
 def split_heads(x: Tensor, num_heads: int) -> Tensor:

@@ -110,8 +110,9 @@ class CrossAttention(ProjectedAttention):
                     "cross-attention reads the whole memory: use a cache without window"
                 )
             self._check_decoding(x, memory)
+        step = cache is not None  # a cached decoding step: its projections fused
         if cache is not None and cache.size:
-            queries = self._project_queries(x)
+            queries = self._project_queries(x, step)
             keys, values = cache.get()
             key_mask = cache.key_mask
         else:
@@ -123,7 +124,7 @@ class CrossAttention(ProjectedAttention):
             memory = _check_memory(memory, self.d_kv, self.W_key.weight, x, unbatched)
             if unbatched and key_mask is not None and key_mask.dim() == 1:
                 key_mask = key_mask.unsqueeze(0)
-            queries, keys, values = self._project(x, memory)
+            queries, keys, values = self._project(x, memory, step)
             if cache is not None:
                 if key_mask is not None:
                     _checks.check_key_mask(key_mask, *memory.shape[:2], x.device)
@@ -137,6 +138,7 @@ class CrossAttention(ProjectedAttention):
             attn_mask=None,
             need_weights=need_weights,
             average_weights=average_weights,
+            step=step,
             **self._known_of(cache, keys),
         )
         return unbatch(result, unbatched)

@@ -4,13 +4,14 @@ module."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TypeVar
 
 import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    from attnkit.modules.multihead import MultiHeadAttention
+MultiHeadAttention = TypeVar("MultiHeadAttention", bound=nn.Module)
+"""attnkit's `MultiHeadAttention` or a subclass, as its class methods hand it over (a type
+variable rather than an import, so that this module and the class's do not import each other)."""
 
 
 def from_torch(cls: type[MultiHeadAttention], m: nn.MultiheadAttention) -> MultiHeadAttention:

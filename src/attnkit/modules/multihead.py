@@ -197,7 +197,8 @@ class MultiHeadAttention(ProjectedAttention):
         if key_mask is not None:
             _checks.check_key_mask(key_mask, b, t, x.device)
         self._check_mode(x, cache, context_parallel, documents, attn_mask, need_weights)
-        queries, keys, values = self._project(x, x)
+        step = cache is not None  # a cached decoding step: its projections fused
+        queries, keys, values = self._project(x, x, step)
         if self.rope is not None:
             positions = self._positions(t, key_mask, cache, context_parallel, x.device)
             queries, keys = self.rope(queries, positions), self.rope(keys, positions)
@@ -230,6 +231,7 @@ class MultiHeadAttention(ProjectedAttention):
             sinks=self.sinks,
             softcap=self.softcap,
             attend=attention if context_parallel is None else context_parallel.attention,
+            step=step,
             **mods,
         )
         return unbatch(result, unbatched)

@@ -17,7 +17,8 @@ from torch import Tensor, nn
 from attnkit import _checks
 from attnkit.cache import KVCache
 from attnkit.functional import attention
-from attnkit.modules._common import merge_heads, project, project_all, split_heads
+from attnkit.kernels import gemv
+from attnkit.modules._common import merge_heads, split_heads
 
 
 class ProjectedAttention(nn.Module):
@@ -69,20 +70,28 @@ class ProjectedAttention(nn.Module):
     # attribute, raising and catching an AttributeError, before nn.Module.__getattr__ finds it
     # (about 10k instructions a lookup; a decoding step made 9 such lookups, a tenth of its Python).
 
-    def _project_queries(self, x: Tensor) -> Tensor:
-        # (b, t, e) -> (b, h, t, d)
-        return split_heads(project(self._modules["W_query"], x), self.num_heads)
+    def _linears(self, names: tuple[str, ...], x: Tensor, step: bool) -> list[Tensor]:
+        """The named projections of ``x``: each layer called, or in a cached decoding ``step`` one
+        fused product of their weights ([`gemv.project`][attnkit.kernels.gemv.project])."""
+        layers = [self._modules[name] for name in names]
+        return gemv.project(layers, x) if step else [layer(x) for layer in layers]
 
-    def _project(self, x: Tensor, memory: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def _project_queries(self, x: Tensor, step: bool = False) -> Tensor:
+        # (b, t, e) -> (b, h, t, d)
+        [q] = self._linears(("W_query",), x, step)
+        return split_heads(q, self.num_heads)
+
+    def _project(
+        self, x: Tensor, memory: Tensor, step: bool = False
+    ) -> tuple[Tensor, Tensor, Tensor]:
         """Queries ``(b, h, t, d)`` from ``x`` ``(b, t, d_q)``; keys and values ``(b, h_kv, s, d)``
-        from ``memory`` ``(b, s, d_kv)``."""
-        if x is memory:  # self-attention: the three projections of x in one call
-            layers = self._modules
-            q, k, v = project_all((layers["W_query"], layers["W_key"], layers["W_value"]), x)
+        from ``memory`` ``(b, s, d_kv)``. ``step``: a cached decoding step."""
+        if x is memory:  # self-attention: in a step, the three projections of x in one product
+            q, k, v = self._linears(("W_query", "W_key", "W_value"), x, step)
             queries = split_heads(q, self.num_heads)  # (b, t, e) -> (b, h, t, d)
         else:
-            queries = self._project_queries(x)
-            k, v = project_all((self._modules["W_key"], self._modules["W_value"]), memory)
+            queries = self._project_queries(x, step)
+            k, v = self._linears(("W_key", "W_value"), memory, step)
         # (b, s, e) -> (b, h_kv, s, d)
         return queries, split_heads(k, self.num_kv_heads), split_heads(v, self.num_kv_heads)
 
@@ -98,11 +107,13 @@ class ProjectedAttention(nn.Module):
         need_weights: bool,
         average_weights: bool,
         attend: Callable = attention,
+        step: bool = False,
         **score_options: Any,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """The attention call and the output projection; ``score_options`` go to
         [`attnkit.functional.attention`][attnkit.functional.attention] (window, ALiBi, softcap),
-        or to ``attend``, a function with its signature (ring attention)."""
+        or to ``attend``, a function with its signature (ring attention). ``step``: a cached
+        decoding step (its output projection in the fused product)."""
         result = attend(
             queries,
             keys,
@@ -116,7 +127,7 @@ class ProjectedAttention(nn.Module):
         )
         context, weights = result if need_weights else (result, None)
         # (b, h, t, d) -> (b, t, e) -> (b, t, e)
-        out = project(self._modules["out_proj"], merge_heads(context))
+        [out] = self._linears(("out_proj",), merge_heads(context), step)
         if not need_weights:
             return out
         return out, weights.mean(dim=1) if average_weights else weights  # (b, t, s) | (b, h, t, s)

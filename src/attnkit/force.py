@@ -1,0 +1,93 @@
+"""Forcing a path inside a backend, whatever the CPU: to compare paths, and for the tests, which
+check every path on any machine.
+
+``auto`` and a named backend choose the path themselves (see
+[`attnkit.functional.which_backend`][attnkit.functional.which_backend]); inside ``forced(path)``,
+that choice is overridden:
+
+| path | what runs |
+|---|---|
+| ``"tiled:loop"`` | the tiled backend's PyTorch loop, never its C++ kernel |
+| ``"tiled:half"`` | half-precision block products, as on a CPU with AVX512-BF16 or AMX: bf16 ones in the C++ kernel, with AVX512-BF16 where its build has it, else by the kernel's portable version of the same sums (slow, exact) |
+| ``"tiled:portable"`` | bf16 block products in the C++ kernel, always by its portable version |
+| ``"tiled:half-loop"`` | half-precision block products, in the PyTorch loop |
+
+Inside ``blind()``, the calls never look at the data from Python, as on a GPU: the CPU runs the
+GPU's form of attnkit's rule for non-finite values.
+
+Example:
+    >>> import torch
+    >>> from attnkit.force import forced
+    >>> from attnkit.functional import which_backend
+    >>> q = torch.randn(1, 2, 64, 32)
+    >>> with forced("tiled:loop"):
+    ...     which_backend(q, q, q, backend="tiled").path
+    'loop'
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+PATHS = ("tiled:loop", "tiled:half", "tiled:portable", "tiled:half-loop")
+"""The paths that can be forced."""
+
+_FORCED: list[str] = []  # the innermost forced path last
+
+
+@contextlib.contextmanager
+def forced(path: str) -> Iterator[None]:
+    """Run the calls inside with ``path`` forced (one of [`PATHS`][attnkit.force.PATHS]).
+
+    Raises:
+        ValueError: an unknown path.
+    """
+    if path not in PATHS:
+        raise ValueError(f"unknown path {path!r}; choose one of {', '.join(map(repr, PATHS))}")
+    _FORCED.append(path)
+    try:
+        yield
+    finally:
+        _FORCED.pop()
+
+
+def current() -> str | None:
+    """The path forced now, or None."""
+    return _FORCED[-1] if _FORCED else None
+
+
+def loop_only() -> bool:
+    """Whether the tiled backend must run its PyTorch loop."""
+    return current() in ("tiled:loop", "tiled:half-loop")
+
+
+def half_products() -> bool:
+    """Whether half-precision block products are forced (whatever the CPU has)."""
+    return current() in ("tiled:half", "tiled:half-loop", "tiled:portable")
+
+
+def portable_pairs() -> bool:
+    """Whether the C++ kernel must multiply bf16 blocks by its portable sums."""
+    return current() == "tiled:portable"
+
+
+_BLIND: list[bool] = []
+
+
+@contextlib.contextmanager
+def blind() -> Iterator[None]:
+    """Run the calls inside as on a GPU, where a look at the data from Python would cost a
+    synchronisation: attnkit's rule for non-finite values runs as tensor operations only, never
+    branching on values (see
+    [`can_branch_on_data`][attnkit.rules.nonfinite.can_branch_on_data])."""
+    _BLIND.append(True)
+    try:
+        yield
+    finally:
+        _BLIND.pop()
+
+
+def is_blind() -> bool:
+    """Whether the calls run inside [`blind`][attnkit.force.blind]."""
+    return bool(_BLIND)
