@@ -11,7 +11,10 @@ import torch
 from torch.nn.attention import flex_attention as torch_flex
 
 import attnkit
+from attnkit import flex_attention
 from attnkit import functional as F
+from attnkit.block_mask import create_block_mask, window_of
+from attnkit.functional import attention, which_backend
 from helpers.devices import CUDA
 from helpers.zoo import BACKENDS, ZOO, H, inputs, zoo_on
 
@@ -79,3 +82,53 @@ def test_a_block_mask_for_one_batch_and_head_still_sees_every_batch_and_head(dev
     for backend in BACKENDS:
         out = F.attention(q, k, v, block_mask=block_mask, backend=backend)
         torch.testing.assert_close(out, want)
+
+
+@pytest.mark.parametrize(
+    ("name", "mask_mod", "t", "s", "window"),
+    [
+        ("causal", lambda b, h, q, k: q >= k, 300, 300, (-1, 0)),
+        ("causal, bottom-right", lambda b, h, q, k: q + 50 >= k, 250, 300, (-1, 0)),
+        ("causal, top-left", lambda b, h, q, k: q >= k, 250, 300, None),
+        ("sliding", lambda b, h, q, k: (q >= k) & (q - k < 64), 500, 500, (63, 0)),
+        ("band", lambda b, h, q, k: (k - q).abs() <= 5, 300, 300, (5, 5)),
+        ("everything", lambda b, h, q, k: q >= 0, 200, 300, (-1, -1)),
+        ("documents", lambda b, h, q, k: q // 100 == k // 100, 300, 300, None),
+        ("strictly before", lambda b, h, q, k: q > k, 300, 300, None),
+        ("a hole", lambda b, h, q, k: (q >= k) & ((q != 5) | (k != 3)), 64, 64, None),
+    ],
+)
+def test_a_block_mask_that_is_a_window_is_known_as_one(name, mask_mod, t, s, window):
+    mask = create_block_mask(mask_mod, None, None, t, s, "cpu", 64)
+    assert window_of(mask) == window
+    q = torch.randn(1, 2, t, 8)
+    k = torch.randn(1, 2, s, 8)
+    got = attention(q, k, k, block_mask=mask, backend="tiled")
+    torch.testing.assert_close(got, attention(q, k, k, block_mask=mask, backend="reference"))
+
+
+def test_a_causal_block_mask_runs_the_kernel_of_causal_true():
+    """FlexAttention's way of writing it, and attnkit's, run one kernel: a causal block mask
+    needs no mask per score."""
+    table = torch.randn(2, 511, requires_grad=True)
+
+    def rel(score, b, h, q_idx, kv_idx):
+        return score + table[h, q_idx - kv_idx + 255]
+
+    q, k, v = (torch.randn(1, 2, 256, 16, requires_grad=True) for _ in range(3))
+    mask = create_block_mask(lambda b, h, i, j: i >= j, None, None, 256, 256, "cpu")
+    by_mask = which_backend(q, k, v, score_mod=rel, block_mask=mask)
+    assert by_mask == which_backend(q, k, v, score_mod=rel, causal=True)
+    out = flex_attention(q, k, v, score_mod=rel, block_mask=mask)
+    want = attention(q, k, v, score_mod=rel, causal=True, backend="reference")
+    torch.testing.assert_close(out, want)
+    for got, expected in zip(
+        torch.autograd.grad(out.sum(), (q, k, v, table)),
+        torch.autograd.grad(want.sum(), (q, k, v, table)),
+    ):
+        torch.testing.assert_close(got, expected)
+
+
+def test_a_mask_per_batch_or_head_is_not_looked_at():
+    mask = create_block_mask(lambda b, h, q, k: q >= k, 1, 2, 64, 64, "cpu")
+    assert window_of(mask) is None

@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import math
 import warnings
+import weakref
 
 import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
 from attnkit import mods
+from attnkit._tracing import traced
 
 WORK_ELEMENTS = 1 << 22
 """The most mask elements evaluated at once (4 MiB of bools)."""
@@ -217,3 +219,78 @@ def scores_allowed(
     if bool(partial.all()):
         return by_mod
     return spread(full) | (spread(partial) & by_mod)
+
+
+_WINDOWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""Each block mask seen, and the window it is (or None)."""
+
+
+def window_of(block_mask: BlockMask) -> tuple[int, int] | None:
+    """The positional window ``(left, right)`` (bottom-right aligned, -1 unbounded, as
+    ``attention``'s ``window`` takes it) that ``block_mask`` allows score for score, or None if it
+    is no window: a causal mask (``q_idx >= kv_idx`` with as many queries as keys), a sliding
+    window, a block mask with every listed block full. Then a call can run as that window, on
+    the kernels that skip blocks by position and apply no mask per score.
+
+    Only a mask that depends on neither batch nor head (built with ``B`` and ``H`` None) on a
+    CPU outside tracing is looked at: its mask is evaluated in its partial blocks alone, once
+    per block mask (a causal mask at 4096 evaluates 32 blocks of 128 x 128)."""
+    partial, full = tables(block_mask)
+    if partial.shape[:2] != (1, 1) or not partial.is_cpu or traced():
+        return None
+    if block_mask in _WINDOWS:
+        return _WINDOWS[block_mask]
+    window = _window(block_mask, partial[0, 0], full[0, 0])
+    _WINDOWS[block_mask] = window
+    return window
+
+
+def _window(block_mask: BlockMask, partial: Tensor, full: Tensor) -> tuple[int, int] | None:
+    t, s = block_mask.seq_lengths
+    bq, bk = block_mask.BLOCK_SIZE
+    # each row's first and last allowed key and how many it may see
+    first = torch.full((t,), s, dtype=torch.long)
+    last = torch.full((t,), -1, dtype=torch.long)
+    count = torch.zeros(t, dtype=torch.long)
+    for qb, kb in full.nonzero().tolist():
+        rows = slice(qb * bq, min((qb + 1) * bq, t))
+        j0, j1 = kb * bk, min((kb + 1) * bk, s)
+        first[rows] = first[rows].clamp(max=j0)
+        last[rows] = last[rows].clamp(min=j1 - 1)
+        count[rows] += j1 - j0
+    for qb, kb in partial.nonzero().tolist():
+        rows, keys = range(qb * bq, min((qb + 1) * bq, t)), range(kb * bk, min((kb + 1) * bk, s))
+        at = mods.Block.of(range(1), range(1), rows, keys, partial.device)
+        seen = mods.mask(block_mask.mask_mod, at).expand(1, 1, len(rows), len(keys))[0, 0]
+        where = torch.arange(keys.start, keys.stop)
+        some = seen.any(dim=1)
+        lo = torch.where(seen, where, s).amin(dim=1)
+        hi = torch.where(seen, where, -1).amax(dim=1)
+        span = slice(rows.start, rows.stop)
+        first[span] = torch.minimum(first[span], lo)
+        last[span] = torch.maximum(last[span], torch.where(some, hi, -1))
+        count[span] += seen.sum(dim=1)
+    seen = count > 0
+    if not bool(seen.any()) or not bool((count[seen] == last[seen] - first[seen] + 1).all()):
+        return None  # no key at all, or a row whose keys have a gap
+    position = torch.arange(t) + (s - t)  # p(i), bottom-right aligned
+    left = _bound(position - first, seen & (first > 0))
+    right = _bound(last - position, seen & (last < s - 1))
+    if left is None or right is None:
+        return None
+    low = position - left if left >= 0 else torch.zeros_like(position)
+    high = position + right if right >= 0 else torch.full_like(position, s - 1)
+    low, high = low.clamp(min=0), high.clamp(max=s - 1)
+    empty = low > high
+    same = (seen == ~empty) & (~seen | ((first == low) & (last == high)))
+    return (left, right) if bool(same.all()) else None
+
+
+def _bound(reach: Tensor, limited: Tensor) -> int | None:
+    """The one reach of the rows whose keys stop short of an end (-1 if none does), or None if
+    they differ or it is negative (a window that leaves out the query's own position)."""
+    if not bool(limited.any()):
+        return -1
+    values = reach[limited]
+    value = int(values[0])
+    return value if value >= 0 and bool((values == value).all()) else None

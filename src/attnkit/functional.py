@@ -36,9 +36,9 @@ from torch.nn.attention.flex_attention import BlockMask
 from attnkit import _checks, mods
 from attnkit._tracing import traced
 from attnkit.backends import BackendChoice, choose_backend, run
-from attnkit.block_mask import create_block_mask
+from attnkit.block_mask import create_block_mask, window_of
 from attnkit.call import AttentionOutput, Call, call_of
-from attnkit.masks import Masks, merge_window
+from attnkit.masks import Masks, both_windows, merge_window
 from attnkit.mods import MaskMod, ScoreMod
 from attnkit.rules.sinks import join as join_sinks
 
@@ -275,9 +275,18 @@ def checked_call(
             "return_weights must be a bool or 'dropped', got "
             f"{type(return_weights).__name__} {return_weights!r}"
         )
-    masks = Masks(
-        merge_window(causal, _checks.check_window(window), t, s, shift), key_mask, attn_mask, shift
-    )
+    window = _checks.check_window(window)
+    # A block mask that is a window score for score (a causal one, a sliding one) runs as that
+    # window: the kernels skip blocks by position and need no mask per score.
+    blocks = None
+    if mask_mod is not None:
+        _checks.check_mask_mod(mask_mod, block_mask)
+        blocks = create_block_mask(mask_mod, b, h, t, s, device=q.device)
+    elif block_mask is not None:
+        blocks = _checks.check_block_mask(block_mask, b, h, t, s, q.device)
+    if blocks is not None and (as_window := window_of(blocks)) is not None:
+        window, blocks = both_windows(window, as_window), None
+    masks = Masks(merge_window(causal, window, t, s, shift), key_mask, attn_mask, shift)
     # Only the options the caller set are checked and passed on; the others keep the defaults of
     # call_of, so that a plain call spends no time on options it does not use.
     extras = {}
@@ -289,11 +298,8 @@ def checked_call(
         extras["sinks"] = _checks.check_sinks(sinks, h, q.device)
     if not (type(dropout_p) is float and dropout_p == 0.0):
         extras["dropout_p"] = _checks.check_probability(dropout_p, "dropout_p")
-    if mask_mod is not None:
-        _checks.check_mask_mod(mask_mod, block_mask)
-        extras["block_mask"] = create_block_mask(mask_mod, b, h, t, s, device=q.device)
-    elif block_mask is not None:
-        extras["block_mask"] = _checks.check_block_mask(block_mask, b, h, t, s, q.device)
+    if blocks is not None:
+        extras["block_mask"] = blocks
     if nonfinite_keys is not None:
         _checks.check_nonfinite_keys(nonfinite_keys, (b, k.shape[1], s), k.device)
         if k is keys_as_given:  # (autocast's cast may have made a large key infinite)

@@ -111,6 +111,17 @@ def alibi_slopes(num_heads: int) -> Tensor:
     return torch.tensor(slopes)
 
 
+def both_windows(a: tuple[int, int] | None, b: tuple[int, int] | None) -> tuple[int, int] | None:
+    """The window of the keys both windows allow (-1: unbounded; None: no window)."""
+    if a is None or b is None:
+        return a if b is None else b
+
+    def tighter(x: int, y: int) -> int:
+        return y if x < 0 else x if y < 0 else min(x, y)
+
+    return tighter(a[0], b[0]), tighter(a[1], b[1])
+
+
 def merge_window(
     causal: bool, window: tuple[int, int] | None, t: int, s: int, shift: int = 0
 ) -> tuple[int, int] | None:

@@ -337,7 +337,11 @@ def test_refusals_name_what_it_cannot_run():
     assert "torch.float64 tensors" in refusal(*[q.double()] * 3)
     assert "head dims 8 (q, k) and 8 (v)" in refusal(*[q[..., :8]] * 3)
     assert "head dims 16 (q, k) and 300 (v)" in refusal(q, q, torch.randn(1, 2, 8, 300))
-    odd = create_block_mask(lambda b, h, i, j: i >= j, None, None, 8, 8, "cpu", BLOCK_SIZE=48)
+
+    def holed(b, h, i, j):  # causal with a hole: no window, so the block mask reaches flex
+        return (i >= j) & ((i != 5) | (j != 3))
+
+    odd = create_block_mask(holed, None, None, 8, 8, "cpu", BLOCK_SIZE=48)
     assert "BLOCK_SIZE (48, 48)" in refusal(q, q, q, block_mask=odd)
     with torch.autograd.forward_ad.dual_level():
         dual = torch.autograd.forward_ad.make_dual(q, torch.ones_like(q))

@@ -116,7 +116,7 @@ def test_a_mod_that_gathers_a_block_runs_compiled_from_long_calls(monkeypatch):
     monkeypatch.setattr(mods, "COMPILE_FROM", 0)  # as if the call were long
     table = TABLE.clone().requires_grad_()
     q, k, v = (x.requires_grad_() for x in inputs(1, H, 29, 29))
-    block_mask = create_block_mask(causal, None, None, 29, 29, "cpu", 8)
+    block_mask = create_block_mask(causal, 1, H, 29, 29, "cpu", 8)  # per head: the loop's
 
     def gathers(score, b, h, q_idx, kv_idx):
         return score + table[h, q_idx - kv_idx + 28]
@@ -158,7 +158,7 @@ def test_a_mod_that_cannot_be_compiled_runs_uncompiled_with_a_warning(monkeypatc
     q, k, v = inputs(1, H, 29, 29)
     options = {"score_mod": gathers_too, "backend": "tiled"}
     if path == "loop":
-        options["block_mask"] = create_block_mask(noop_mask, None, None, 29, 29, "cpu", 8)
+        options["block_mask"] = create_block_mask(noop_mask, 1, H, 29, 29, "cpu", 8)
     assert F.which_backend(q, k, v, **options).path == {"kernel": "native", "loop": "loop"}[path]
     try:
         with pytest.warns(UserWarning) as warned:  # the loop compiles the mod from its 2nd call

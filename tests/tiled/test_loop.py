@@ -52,7 +52,10 @@ def test_key_blocks_visit_only_the_keys_the_window_allows(t, s, causal, window, 
 
 
 def test_a_block_mask_groups_its_blocks_into_the_plans(device):
-    mask = attnkit.create_block_mask(lambda b, h, q, kv: q >= kv, None, None, 64, 64, device, 8)
+    def causal_documents(b, h, q, kv):  # no window: documents of 24 tokens
+        return (q >= kv) & (q // 24 == kv // 24)
+
+    mask = attnkit.create_block_mask(causal_documents, None, None, 64, 64, device, 8)
     q = torch.randn(1, 2, 64, 4, device=device)
     p = Plan.of(checked_call(q, q, q, block_mask=mask), torch.float32, 16, 32)
     assert p.blocks is not None and (p.block_q, p.block_k) == p.blocks.block_size

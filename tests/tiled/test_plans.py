@@ -9,7 +9,7 @@ import torch
 
 import attnkit
 from attnkit import functional as F
-from attnkit.block_mask import create_block_mask
+from attnkit.block_mask import create_block_mask, window_of
 from attnkit.tiled import autograd as tiled_function
 from attnkit.tiled import loop as tiled_loop
 from helpers.zoo import CASES, SHAPES, ZOO, H, inputs, oracle, torch_block_mask
@@ -21,11 +21,12 @@ def test_partial_blocks_call_mask_mod_full_blocks_skip_it_empty_blocks_are_never
     t = s = 32  # blocks of 8: 4 x 4, of which the causal mask leaves 4 partial and 6 full
     calls = []
 
-    def counted(b, h, q, kv):
+    def counted(b, h, q, kv):  # causal, with a hole: not a window (which would run as one)
         calls.append((int(q.min()), int(kv.min())))
-        return q >= kv
+        return (q >= kv) & ((q != 5) | (kv != 3))
 
     block_mask = create_block_mask(counted, None, None, t, s, "cpu", 8)
+    assert window_of(block_mask) is None  # looked at once, in its partial blocks
     calls.clear()
     computed = []
     original = tiled_loop.Plan.scores

@@ -181,6 +181,7 @@ def at_positions(given: dict, q_offset: int, kv_offset: int) -> dict:
 
         score_at.__qualname__ = name_of(score_mod)
         score_at.__wrapped__ = score_mod
+        score_at.__attnkit_shifted__ = True  # the same mod at other indices (mods.memo)
         shifted["score_mod"] = score_at
     if mask_mod is not None:
 
@@ -189,5 +190,6 @@ def at_positions(given: dict, q_offset: int, kv_offset: int) -> dict:
 
         mask_at.__qualname__ = name_of(mask_mod)
         mask_at.__wrapped__ = mask_mod
+        mask_at.__attnkit_shifted__ = True
         shifted["mask_mod"] = mask_at
     return shifted

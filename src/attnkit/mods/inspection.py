@@ -1,5 +1,7 @@
 """Inspecting a user's ``score_mod``: whether it adds to the score (and so runs in the C++ kernel,
-a tile of its bias at a time), and which tensors it reads that need gradients."""
+a tile of its bias at a time), and which tensors it reads that need gradients. Each answer is
+found once per function and kept while the function's state is unchanged
+([`memo`][attnkit.mods.memo])."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import torch
 from torch import Tensor
 
 from attnkit.mods.evaluate import Block, ScoreMod
+from attnkit.mods.memo import remembered
 
 
 def adds_to_score(score_mod: ScoreMod) -> bool:
@@ -21,12 +24,17 @@ def adds_to_score(score_mod: ScoreMod) -> bool:
     added in the C++ kernel ([`bias`][attnkit.mods.bias]); the sum is the same float32 sum, bit
     for bit.
 
-    Told from the torch operations the mod runs on one score, at each call (a mod's Python state
-    may change between calls): the last must be that addition, of the score itself and of a
+    Told from the torch operations the mod runs on one score, once while the mod's state is the
+    same ([`memo`][attnkit.mods.memo]): the last must be that addition, of the score itself and of a
     tensor computed without it, and none may write into a tensor; then, on a few score values,
     the mod must give exactly ``score + f``. A mod that reads a tensor's value into Python
     (``bool``, ``item``) is not taken, as its operations may differ from block to block; nor is
     ``(score + a) + b``, whose rounding differs from ``score + (a + b)``."""
+    return remembered(score_mod, "adds to the score", lambda: _traced_adds(score_mod))
+
+
+def _traced_adds(score_mod: ScoreMod) -> bool:
+    """[`adds_to_score`][attnkit.mods.inspection.adds_to_score], found by running the mod."""
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
 
@@ -93,6 +101,12 @@ def captured_tensors(score_mod: ScoreMod, dtype: torch.dtype, device) -> tuple[T
     module it is bound to, ...), and those its closure, defaults and bound module hold. Gradients
     reach them through attnkit's kernels, as torch's FlexAttention lets them reach the tensors a
     mod captures."""
+    return remembered(
+        score_mod, ("tensors", dtype, device), lambda: _captured(score_mod, dtype, device)
+    )
+
+
+def _captured(score_mod: ScoreMod, dtype: torch.dtype, device) -> tuple[Tensor, ...]:
     found = {id(x): x for x in _held_tensors(score_mod)}
     for x in _read_tensors(score_mod, dtype, device):
         found.setdefault(id(x), x)
