@@ -19,6 +19,7 @@ from attnkit.kernels import loader as _native
 from attnkit.tiled import autograd as tiled_function
 from attnkit.tiled import loop as tiled_loop
 from attnkit.tiled import native as tiled_native
+from helpers import tiled_calls
 from helpers.oracle import naive_attention
 
 
@@ -370,14 +371,17 @@ def test_the_cpp_kernel_refuses_operands_that_do_not_fit_with_a_message():
         with pytest.raises(RuntimeError, match="this build has no AVX512-BF16 products"):
             forward(bf16, route=1)
 
-    options = kernel.TiledOptions()  # the backward takes the same options
+    options = kernel.TiledOptions()  # the backward takes them, extended
     options.block_q = options.block_k = 4
     options.tile_rows = options.tile_keys = 8
     dout, lse, delta = torch.randn(1, 2, 5, 4), torch.zeros(1, 2, 5), torch.zeros(1, 2, 5)
 
+    def grads_of():
+        return tuple(torch.empty_like(x) for x in (q, k, v))
+
     def backward(dout=dout, grads=None):
-        grads = grads or tuple(torch.empty_like(x) for x in (q, k, v))
-        return kernel.backward(dout, q, k, v, lse, delta, *grads, 0.5, options)
+        grads = grads or grads_of()
+        return tiled_calls.backward(kernel, dout, q, k, v, lse, delta, *grads, 0.5, options)
 
     assert backward()[1].shape == (1, 1, 7, 4)
     with pytest.raises(RuntimeError, match=r"dout must be \(b, h, t, dv\)"):
@@ -386,9 +390,8 @@ def test_the_cpp_kernel_refuses_operands_that_do_not_fit_with_a_message():
         backward(grads=(torch.empty_like(q), torch.empty(1, 2, 7, 4), torch.empty_like(v)))
     with pytest.raises(RuntimeError, match=r"dv \(b, h_kv, s, dv\) must be"):
         backward(grads=(torch.empty_like(q), torch.empty_like(k), torch.empty_like(v).int()))
-    options.alibi_grad = True
     with pytest.raises(RuntimeError, match="alibi_grad without ALiBi slopes"):
-        backward()
+        tiled_calls.backward(kernel, dout, q, k, v, lse, delta, *grads_of(), 0.5, options, True)
 
 
 def test_the_quick_look_before_the_speed_rules_skips_no_rule(monkeypatch):

@@ -14,6 +14,7 @@ import torch
 from attnkit import functional as F
 from attnkit.force import forced
 from attnkit.tiled import native as tiled_native
+from helpers import tiled_calls
 
 KERNEL = tiled_native.KERNEL
 
@@ -68,7 +69,7 @@ def test_the_kernel_reads_strided_operands_in_place_with_the_same_results(dtype,
 
     def grads(dout, q, k, v, layout):
         into = tuple(layout(torch.empty_like(x, dtype=torch.float32)) for x in (q, k, v))
-        return kernel.backward(dout, q, k, v, lse, delta, *into, 0.5, options)[:3]
+        return tiled_calls.backward(kernel, dout, q, k, v, lse, delta, *into, 0.5, options)[:3]
 
     strided = grads(dout, q, k, v, lambda x: x)
     wanted = grads(*(x.contiguous() for x in (dout, q, k, v)), lambda x: x.contiguous())
@@ -177,7 +178,9 @@ def test_the_gradients_of_q_summed_over_parts_of_the_keys_are_those_of_one_part(
 
     def grads():
         into = tuple(torch.empty_like(x) for x in (q, k, v))
-        return kernel.backward(dout, q, k, v, lse, delta, *into, 0.5, _options(kernel))[:3]
+        return tiled_calls.backward(
+            kernel, dout, q, k, v, lse, delta, *into, 0.5, _options(kernel)
+        )[:3]
 
     threads = torch.get_num_threads()
     try:
@@ -202,7 +205,7 @@ def test_half_precision_gradients_are_the_float32_ones_rounded_once(dtype):
 
     def grads(dtype):
         into = tuple(torch.empty_like(x, dtype=dtype) for x in (q, k, v))
-        return kernel.backward(dout, q, k, v, lse, delta, *into, 0.125, options)[:3]
+        return tiled_calls.backward(kernel, dout, q, k, v, lse, delta, *into, 0.125, options)[:3]
 
     for got, wide in zip(grads(dtype), grads(torch.float32)):
         torch.testing.assert_close(got, wide.to(dtype), rtol=0, atol=0)
@@ -225,7 +228,7 @@ def test_gradients_summed_in_each_threads_scratch_are_those_summed_in_buffers(dt
         lse = kernel.forward(q, k, v, torch.empty(b, h, t, d), options)[1]
         lse = lse.masked_fill(lse == -math.inf, 0.0)  # as attnkit passes it
         into = tuple(torch.full_like(x, math.nan) for x in (q, k, v))
-        return kernel.backward(dout, q, k, v, lse, delta, *into, 0.5, options)[:3]
+        return tiled_calls.backward(kernel, dout, q, k, v, lse, delta, *into, 0.5, options)[:3]
 
     threads = torch.get_num_threads()
     try:
@@ -251,5 +254,7 @@ def test_a_call_whose_queries_see_no_key_writes_zero_gradients():
     assert (out == 0).all() and (lse == -math.inf).all()
     into = tuple(torch.full_like(x, math.nan) for x in (q, k, v))
     zeros = torch.zeros_like(lse)
-    grads = kernel.backward(dout, q, k, v, zeros, torch.randn(2, 2, 20), *into, 0.5, options)[:3]
+    grads = tiled_calls.backward(
+        kernel, dout, q, k, v, zeros, torch.randn(2, 2, 20), *into, 0.5, options
+    )[:3]
     assert all((g == 0).all() for g in grads)

@@ -15,7 +15,9 @@
 //   even, and 4-byte aligned). The results go into the caller's tensors, float32, bf16 or float16,
 //   rows of contiguous entries, any layout (see write_check): the forward's output (b, h, t, dv),
 //   the backward's gradients of q, k and v; a zero column that padded an odd head dim is dropped
-//   there (they may be one column narrower). Everything else comes in one TiledOptions:
+//   there (they may be one column narrower). Everything else comes in one TiledOptions (the
+//   backward's TiledBackwardOptions extends it with dout, lse, delta, the gradients' tensors,
+//   q_scale, alibi_grad and mod_bias_grad):
 //   bias: float32, allowed: bool, both expanded to (b, h, t, s) with any strides, or empty;
 //   key_mask (b, s) bool or empty; alibi (h,) float32 or empty; softcap 0 for none;
 //   window_left, window_right around p(i) = i + s - t + shift, -1 unbounded (shift: 0, or the
@@ -62,8 +64,8 @@
 
 namespace {
 
-// Everything a call takes besides its tensors (q, k, v; and dout, lse, delta in the backward),
-// filled once by tiled/native.py and handed to both entry points (the first comment above says
+// Everything a forward takes besides q, k, v and out, filled once by tiled/native.py from the
+// call's plan; the backward's extends it (TiledBackwardOptions) (the first comment above says
 // what each field holds).
 // The defaults are a call with no mask, no ALiBi, no soft-cap and no score_mod; the block and tile
 // sizes have none (0 is refused).
@@ -78,9 +80,7 @@ struct TiledOptions {
   int64_t block_q = 0, block_k = 0;
   int64_t route = 0;  // how bf16 blocks are multiplied (fast_pairs)
   int64_t tile_rows = 0, tile_keys = 0;
-  py::object mod_bias = py::none();       // a score_mod's bias per tile, or None
-  py::object mod_bias_grad = py::none();  // the backward's: takes the bias's gradient, or None
-  bool alibi_grad = false;                // the backward's: the slopes' gradient too
+  py::object mod_bias = py::none();  // a score_mod's bias per tile, or None
   double dropout_p = 0.0;                 // dropout of the weights (tiled_dropout.h), 0 for none
   int64_t dropout_seed = 0;               // its seed: the same in the forward and the backward
 
@@ -116,13 +116,26 @@ struct TiledOptions {
     return sc;
   }
 
-  // The tiles of a call; the forward takes no gradient of a score_mod's bias.
-  Tiles tiles(bool backward) const {
+  // The tiles of a call, and the function that takes the gradient of a score_mod's bias (the
+  // backward's; None in the forward).
+  Tiles tiles(py::object bias_grad = py::none()) const {
     TORCH_CHECK(tile_rows > 0 && tile_rows % block_q == 0 && tile_keys > 0 &&
                     tile_keys % block_k == 0,
                 "tiled: tile sizes must be positive multiples of the block sizes");
-    return Tiles{tile_rows, tile_keys, block_k, mod_bias, backward ? mod_bias_grad : py::none()};
+    return Tiles{tile_rows, tile_keys, block_k, mod_bias, bias_grad};
   }
+};
+
+// The backward's options: the forward's, and what only the backward takes (as flash-attention's
+// Flash_bwd_params extends Flash_fwd_params). dout has the operands' dtype; lse and delta are
+// contiguous float32 (b, h, t), delta = rowsum(dout * out) minus the lse's gradient, the lse 0 for
+// rows with no allowed key; dq, dk and dv receive the gradients (see write_check).
+struct TiledBackwardOptions : TiledOptions {
+  at::Tensor dout, lse, delta;
+  at::Tensor dq, dk, dv;
+  double q_scale = 1.0;                   // the gradient of q is that of the pre-scaled q times it
+  bool alibi_grad = false;                // the slopes' gradient too
+  py::object mod_bias_grad = py::none();  // takes the gradient of a score_mod's bias, or None
 };
 
 // The operands' dtype: float32 (products by torch's matmul) or bfloat16 (pair products), the same
@@ -194,7 +207,7 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q, const at::Tensor
   const Sizes z = sizes_of(q, k, v);
   write_check(out, {z.b, z.h, z.t}, z.dv, "out (b, h, t, dv)");
   const Scoring sc = options.scoring(z);
-  const Tiles tiles = options.tiles(false);
+  const Tiles tiles = options.tiles();
   const Dropout drop = dropout_of(options.dropout_p, options.dropout_seed);
   const int64_t block_q = options.block_q, block_k = options.block_k;
   if (dtype == at::kFloat) {
@@ -205,15 +218,15 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q, const at::Tensor
                         block_q, block_k, tiles, out);
 }
 
-// Writes the gradients w.r.t. q (those of the pre-scaled q times `q_scale`), k and v into dq, dk
-// and dv, and returns them with that of the ALiBi slopes (if `options.alibi_grad`), float32
-// (tiled_backward.h). `delta` (b, h, t) is rowsum(dout * out) minus the lse's gradient
-// (d lse_i / d S_ij = P_ij); `lse` has 0 for the rows with no allowed key (their probabilities are
-// 0 anyway); dout has the operands' dtype.
+// Writes the gradients w.r.t. q (those of the pre-scaled q times `options.q_scale`), k and v into
+// options.dq, dk and dv, and returns them with that of the ALiBi slopes (if `options.alibi_grad`),
+// float32 (tiled_backward.h).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
-    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const at::Tensor& lse, const at::Tensor& delta, const at::Tensor& dq, const at::Tensor& dk,
-    const at::Tensor& dv, double q_scale, const TiledOptions& options) {
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const TiledBackwardOptions& options) {
+  const at::Tensor& dout = options.dout;
+  const at::Tensor& lse = options.lse;
+  const at::Tensor& delta = options.delta;
   const auto dtype = check_operands({&dout, &q, &k, &v});
   const Sizes z = sizes_of(q, k, v);
   TORCH_CHECK(dout.sizes() == at::IntArrayRef({z.b, z.h, z.t, z.dv}),
@@ -222,15 +235,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
                   delta.numel() == z.b * z.h * z.t && lse.scalar_type() == at::kFloat &&
                   delta.scalar_type() == at::kFloat,
               "tiled: lse and delta must be contiguous float32 (b, h, t)");
-  write_check(dq, {z.b, z.h, z.t}, z.d, "dq (b, h, t, d)");
-  write_check(dk, {z.b, z.h_kv, z.s}, z.d, "dk (b, h_kv, s, d)");
-  write_check(dv, {z.b, z.h_kv, z.s}, z.dv, "dv (b, h_kv, s, dv)");
-  const std::array<at::Tensor, 3> grads{dq, dk, dv};
+  write_check(options.dq, {z.b, z.h, z.t}, z.d, "dq (b, h, t, d)");
+  write_check(options.dk, {z.b, z.h_kv, z.s}, z.d, "dk (b, h_kv, s, d)");
+  write_check(options.dv, {z.b, z.h_kv, z.s}, z.dv, "dv (b, h_kv, s, dv)");
+  const std::array<at::Tensor, 3> grads{options.dq, options.dk, options.dv};
   const Scoring sc = options.scoring(z);
-  const Tiles tiles = options.tiles(true);
+  const Tiles tiles = options.tiles(options.mod_bias_grad);
   const Dropout drop = dropout_of(options.dropout_p, options.dropout_seed);
   const int64_t block_q = options.block_q, block_k = options.block_k;
   const bool alibi_grad = options.alibi_grad;
+  const double q_scale = options.q_scale;
   const BackwardPlan plan = BackwardPlan::of(z, block_k, tiles);
   if (dtype == at::kFloat) {
     return backward_blocks(Float32Blocks(z, q, k, v, &dout), z, sc, drop, lse, delta, block_q,
@@ -279,16 +293,25 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("tile_rows", &TiledOptions::tile_rows)
       .def_readwrite("tile_keys", &TiledOptions::tile_keys)
       .def_readwrite("mod_bias", &TiledOptions::mod_bias)
-      .def_readwrite("mod_bias_grad", &TiledOptions::mod_bias_grad)
-      .def_readwrite("alibi_grad", &TiledOptions::alibi_grad)
       .def_readwrite("dropout_p", &TiledOptions::dropout_p)
       .def_readwrite("dropout_seed", &TiledOptions::dropout_seed);
+  py::class_<TiledBackwardOptions, TiledOptions>(
+      m, "TiledBackwardOptions", "The forward's options and what only the backward takes")
+      .def(py::init<>())
+      .def_readwrite("dout", &TiledBackwardOptions::dout)
+      .def_readwrite("lse", &TiledBackwardOptions::lse)
+      .def_readwrite("delta", &TiledBackwardOptions::delta)
+      .def_readwrite("dq", &TiledBackwardOptions::dq)
+      .def_readwrite("dk", &TiledBackwardOptions::dk)
+      .def_readwrite("dv", &TiledBackwardOptions::dv)
+      .def_readwrite("q_scale", &TiledBackwardOptions::q_scale)
+      .def_readwrite("alibi_grad", &TiledBackwardOptions::alibi_grad)
+      .def_readwrite("mod_bias_grad", &TiledBackwardOptions::mod_bias_grad);
   m.def("forward", &forward, "Tiled attention forward into out: (out, lse)", py::arg("q"),
         py::arg("k"), py::arg("v"), py::arg("out"), py::arg("options"));
-  m.def("backward", &backward, "Tiled attention backward into dq, dk, dv: (dq, dk, dv, dalibi)",
-        py::arg("dout"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("lse"),
-        py::arg("delta"), py::arg("dq"), py::arg("dk"), py::arg("dv"), py::arg("q_scale"),
-        py::arg("options"));
+  m.def("backward", &backward,
+        "Tiled attention backward into options.dq, dk, dv: (dq, dk, dv, dalibi)", py::arg("q"),
+        py::arg("k"), py::arg("v"), py::arg("options"));
   m.def("dropout_factors", &dropout_factors,
         "Dropout factors (heads, i1 - i0, j1 - j0): 1 / (1 - p) where kept, 0 where dropped",
         py::arg("heads"), py::arg("t"), py::arg("i0"), py::arg("i1"), py::arg("j0"), py::arg("j1"),

@@ -100,37 +100,31 @@ def _pairs_aligned(x: Tensor) -> bool:
     return x.data_ptr() % 4 == 0 and all(size == 1 or stride % 2 == 0 for size, stride in strides)
 
 
-def options(
-    kernel: ModuleType,
-    plan: Plan,
-    slopes_grad: bool = False,
-    mod_grads: list[Tensor | None] | None = None,
-) -> object:  # the kernel's TiledOptions
-    """The call as the C++ kernel takes it: one ``TiledOptions`` (``tiled.cpp``), filled once
-    from the plan. Masks and slopes the call lacks stay the kernel's empty defaults. The
-    backward's: ``slopes_grad`` asks for the slopes' gradient, ``mod_grads`` (see `tiles`) for
-    those of the tensors a ``score_mod`` reads."""
-    req = plan.call
+def options(kernel: ModuleType, plan: Plan) -> object:  # the kernel's TiledOptions
+    """The call as the C++ kernel's forward takes it: one ``TiledOptions`` (``tiled.cpp``),
+    filled from the plan alone. Masks and slopes the call lacks stay the kernel's empty
+    defaults."""
+    return _filled(kernel.TiledOptions(), kernel, plan, tiles(plan))
+
+
+def _filled(opts, kernel: ModuleType, plan: Plan, tiling: Tiles):
+    call = plan.call
     shape = (plan.b, plan.h_kv * plan.groups, plan.t, plan.s)
-    opts = kernel.TiledOptions()
-    mask = req.masks.attn_mask
+    mask = call.masks.attn_mask
     if mask is not None and mask.dtype == torch.bool:
         opts.allowed = mask.expand(shape)
     elif mask is not None:
         opts.bias = mask.detach().to(torch.float32).expand(shape)
-    if req.masks.key_mask is not None:
-        opts.key_mask = req.masks.key_mask.contiguous()
-    if req.alibi_slopes is not None:
-        opts.alibi = req.alibi_slopes.to(torch.float32).contiguous()
-    opts.softcap = req.softcap or 0.0
-    opts.window_left, opts.window_right = req.masks.window or (-1, -1)
-    opts.shift = req.masks.shift
+    if call.masks.key_mask is not None:
+        opts.key_mask = call.masks.key_mask.contiguous()
+    if call.alibi_slopes is not None:
+        opts.alibi = call.alibi_slopes.to(torch.float32).contiguous()
+    opts.softcap = call.softcap or 0.0
+    opts.window_left, opts.window_right = call.masks.window or (-1, -1)
+    opts.shift = call.masks.shift
     opts.block_q, opts.block_k = plan.block_q, plan.block_k
     opts.route = _route(kernel)
-    tiling = tiles(plan, mod_grads)
-    opts.tile_rows, opts.tile_keys = tiling.rows, tiling.keys
-    opts.mod_bias, opts.mod_bias_grad = tiling.mod_bias, tiling.mod_bias_grad
-    opts.alibi_grad = slopes_grad
+    opts.tile_rows, opts.tile_keys, opts.mod_bias = tiling.rows, tiling.keys, tiling.mod_bias
     if plan.dropout is not None:
         opts.dropout_p, opts.dropout_seed = plan.dropout.p, plan.dropout.seed
     return opts
@@ -247,14 +241,17 @@ def backward(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """Gradients of q (from the pre-scaled q), of k and of v, in ``dtypes`` and laid out as the
     operands, and of the slopes (if ``slopes_grad``); those of the tensors a ``score_mod`` reads
-    are added into ``mod_grads``. ``delta`` is ``dO_i . O_i - dlse_i``; rows of ``lse`` at -inf
-    (no key) are read as 0."""
-    grads = [_laid_out_as(x, x.shape[-1], dtype) for x, dtype in zip(operands, dtypes)]
-    dout = _readable(dout.to(operands[0].dtype))
-    lse = lse.to(torch.float32).masked_fill(lse == float("-inf"), 0.0).contiguous()
+    are added into ``mod_grads`` (see `tiles`). ``delta`` is ``dO_i . O_i - dlse_i``; rows of
+    ``lse`` at -inf (no key) are read as 0. The kernel takes the forward's options extended by
+    what only the backward takes (``TiledBackwardOptions``)."""
+    tiling = tiles(plan, mod_grads)  # the bias of a tile and its gradient's taker, as a pair
+    opts = _filled(kernel.TiledBackwardOptions(), kernel, plan, tiling)
+    opts.dq, opts.dk, opts.dv = (_laid_out_as(x, x.shape[-1], t) for x, t in zip(operands, dtypes))
+    opts.dout = _readable(dout.to(operands[0].dtype))
+    opts.lse = lse.to(torch.float32).masked_fill(lse == float("-inf"), 0.0).contiguous()
+    opts.delta = delta.to(torch.float32).contiguous()
+    opts.q_scale, opts.alibi_grad = plan.call.scale, slopes_grad
+    opts.mod_bias_grad = tiling.mod_bias_grad
     with marked("attnkit::tiled_native_backward"):
-        delta = delta.to(torch.float32).contiguous()
-        opts = options(kernel, plan, slopes_grad, mod_grads)
-        readable = map(_readable, operands)
-        *_, dslopes = kernel.backward(dout, *readable, lse, delta, *grads, plan.call.scale, opts)
-    return *grads, dslopes if slopes_grad else None
+        dq, dk, dv, dslopes = kernel.backward(*map(_readable, operands), opts)
+    return dq, dk, dv, dslopes if slopes_grad else None
