@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -14,8 +14,6 @@ from hypothesis import HealthCheck, settings
 
 from attnkit import force
 from attnkit.kernels import cpu as _cpu
-from attnkit.tiled import autograd as tiled_function
-from attnkit.tiled import native as tiled_native
 from helpers.devices import CUDA, forced_path
 
 # Small example counts keep `make test` quick on a 2-core machine; ATTNKIT_HYPOTHESIS=thorough for more.
@@ -40,14 +38,20 @@ def _seed() -> None:
 
 
 @pytest.fixture(autouse=True)
-def _small_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+def _small_tiles() -> Iterator[None]:
     """Tiny tiles, so that the tests' small shapes span many blocks of the tiled kernel, with
     lengths that do not divide the block sizes (the production sizes are 256 and 512), and many
-    tiles of a score_mod's bias."""
-    monkeypatch.setattr(tiled_function, "BLOCK_Q", 5)
-    monkeypatch.setattr(tiled_function, "BLOCK_K", 7)
-    # a score_mod's bias in tiles of 2 key blocks when b * h = 8 (TILE_BYTES // (4 b h rows))
-    monkeypatch.setattr(tiled_native, "TILE_BYTES", 4 * 8 * 5 * 14)
+    tiles of a score_mod's bias: 2 key blocks when b * h = 8 (tile_bytes // (4 b h rows))."""
+    with force.blocks(5, 7, tile_bytes=4 * 8 * 5 * 14):
+        yield
+
+
+@pytest.fixture
+def tiled_blocks() -> Iterator[Callable[..., None]]:
+    """``tiled_blocks(block_q, block_k, tile_bytes=None)``: the tiled backend's sizes for the
+    rest of the test (`attnkit.force.blocks`)."""
+    with contextlib.ExitStack() as stack:
+        yield lambda *sizes, **named: stack.enter_context(force.blocks(*sizes, **named))
 
 
 @pytest.fixture

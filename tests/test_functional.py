@@ -10,7 +10,6 @@ from hypothesis import strategies as st
 from attnkit import attention
 from attnkit.backends import BACKENDS
 from attnkit.functional import which_backend
-from attnkit.tiled import autograd as tiled_function
 from helpers.devices import CUDA, expected_products, forced_path
 from helpers.oracle import naive_attention
 
@@ -243,13 +242,12 @@ def test_bf16_block_products_within_the_low_precision_rule(path, case, causal, f
     ids=["full", "causal", "window", "alibi+softcap"],
 )
 def test_bf16_block_products_at_the_kernels_own_block_sizes(
-    path, blocks, options, monkeypatch, forcing
+    path, blocks, options, monkeypatch, forcing, tiled_blocks
 ):
     """Blocks of 8+ rows and of several 32-column tiles, rows of 16+ keys: the microkernel's main
     tile and the 16-lane loops, which the tests' tiny tiles never reach."""
     forcing(path)
-    monkeypatch.setattr(tiled_function, "BLOCK_Q", blocks[0])
-    monkeypatch.setattr(tiled_function, "BLOCK_K", blocks[1])
+    tiled_blocks(blocks[0], blocks[1])
     q, k, v, masks = make_inputs(
         (1, 4, 2, 150, 333, 64), dtype=torch.bfloat16, mask_kind="key_mask"
     )

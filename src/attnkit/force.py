@@ -13,7 +13,9 @@ that choice is overridden:
 | ``"tiled:half-loop"`` | half-precision block products, in the PyTorch loop |
 
 Inside ``blind()``, the calls never look at the data from Python, as on a GPU: the CPU runs the
-GPU's form of attnkit's rule for non-finite values.
+GPU's form of attnkit's rule for non-finite values. Inside ``blocks(block_q, block_k)``, the tiled
+backend walks blocks of those sizes (the tests take small ones, so that short calls cross many
+blocks).
 
 Example:
     >>> import torch
@@ -91,3 +93,34 @@ def blind() -> Iterator[None]:
 def is_blind() -> bool:
     """Whether the calls run inside [`blind`][attnkit.force.blind]."""
     return bool(_BLIND)
+
+
+_BLOCKS: list[tuple[int, int, int | None]] = []
+
+
+@contextlib.contextmanager
+def blocks(block_q: int, block_k: int, tile_bytes: int | None = None) -> Iterator[None]:
+    """Run the calls inside with the tiled backend's blocks of ``block_q`` queries and ``block_k``
+    keys, and (if given) tiles of a ``score_mod``'s bias of at most ``tile_bytes``; the plan of
+    each call carries them ([`attnkit.tiled.plans.route_of`][attnkit.tiled.plans.route_of]).
+
+    Raises:
+        ValueError: a size that is not a positive int.
+    """
+    for value, name in (
+        (block_q, "block_q"),
+        (block_k, "block_k"),
+        (tile_bytes or 1, "tile_bytes"),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    _BLOCKS.append((block_q, block_k, tile_bytes))
+    try:
+        yield
+    finally:
+        _BLOCKS.pop()
+
+
+def block_sizes() -> tuple[int, int, int | None] | None:
+    """The sizes [`blocks`][attnkit.force.blocks] set now, or None."""
+    return _BLOCKS[-1] if _BLOCKS else None

@@ -17,7 +17,7 @@ from attnkit.functional import which_backend
 from attnkit.kernels import cpu as _cpu
 from attnkit.kernels import loader as _native
 from attnkit.masks import Masks
-from attnkit.tiled import native as tiled_native
+from attnkit.tiled import plans as tiled_plans
 
 
 def qkv(n=1024, h=12, dtype=torch.float32, requires_grad=False):
@@ -137,7 +137,7 @@ def avx512_bf16_cpu(monkeypatch, every_extension):
     """A CPU with AVX512-BF16 and no AMX, and a tiled kernel not yet loaded (whose build for
     that CPU would multiply bf16 with vdpbf16ps): for choices only, nothing runs."""
     monkeypatch.setenv(_cpu.ENV, "avx512_bf16")
-    monkeypatch.setattr(tiled_native, "KERNEL", _native.Kernel("tiled"))
+    monkeypatch.setattr(tiled_plans, "KERNEL", _native.Kernel("tiled"))
 
 
 @pytest.mark.usefixtures("avx512_bf16_cpu")
@@ -193,7 +193,7 @@ def test_which_backend_reports_what_attention_runs(monkeypatch):
     for name, backend in BACKENDS.items():
         run = backend.run
         monkeypatch.setattr(
-            backend, "run", lambda c, run=run, name=name: ran.append(name) or run(c)
+            backend, "run", lambda c, *plan, run=run, name=name: ran.append(name) or run(c, *plan)
         )
     q, k, v = torch.randn(1, 4, 1, 8), torch.randn(1, 2, 1024, 8), torch.randn(1, 2, 1024, 8)
     calls = [
@@ -275,7 +275,7 @@ def test_which_backend_in_a_fresh_extensions_folder_builds_loads_and_writes_noth
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert not folder.exists() and report["loaded"] == []
     assert "attnkit:" not in result.stderr  # no build announced
-    if tiled_native.KERNEL.usable()[0]:  # a compiler here: the kernels are chosen, to be built
+    if tiled_plans.KERNEL.usable()[0]:  # a compiler here: the kernels are chosen, to be built
         assert report["chosen"][1] == ["tiled", "native"]
         assert report["chosen"][3] == ["decode", "native"]
 

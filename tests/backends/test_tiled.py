@@ -16,9 +16,8 @@ from attnkit import attention
 from attnkit.functional import which_backend
 from attnkit.kernels import cpu as _cpu
 from attnkit.kernels import loader as _native
-from attnkit.tiled import autograd as tiled_function
 from attnkit.tiled import loop as tiled_loop
-from attnkit.tiled import native as tiled_native
+from attnkit.tiled import plans as tiled_plans
 from helpers import tiled_calls
 from helpers.oracle import naive_attention
 
@@ -127,9 +126,8 @@ def test_lse_is_float32_and_carries_gradients():
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_production_block_sizes(monkeypatch, causal):
-    monkeypatch.setattr(tiled_function, "BLOCK_Q", 256)
-    monkeypatch.setattr(tiled_function, "BLOCK_K", 512)
+def test_production_block_sizes(monkeypatch, causal, tiled_blocks):
+    tiled_blocks(256, 512)
     q, k, v = qkv(h=2, h_kv=2, t=300, s=700, d=16)
     out = attention(q, k, v, causal=causal, backend="tiled")
     expected, _, _ = naive_attention(*(x.detach().double() for x in (q, k, v)), causal=causal)
@@ -241,7 +239,7 @@ def test_a_kernel_that_cannot_be_built_falls_back_to_the_loop_with_a_warning(mon
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     broken = _native.Kernel("tiled")
-    monkeypatch.setattr(tiled_native, "KERNEL", broken)
+    monkeypatch.setattr(tiled_plans, "KERNEL", broken)
     q, k, v = qkv(t=23, s=31)
     with pytest.warns(UserWarning, match=r"tiled.cpp is unavailable: no C\+\+ compiler"):
         ran = paths_taken(lambda: attention(q, k, v, backend="tiled").sum().backward())
@@ -253,8 +251,8 @@ def test_a_kernel_that_cannot_be_built_falls_back_to_the_loop_with_a_warning(mon
 
 def test_attnkit_native_0_disables_the_kernel(monkeypatch):
     monkeypatch.setenv("ATTNKIT_NATIVE", "0")
-    monkeypatch.setattr(tiled_native, "KERNEL", _native.Kernel("tiled"))
-    assert tiled_native.KERNEL.available() == (False, "disabled by ATTNKIT_NATIVE=0")
+    monkeypatch.setattr(tiled_plans, "KERNEL", _native.Kernel("tiled"))
+    assert tiled_plans.KERNEL.available() == (False, "disabled by ATTNKIT_NATIVE=0")
     ran = paths_taken(forward_backward())
     assert ran == ["attnkit::tiled_loop_backward", "attnkit::tiled_loop_forward"]
 
@@ -313,7 +311,7 @@ def test_a_key_mask_over_a_single_key_with_any_stride():
 def test_the_cpp_kernel_refuses_operands_that_do_not_fit_with_a_message():
     """The kernel reads masks without bounds checks, so it checks their sizes first (the Python
     side always passes fitting ones; this guards direct calls and future callers)."""
-    kernel = tiled_native.KERNEL.load()
+    kernel = tiled_plans.KERNEL.load()
     q, k, v = torch.randn(1, 2, 5, 4), torch.randn(1, 1, 7, 4), torch.randn(1, 1, 7, 4)
     empty_float, empty_bool = torch.empty(0), torch.empty(0, dtype=torch.bool)
 

@@ -10,7 +10,7 @@ import torch
 
 from attnkit.bench import BenchConfig, run
 from attnkit.cli import main
-from attnkit.tiled import native as tiled_native
+from attnkit.tiled import plans as tiled_plans
 
 
 def test_smoke_runs_end_to_end(tmp_path, capsys):
@@ -38,7 +38,7 @@ def test_smoke_runs_end_to_end(tmp_path, capsys):
     assert all(r["vs_baseline"] == 1.0 for r in sdpa)
     assert data["info"]["machine"]["torch"] == torch.__version__
     tiled_kernel = data["info"]["native"]["tiled.cpp"]
-    assert tiled_kernel["available"] and tiled_kernel["level"] == tiled_native.KERNEL.level()
+    assert tiled_kernel["available"] and tiled_kernel["level"] == tiled_plans.KERNEL.level()
     assert tiled_kernel["origin"] in ("prebuilt", "cached", "built")
     assert (tiled_kernel["seconds"] is None) == (tiled_kernel["origin"] != "built")
     assert f"C++ kernels: tiled.cpp for {tiled_kernel['level']}, " in out

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from attnkit import force
-from attnkit.tiled import native as tiled_native
+from attnkit.tiled import plans as tiled_plans
 
 CUDA = pytest.param(
     "cuda",
@@ -43,5 +43,5 @@ def expected_products(path: str) -> tuple[str, str]:
         return "loop", "bfloat16"
     if path == "tiled:portable":
         return "native", "bf16-portable"
-    built = "avx512_bf16" if tiled_native.KERNEL.has_avx512_bf16() else "portable"
+    built = "avx512_bf16" if tiled_plans.KERNEL.has_avx512_bf16() else "portable"
     return "native", f"bf16-{built}"

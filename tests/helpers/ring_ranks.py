@@ -4,6 +4,7 @@ spawned processes can import what they run."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import socket
@@ -14,6 +15,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from attnkit import distributed as ring
+from attnkit import force
 from attnkit import functional as F
 from attnkit.bench.launch import run_local
 from attnkit.distributed import plan
@@ -52,14 +54,20 @@ def same_document(documents: Tensor):
     return mask_mod
 
 
+_KEPT = contextlib.ExitStack()
+
+
+def _small_blocks() -> None:
+    """The tiled backend's blocks of 5 x 7 for the rest of this rank's process: many blocks, and
+    lengths that do not divide them."""
+    _KEPT.enter_context(force.blocks(5, 7))
+
+
 def compare_case(rank: int, world: int, case: dict) -> dict[str, float]:
     """Ring attention of ``case`` on this rank against float64 attention of the whole sequence:
     the largest differences of the output, lse and gradients of this rank's shard (and of the
     slopes' or table's gradient, summed over the ranks)."""
-    tiled_function.BLOCK_Q, tiled_function.BLOCK_K = (
-        5,
-        7,
-    )  # many blocks, lengths that do not divide them
+    _small_blocks()
     # Pieces of about 2 keys and 3 queries a chunk: several rounds, pieces of unequal sizes.
     plan.KEY_PIECE, plan.QUERY_PIECE = case.get("pieces", (2, 3))
     dtype = case.get("dtype", torch.float64)
@@ -288,7 +296,7 @@ def module_case(rank: int, world: int, layout: str) -> dict[str, float]:
     the output, the input's gradient and the parameters' gradients (summed over the ranks)."""
     from attnkit import MultiHeadAttention
 
-    tiled_function.BLOCK_Q, tiled_function.BLOCK_K = 5, 7
+    _small_blocks()
     plan.KEY_PIECE, plan.QUERY_PIECE = 2, 3
     torch.manual_seed(0)
     mha = MultiHeadAttention(

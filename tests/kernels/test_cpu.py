@@ -120,6 +120,7 @@ from attnkit import attention
 from attnkit.kernels import cpu as _cpu
 from attnkit.backends import decode
 from attnkit.tiled import native as tiled_native
+from attnkit.tiled import plans as tiled_plans
 from attnkit.force import forced
 from attnkit.functional import which_backend
 from helpers.oracle import naive_attention
@@ -140,7 +141,7 @@ for dtype in (torch.float32, torch.bfloat16):
     errors[str(dtype)] = max(
         (a.double() - b).abs().max().item() for a, b in zip((out, *grads), (out64, *grads64))
     )
-report["half"] = tiled_native.pair_products(tiled_native.KERNEL)  # bf16 blocks: none here
+report["half"] = tiled_plans.pair_products(tiled_plans.KERNEL)  # bf16 blocks: none here
 x = [t.bfloat16() for t in (q, k, v)]
 with forced("tiled:portable"):  # the kernel's portable route for them
     report["forced"] = which_backend(*x, backend="tiled").products
@@ -149,7 +150,7 @@ with forced("tiled:portable"):  # the kernel's portable route for them
 step = attention(q[:, :, :1], k, v, backend="decode")
 step64, _, _ = naive_attention(q[:, :, :1].double(), k.double(), v.double())
 errors["decode"] = (step.double() - step64).abs().max().item()
-report["builds"] = [tiled_native.KERNEL.name(), decode.KERNEL.name()]
+report["builds"] = [tiled_plans.KERNEL.name(), decode.KERNEL.name()]
 report["errors"] = errors
 print(json.dumps(report))
 """

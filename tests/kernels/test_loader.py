@@ -32,6 +32,7 @@ import json, sys, torch
 import attnkit
 from attnkit.backends import decode
 from attnkit.tiled import native as tiled_native
+from attnkit.tiled import plans as tiled_plans
 from attnkit.functional import attention, which_backend
 
 q = torch.randn(1, 4, 40, 32, dtype=torch.bfloat16)
@@ -43,7 +44,7 @@ attention(q[:, :, :1].float(), kv.float(), kv.float())
 print(json.dumps({
     "windowed": windowed.path,
     "step": [step.backend, step.path],
-    "origins": [tiled_native.KERNEL.origin, decode.KERNEL.origin],
+    "origins": [tiled_plans.KERNEL.origin, decode.KERNEL.origin],
     "attnkit": attnkit.__file__,
 }))
 """

@@ -7,7 +7,6 @@ import torch
 
 import attnkit
 from attnkit import KVCache, MultiHeadAttention, alibi_slopes
-from attnkit.tiled import autograd as tiled_function
 from helpers.devices import CUDA
 from helpers.oracle import projected_attention_reference
 from helpers.zoo import H
@@ -192,13 +191,14 @@ def test_compiles_with_fullgraph(options, device):
 @pytest.mark.parametrize(
     "dtype, t", [(torch.float32, 300), (torch.bfloat16, 17)], ids=["fp32 long", "bf16"]
 )
-def test_training_compiles_with_fullgraph_where_auto_weighs_the_cpu(dtype, t, monkeypatch):
+def test_training_compiles_with_fullgraph_where_auto_weighs_the_cpu(
+    dtype, t, monkeypatch, tiled_blocks
+):
     """Lengths and dtypes at which auto asks what the CPU has (the tiled kernel's speed rules):
     read once, outside dynamo's tracing, so the whole step is one graph. In the production
     blocks (256 x 512): dynamo unrolls the block loop, and the tests' blocks of 5 x 7 made 300
     tokens take two minutes to trace and compile."""
-    monkeypatch.setattr(tiled_function, "BLOCK_Q", 256)
-    monkeypatch.setattr(tiled_function, "BLOCK_K", 512)
+    tiled_blocks(256, 512)
     module = MultiHeadAttention(16, 16, None, 0.0, 2, window=8, alibi=True).to(dtype)
     x = torch.randn(1, t, 16, dtype=dtype, requires_grad=True)
     out = torch.compile(module, fullgraph=True)(x)

@@ -17,7 +17,6 @@ from attnkit import attention, mods
 from attnkit.backends import BACKENDS
 from attnkit.functional import which_backend
 from attnkit.kernels import finite
-from attnkit.tiled import autograd as tiled_function
 from helpers.devices import CUDA, expected_products, forced_path
 from helpers.oracle import selected_attention
 
@@ -294,13 +293,14 @@ def test_property_every_backend_follows_the_one_rule(
     ("path", "device"),
     on_devices(["tiled", "tiled:loop", "tiled:half", "tiled:portable"], ["tiled"]),
 )
-def test_a_nan_row_leaves_the_gradients_of_other_rows_finite(path, device, monkeypatch, forcing):
+def test_a_nan_row_leaves_the_gradients_of_other_rows_finite(
+    path, device, monkeypatch, forcing, tiled_blocks
+):
     """The backward takes P and dS as exactly 0 at a masked key, even in a row that a NaN made
     NaN: neither a stale soft-cap value (C++) nor exp(-inf - NaN) reaches the other rows, nor
     a thread's buffers from one batch row to the next."""
     forcing(path)
-    monkeypatch.setattr(tiled_function, "BLOCK_Q", 4)
-    monkeypatch.setattr(tiled_function, "BLOCK_K", 4)
+    tiled_blocks(4, 4)
     dtype = torch.bfloat16 if path in HALF_PATHS else torch.float32
     q, k, v = (torch.randn(2, 1, 10, 8, dtype=dtype, device=device) for _ in range(3))
     q[0, 0, 6] = NAN  # batch row 0, one query late in the sequence

@@ -43,7 +43,7 @@ def test_the_spec_keeps_the_call_without_its_tensors_and_the_block_sizes():
     assert call.mod_tensors == (table,)
     spec = spec_of(call)
     assert spec.call.tensors() == (None,) * 6 and spec.call.mod_tensors == ()
-    assert (spec.block_q, spec.block_k) == (tiled_function.BLOCK_Q, tiled_function.BLOCK_K)
+    assert (spec.route.block_q, spec.route.block_k) == (5, 7)  # the tests' blocks (conftest)
     kept = ("scale", "softcap", "score_mod", "options", "return_lse")
     assert all(getattr(spec.call, name) == getattr(call, name) for name in kept)
     assert spec.call.masks.window == call.masks.window

@@ -13,10 +13,10 @@ import torch
 
 from attnkit import functional as F
 from attnkit.force import forced
-from attnkit.tiled import native as tiled_native
+from attnkit.tiled import plans as tiled_plans
 from helpers import tiled_calls
 
-KERNEL = tiled_native.KERNEL
+KERNEL = tiled_plans.KERNEL
 
 
 def _kernel():

@@ -12,12 +12,14 @@ import torch
 import attnkit
 from attnkit.functional import checked_call
 from attnkit.tiled.loop import Plan, exp_, online_softmax_, softmax_backward_
+from attnkit.tiled.plans import TiledRoute
 from helpers.oracle import allowed_positions
 
 
 def plan(t, s, block_q, block_k, **options):
     q, k = torch.randn(1, 2, t, 4), torch.randn(1, 2, s, 4)
-    return Plan.of(checked_call(q, k, k, **options), torch.float32, block_q, block_k)
+    route = TiledRoute(torch.float32, None, None, block_q, block_k)
+    return Plan.of(checked_call(q, k, k, **options), route)
 
 
 WINDOWS = [  # (t, s, causal, window)
@@ -57,7 +59,9 @@ def test_a_block_mask_groups_its_blocks_into_the_plans(device):
 
     mask = attnkit.create_block_mask(causal_documents, None, None, 64, 64, device, 8)
     q = torch.randn(1, 2, 64, 4, device=device)
-    p = Plan.of(checked_call(q, q, q, block_mask=mask), torch.float32, 16, 32)
+    p = Plan.of(
+        checked_call(q, q, q, block_mask=mask), TiledRoute(torch.float32, None, None, 16, 32)
+    )
     assert p.blocks is not None and (p.block_q, p.block_k) == p.blocks.block_size
     assert p.block_q % 8 == 0 and p.block_k % 8 == 0 and p.block_q <= 16 and p.block_k <= 32
     for i0, i1 in p.query_blocks():  # causal: no block past the diagonal is visited

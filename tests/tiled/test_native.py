@@ -13,9 +13,10 @@ import torch
 from attnkit import functional as F
 from attnkit.force import forced
 from attnkit.functional import checked_call
-from attnkit.tiled import native as tiled_native
+from attnkit.tiled import plans as tiled_plans
 from attnkit.tiled.loop import Plan
-from attnkit.tiled.native import KERNEL, kernel_for, pair_products, products, tiles
+from attnkit.tiled.native import tiles
+from attnkit.tiled.plans import KERNEL, TiledRoute, kernel_for, pair_products, products
 from helpers.zoo import (
     SHAPES,
     SLOPES,
@@ -32,15 +33,15 @@ from helpers.zoo import (
 
 def test_bf16_runs_the_kernel_only_where_its_build_has_avx512_bf16():
     """Elsewhere the portable pair products would be the slow way: the loop multiplies in bf16."""
-    kernel = tiled_native.KERNEL.load()
+    kernel = tiled_plans.KERNEL.load()
     has = bool(kernel.has_avx512_bf16())
-    assert tiled_native.pair_products(tiled_native.KERNEL) == ("avx512_bf16" if has else None)
+    assert pair_products(KERNEL) == ("avx512_bf16" if has else None)
     cpu = torch.device("cpu")
-    assert (tiled_native.kernel_for(cpu, torch.bfloat16) is not None) == has
-    assert tiled_native.kernel_for(cpu, torch.float32) is tiled_native.KERNEL
+    assert (kernel_for(cpu, torch.bfloat16) is not None) == has
+    assert kernel_for(cpu, torch.float32) is KERNEL
     # a build has vdpbf16ps exactly when it was built for a CPU with AVX512-BF16
-    assert kernel.has_avx512_bf16() == ("avx512bf16" in tiled_native.KERNEL.name())
-    assert tiled_native.KERNEL.name() == kernel.__name__  # once loaded, the loaded build's name
+    assert kernel.has_avx512_bf16() == ("avx512bf16" in tiled_plans.KERNEL.name())
+    assert tiled_plans.KERNEL.name() == kernel.__name__  # once loaded, the loaded build's name
 
 
 def _adding_mods(table, t5_table):
@@ -222,10 +223,10 @@ def test_products_name_how_the_kernel_multiplies_each_dtypes_blocks():
         assert pair_products(KERNEL) == built
 
 
-def _plan(score_mod=None, b=2, h=4, h_kv=2, t=29, s=41):
+def _plan(score_mod=None, b=2, h=4, h_kv=2, t=29, s=41, tile_bytes=4 * 8 * 5 * 14):
     q, k = torch.randn(b, h, t, 8), torch.randn(b, h_kv, s, 8)
     call = checked_call(q, k, k, score_mod=score_mod)
-    return Plan.of(call, torch.float32, 5, 7)
+    return Plan.of(call, TiledRoute(torch.float32, None, None, 5, 7, tile_bytes))
 
 
 def test_a_call_without_score_mod_is_one_tile_of_whole_blocks():
@@ -245,15 +246,14 @@ def test_a_mod_that_adds_is_asked_for_its_bias_in_tiles_of_about_tile_bytes(monk
     assert tiling.rows % 5 == 0 and 5 <= tiling.rows <= 30
     assert tiling.keys % 7 == 0 and 7 <= tiling.keys <= 42
     tile_bytes = 4 * 2 * H * tiling.rows * tiling.keys  # float32, every batch row and head
-    assert tile_bytes <= tiled_native.TILE_BYTES or tiling.keys == 7  # one key block at least
-    assert tiling.keys < 42  # the tests' small TILE_BYTES: several tiles of keys
+    assert tile_bytes <= plan.tile_bytes or tiling.keys == 7  # one key block at least
+    assert tiling.keys < 42  # the tests' small tile_bytes: several tiles of keys
     got = tiling.mod_bias(5, 10, 14, 21)
     rows, keys = torch.arange(5, 10)[:, None], torch.arange(14, 21)
     want = table[torch.arange(H)[:, None, None], rows - keys + 40]  # (h, 5, 7)
     torch.testing.assert_close(got.expand(2, H, 5, 7), want.expand(2, H, 5, 7))
     assert tiling.mod_bias_grad is None  # no tensor to train
-    monkeypatch.setattr(tiled_native, "TILE_BYTES", 2**30)
-    assert tiles(plan).keys == 42  # a bias that fits: one tile of keys
+    assert tiles(_plan(bias, tile_bytes=2**30)).keys == 42  # a bias that fits: one tile of keys
 
 
 def test_the_bias_gradient_of_each_tile_adds_into_the_tables():

@@ -10,7 +10,6 @@ import torch
 import attnkit
 from attnkit import functional as F
 from attnkit.block_mask import create_block_mask, window_of
-from attnkit.tiled import autograd as tiled_function
 from attnkit.tiled import loop as tiled_loop
 from helpers.zoo import CASES, SHAPES, ZOO, H, inputs, oracle, torch_block_mask
 
@@ -44,11 +43,10 @@ def test_partial_blocks_call_mask_mod_full_blocks_skip_it_empty_blocks_are_never
 
 
 @pytest.mark.parametrize(("mod", "shape"), CASES)
-def test_the_kernel_walks_groups_of_mask_blocks_as_one(mod, shape, monkeypatch):
+def test_the_kernel_walks_groups_of_mask_blocks_as_one(mod, shape, monkeypatch, tiled_blocks):
     """The tiled loop's blocks span 4 x 4 of the mask's (as 256 x 512 span 2 x 4 of 128 x 128),
     with some of them full, some partial, some empty; a head- and batch-dependent mask too."""
-    monkeypatch.setattr(tiled_function, "BLOCK_Q", 16)
-    monkeypatch.setattr(tiled_function, "BLOCK_K", 32)
+    tiled_blocks(16, 32)
     score_mod, mask_mod = ZOO[mod]
     b, h_kv, t, s = SHAPES[shape]
     q, k, v = (x.requires_grad_() for x in inputs(b, h_kv, t, s))
@@ -65,9 +63,8 @@ def test_the_kernel_walks_groups_of_mask_blocks_as_one(mod, shape, monkeypatch):
         torch.testing.assert_close(g, w)
 
 
-def test_a_mask_that_depends_on_batch_and_head_in_grouped_blocks(monkeypatch):
-    monkeypatch.setattr(tiled_function, "BLOCK_Q", 16)
-    monkeypatch.setattr(tiled_function, "BLOCK_K", 32)
+def test_a_mask_that_depends_on_batch_and_head_in_grouped_blocks(monkeypatch, tiled_blocks):
+    tiled_blocks(16, 32)
 
     def per_row(b, h, q_idx, kv_idx):
         return ((q_idx >= kv_idx) & (h % 2 == 0)) | ((kv_idx < 9 + 4 * b) & (h % 2 == 1))

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -97,41 +97,48 @@ def _why_not(backend: Backend, call: Call) -> str | None:
     return None if reason is None else f"cannot run {reason}"
 
 
-_WITH_SPEED_RULES = frozenset(
-    name for name, b in BACKENDS.items() if type(b).faster_than is not Backend.faster_than
+_WITH_SPEED_RULES = tuple(
+    b
+    for b in (BACKENDS[name] for name in AUTO_ORDER)
+    if type(b).faster_than is not Backend.faster_than
 )
-"""The backends with a speed rule of their own, which ``auto`` asks after it has chosen."""
+"""The backends with a speed rule of their own, in ``auto``'s order."""
 
 
-def _auto(call: Call, explain: bool = False) -> tuple[Backend, str]:
-    """The backend ``auto`` takes for ``call``, and, with ``explain``, why (else ``""``: a call
-    that only runs spends no time on sentences)."""
-    chosen: Backend | None = None
-    passed, reason = [], ""
+class _Chosen(NamedTuple):
+    backend: Backend
+    plan: Any  # its plan of the call, worked out while choosing (None: not yet, or none needed)
+    reason: str = ""
+
+
+def _auto(call: Call, explain: bool = False) -> _Chosen:
+    """The backend ``auto`` takes for ``call``, its plan, and with ``explain`` why (else ``""``: a
+    call that only runs spends no time on sentences)."""
+    chosen, passed, reason = None, [], ""
     for name in AUTO_ORDER:
         backend = BACKENDS[name]
-        if chosen is not None:  # a later backend takes over where its own rule says it is faster
-            if name not in _WITH_SPEED_RULES:
-                continue
-            faster = backend.faster_than(chosen, call)
-            if faster is not None and _why_not(backend, call) is None:
-                if explain:
-                    reason = f"faster than {chosen.name} here: {faster}"
-                chosen = backend
-            continue
         why_not = _why_not(backend, call)
-        if why_not is not None:
+        if why_not is None:
+            chosen = backend
             if explain:
-                passed.append(f"{name} {why_not}")
-            continue
-        chosen = backend
+                reason = f"the first backend of {', '.join(AUTO_ORDER)} that runs this call"
+            break
         if explain:
-            reason = f"the first backend of {', '.join(AUTO_ORDER)} that runs this call"
+            passed.append(f"{name} {why_not}")
     if chosen is None:  # pragma: no cover - the reference backend runs every call
         raise AssertionError("no backend runs this call")
+    later = AUTO_ORDER.index(chosen.name)
+    for backend in _WITH_SPEED_RULES:  # a later backend takes over where its rule says so
+        if AUTO_ORDER.index(backend.name) <= later:
+            continue
+        faster = backend.faster_than(chosen, call)
+        if faster is not None and _why_not(backend, call) is None:
+            if explain:
+                reason = f"faster than {chosen.name} here: {faster}"
+            chosen = backend
     if passed:
         reason += "; passed over: " + "; ".join(passed)
-    return chosen, reason
+    return _Chosen(chosen, chosen.plan(call), reason)
 
 
 def _named(name: str, call: Call) -> Backend:
@@ -161,13 +168,14 @@ def choose_backend(name: str, call: Call) -> BackendChoice:
         ValueError: ``name`` is unknown, or the named backend cannot do an option in use.
     """
     if name == "auto":
-        backend, reason = _auto(call, explain=True)
+        backend, plan, reason = _auto(call, explain=True)
     else:
-        backend, reason = _named(name, call), "named by the caller"
+        backend, plan, reason = _named(name, call), None, "named by the caller"
     runs = getattr(backend, "runs", None)  # a backend that hands the call to torch says to what
     if runs is not None:
         reason += f"; {runs} runs it"
-    path, products = backend.path(call)
+    plan = backend.plan(call) if plan is None else plan
+    path, products = backend.path(call) if plan is None else backend.path(call, plan)
     return BackendChoice(backend.name, path, reason, products)
 
 
@@ -212,14 +220,17 @@ def run(name: str, call: Call) -> AttentionOutput:
     """``call`` on the backend ``name`` (or ``"auto"``'s choice). A kernel chosen because it could
     be built, whose build then fails, is not taken again: ``auto`` chooses anew, a named backend
     raises ``ValueError`` saying why."""
-    backend = _auto(call)[0] if name == "auto" else _named(name, call)
+    backend, plan, _ = _auto(call) if name == "auto" else _Chosen(_named(name, call), None)
     _check_memory(backend, call)
     try:
-        return backend.run(call)
+        plan = backend.plan(call) if plan is None else plan
+        return backend.run(call) if plan is None else backend.run(call, plan)
     except loader.KernelUnavailableError as error:
         if name != "auto":
             raise ValueError(f"{error}; use backend='auto'") from None
-    return _auto(call)[0].run(call)
+    backend, plan, _ = _auto(call)
+    plan = backend.plan(call) if plan is None else plan
+    return backend.run(call) if plan is None else backend.run(call, plan)
 
 
 __all__ = [

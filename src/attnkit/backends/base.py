@@ -8,7 +8,7 @@ one before it; the backend that wins runs it and returns an
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from attnkit.call import AttentionOutput, Call
 
@@ -44,17 +44,23 @@ class Backend:
         kernel that cannot be had), or None. Never builds or loads anything."""
         return None
 
-    def faster_than(self, other: Backend, call: Call) -> str | None:
+    def plan(self, call: Call) -> Any:
+        """What its ``run`` needs to know of ``call`` beyond the call itself (its route, sizes),
+        worked out once while it is chosen and handed to ``faster_than``, ``path`` and ``run``;
+        None for a backend that needs nothing. Never builds or loads anything."""
+        return None
+
+    def faster_than(self, other: Backend, call: Call, plan: Any = None) -> str | None:
         """Why it runs ``call`` faster than ``other``, which ``auto`` would take before it (None if
         it does not): its own speed rule, beside its kernel."""
         return None
 
-    def path(self, call: Call) -> Route:
+    def path(self, call: Call, plan: Any = None) -> Route:
         """The code inside it that would run ``call``."""
         raise NotImplementedError
 
-    def run(self, call: Call) -> AttentionOutput:
-        """Compute ``call``."""
+    def run(self, call: Call, plan: Any = None) -> AttentionOutput:
+        """Compute ``call``, with its ``plan`` (worked out again if not given)."""
         raise NotImplementedError
 
     def memory(self, call: Call) -> tuple[int, str]:

@@ -51,7 +51,8 @@ from attnkit.backends.base import Backend, Route
 from attnkit.call import AttentionOutput, Call, forward_ad_active, gradient_levels, wants_grad
 from attnkit.kernels import cpu
 from attnkit.rules.sinks import join as join_sinks
-from attnkit.tiled import autograd, native
+from attnkit.tiled import autograd
+from attnkit.tiled.plans import TiledRoute, route_of
 
 DENSE_MASK_LIMIT = 2**24
 """The largest mask SDPA is given to materialise (elements; 64 MiB of float32) before "auto"
@@ -84,18 +85,6 @@ HALF_NATIVE_FROM = {"inference": (128, 512 * 512), "training": (64, 128 * 128)}
 costs more than the few rows gain). Without AVX512-BF16 the kernel multiplies bf16 in float32, and
 with AMX SDPA's bf16 kernel multiplies on AMX, faster than this kernel: the rule applies to neither
 (docs/bench/choices.md)."""
-
-
-def _call_dtype(call: Call) -> torch.dtype:
-    """The dtype the kernel sees: q's, or the autocast dtype."""
-    device = call.q.device.type
-    if torch.is_autocast_enabled(device):
-        return torch.get_autocast_dtype(device)
-    return call.q.dtype
-
-
-def _products(call: Call) -> torch.dtype:
-    return autograd.matmul_dtype(_call_dtype(call), call.q.device)
 
 
 def _may_be_faster(call: Call) -> bool:
@@ -137,17 +126,24 @@ class TiledBackend(Backend):
             )
         return None
 
-    def faster_than(self, other: Backend, call: Call) -> str | None:
+    def plan(self, call: Call) -> TiledRoute:
+        """The route of ``call`` ([`route_of`][attnkit.tiled.plans.route_of]): its kernel or
+        loop, products and sizes, worked out once while choosing; nothing is built or loaded."""
+        return route_of(call)
+
+    def faster_than(self, other: Backend, call: Call, plan: TiledRoute | None = None) -> str | None:
         """Where SDPA would waste work or memory and this backend would not (measured with
         ``attnkit bench``, docs/bench/choices.md)."""
         if other.name != "sdpa" or not _may_be_faster(call):
             return None
+        route = route_of(call) if plan is None else plan
+        native = route.kernel is not None
         q, k, v = call.q, call.k, call.v
         half = q.dtype in (torch.bfloat16, torch.float16)
         _, h, t, _ = q.shape
         s = k.shape[-2]
         grad = half and wants_grad(q, k, v)  # the rules below that ask apply to half precision
-        if grad and not autograd.fast_half_matmul(q.dtype, q.device):
+        if grad and route.products != q.dtype:  # half-precision blocks multiplied in float32
             return (
                 f"SDPA's {q.dtype} backward is slow on a CPU without fast half-precision products"
             )
@@ -158,17 +154,17 @@ class TiledBackend(Backend):
             and t >= rows
             and t * s >= scores
             and not cpu.has("amx_bf16")
-            and self.path(call).products == "bf16-avx512_bf16"  # the C++ kernel, with vdpbf16ps
+            and route.pairs == "avx512_bf16"  # the C++ kernel, with vdpbf16ps
         ):
             return "its bf16 block products (AVX512-BF16) with float32 sums run faster than SDPA's"
         dropout = call.dropout_p and q.device.type == "cpu" and t * s >= NATIVE_MIN_SCORES
-        if dropout and self.path(call).path == "native":
+        if dropout and native:
             return (  # SDPA's CPU kernels have none: its math path takes the call
                 "SDPA's CPU kernels have no dropout: torch's math path would materialise the "
                 "scores, the weights and the dropout mask"
             )
         sinks = call.sinks is not None and q.device.type == "cpu" and t * s >= sinks_native_from()
-        if sinks and self.path(call).path == "native":
+        if sinks and native:
             return (  # SDPA's path adds passes around torch's CPU flash kernel, as this one does
                 "with sinks, torch's CPU flash kernel and the passes that join them run slower "
                 "than the C++ kernel and the same passes"
@@ -193,26 +189,23 @@ class TiledBackend(Backend):
         mask_elements = b * t * s * (h if call.alibi_slopes is not None else 1)
         if mask_elements > DENSE_MASK_LIMIT:
             return f"SDPA would need a dense mask of {mask_elements} elements"
-        if t * s >= NATIVE_MIN_SCORES and self.path(call).path == "native":
+        if t * s >= NATIVE_MIN_SCORES and native:
             return "the C++ kernel applies the positional mask that SDPA would read from memory"
         return None
 
-    def path(self, call: Call) -> Route:
+    def path(self, call: Call, plan: TiledRoute | None = None) -> Route:
         """``native`` or ``loop``, and the block products: in the C++ kernel ``"float32"``,
         ``"bf16-avx512_bf16"`` or ``"bf16-portable"``; in the loop, the dtype torch multiplies in;
         None under ``torch.compile``, whose compiled loop inductor chooses."""
         if traced():
             return Route("loop")
-        products = _products(call)
-        kernel = autograd.kernel_for(call, products)
-        if kernel is None:
-            return Route("loop", str(products).removeprefix("torch."))
-        return Route("native", native.products(kernel, products))
+        route = route_of(call) if plan is None else plan
+        return Route(route.path, route.products_name)
 
-    def run(self, call: Call) -> AttentionOutput:
+    def run(self, call: Call, plan: TiledRoute | None = None) -> AttentionOutput:
         if call.sinks is None:
-            return autograd.run(call)
-        keys_alone = autograd.run(call._replace(sinks=None, return_lse=True))
+            return autograd.run(call, plan)
+        keys_alone = autograd.run(call._replace(sinks=None, return_lse=True), plan)
         return join_sinks(keys_alone, call.sinks, call.return_lse)
 
 

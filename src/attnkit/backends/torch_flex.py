@@ -341,7 +341,7 @@ class FlexBackend(Backend):
             return "without Triton, whose kernels torch's FlexAttention compiles on CUDA"
         return None
 
-    def faster_than(self, other: Backend, call: Call) -> str | None:
+    def faster_than(self, other: Backend, call: Call, plan: None = None) -> str | None:
         """Over SDPA, on CUDA only, where SDPA would be given a dense mask: from
         [`OVER_SDPA_SCORES`][attnkit.backends.torch_flex.OVER_SDPA_SCORES] scores, or where the tiled
         backend's own rule would take the call (its PyTorch loop, on CUDA, is slower than this

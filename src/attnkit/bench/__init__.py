@@ -22,7 +22,7 @@ from attnkit.bench.flex_cases import supported as mods_supported
 from attnkit.bench.measure import Result, matmul_gflops, probe_memory, time_interleaved
 from attnkit.bench.peers import KERNEL_IMPLS, MODULE_IMPLS, Case, prepare, runs, supported
 from attnkit.bench.report import machine, write
-from attnkit.tiled import native
+from attnkit.tiled import plans
 
 
 @dataclass(frozen=True)
@@ -112,7 +112,7 @@ def native_kernels() -> dict[str, dict]:
     build came from (``prebuilt``, ``cached``, ``built``), how long a build took, and why a kernel
     is unavailable (the tiled backend then runs its PyTorch loop)."""
     report = {}
-    for kernel in (native.KERNEL, decode_backend.KERNEL):
+    for kernel in (plans.KERNEL, decode_backend.KERNEL):
         usable, reason = kernel.available()
         report[kernel.source] = {
             "available": usable,

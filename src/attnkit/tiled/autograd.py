@@ -21,9 +21,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from attnkit import force
 from attnkit.call import AttentionOutput, Call, wants_grad
-from attnkit.kernels import cpu
 from attnkit.masks import zero_padding
 from attnkit.rules.dropout import Dropout
 from attnkit.rules.exact import differentiable_grads
@@ -31,55 +29,29 @@ from attnkit.rules.nonfinite import all_finite, nan_rows
 from attnkit.tiled import loop, native
 from attnkit.tiled.loop import Plan
 from attnkit.tiled.native import marked
-
-BLOCK_Q = 256  # query rows per block
-BLOCK_K = 512  # keys per block: a (12 heads, 256, 512) fp32 score block is 6 MB, cache-resident
+from attnkit.tiled.plans import TiledRoute, route_of
 
 _NEG_INF = float("-inf")
-
-
-def fast_half_matmul(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether ``dtype`` matrix products are fast on ``device`` (else blocks go through float32):
-    on a CPU, from `attnkit.kernels.cpu.fast_half_products` (or as [forced][attnkit.force])."""
-    return device.type != "cpu" or force.half_products() or cpu.fast_half_products(dtype)
-
-
-def matmul_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """The dtype of the block products for inputs of ``dtype``."""
-    return dtype if fast_half_matmul(dtype, device) else torch.promote_types(dtype, torch.float32)
-
-
-def kernel_for(call: Call, products: torch.dtype):
-    """The C++ kernel (not yet loaded) if it would run ``call`` with these block products, else
-    None (the loop runs). A ``score_mod`` or ``block_mask`` is a Python function, which the kernel
-    cannot call per score: a mod that adds to the score (``call.mod_adds``) runs in the kernel,
-    which asks for its bias a tile at a time; other mods and block masks run in the loop."""
-    if call.block_mask is not None:
-        return None
-    kernel = native.kernel_for(call.q.device, products)
-    if kernel is None or call.score_mod is None or call.mod_adds:
-        return kernel
-    return None
 
 
 class Spec(NamedTuple):
     """What the autograd function keeps of a call besides its tensors."""
 
     call: Call  # without its tensors
-    block_q: int
-    block_k: int
+    route: TiledRoute  # the kernel or the loop, the products and the sizes, chosen once
     dropout: Dropout | None = None  # with the seed of this call's masks, for the backward's
 
 
-def spec_of(call: Call) -> Spec:
-    """The spec of one call (a dropout's seed is drawn here, once)."""
+def spec_of(call: Call, route: TiledRoute | None = None) -> Spec:
+    """The spec of one call, on ``route`` (worked out now if not given); a dropout's seed is
+    drawn here, once."""
     dropout = Dropout.drawn(call.dropout_p) if call.dropout_p else None
-    return Spec(call.with_tensors(*[None] * 6), BLOCK_Q, BLOCK_K, dropout)
+    route = route_of(call) if route is None else route
+    return Spec(call.with_tensors(*[None] * 6), route, dropout)
 
 
 def plan_of(call: Call, spec: Spec) -> Plan:
-    dtype = matmul_dtype(call.q.dtype, call.q.device)
-    return Plan.of(call, dtype, spec.block_q, spec.block_k, spec.dropout)
+    return Plan.of(call, spec.route, spec.dropout)
 
 
 class TiledAttention(torch.autograd.Function):
@@ -152,10 +124,10 @@ class TiledAttentionWithMods(TiledAttention):
         return forward(call, spec)
 
 
-def _loaded(call: Call, plan: Plan):
+def _loaded(spec: Spec):
     """The C++ kernel's module where it runs this call (built or loaded now if need be), else
     None: the loop runs, also where the build failed (it warned, once)."""
-    kernel = kernel_for(call, plan.matmul_dtype)
+    kernel = spec.route.kernel
     return None if kernel is None else kernel.load()
 
 
@@ -163,7 +135,7 @@ def forward(call: Call, spec: Spec, *, cast: bool = True) -> tuple[Tensor, Tenso
     """``(out, lse)`` of ``call``; ``cast=False`` leaves the output in the statistics' dtype."""
     q, k, v = call.q, call.k, call.v
     plan = plan_of(call, spec)
-    kernel = _loaded(call, plan)
+    kernel = _loaded(spec)
     dtype = q.dtype if cast else plan.stats_dtype
     if kernel is not None:
         operands = _native_operands(q, k, v, plan)
@@ -201,7 +173,7 @@ def backward(
         delta = delta - dlse.to(plan.stats_dtype)
     b, h, t, d = q.shape
     mod_grads: list[Tensor | None] = [None] * len(call.mod_tensors)
-    kernel = _loaded(call, plan)
+    kernel = _loaded(spec)
     dtypes = (q.dtype, k.dtype, v.dtype) if cast else (plan.stats_dtype,) * 3
     if kernel is not None:  # the gradients in their dtypes, that of q times the scale
         operands = _native_operands(q, k, v, plan)
@@ -238,10 +210,11 @@ def partial(call: Call) -> tuple[Tensor, Tensor]:
     return forward(call, spec_of(call), cast=False)
 
 
-def run(call: Call) -> AttentionOutput:
-    """``call`` through the autograd function; the weights are recomputed from the lse after the
-    pass (the output is the same bit for bit). Under autocast, the inputs are cast to the
-    autocast dtype and the kernel runs on them as such."""
+def run(call: Call, route: TiledRoute | None = None) -> AttentionOutput:
+    """``call`` through the autograd function, on ``route`` (the backend's, chosen with it); the
+    weights are recomputed from the lse after the pass (the output is the same bit for bit).
+    Under autocast, the inputs are cast to the autocast dtype and the kernel runs on them as
+    such."""
     q, k, v = call.q, call.k, call.v
     device = q.device.type
     if torch.is_autocast_enabled(device):
@@ -250,7 +223,7 @@ def run(call: Call) -> AttentionOutput:
     with torch.autocast(device, enabled=False):
         masks = call.masks
         k, v = zero_padding(k, masks.key_mask), zero_padding(v, masks.key_mask)
-        spec = spec_of(call)
+        spec = spec_of(call, route)
         function = TiledAttentionWithMods if call.mod_tensors else TiledAttention
         out, lse = function.apply(
             q, k, v, call.alibi_slopes, masks.attn_mask, masks.key_mask, spec, *call.mod_tensors

@@ -21,7 +21,7 @@ from attnkit.block_mask import allowed as dense_allowed
 from attnkit.call import Call
 from attnkit.rules.dropout import Dropout, keep_scale
 from attnkit.rules.nonfinite import NAN, may_hold_nonfinite
-from attnkit.tiled.plans import BlockPlan
+from attnkit.tiled.plans import BlockPlan, TiledRoute
 
 _NEG_INF = float("-inf")
 
@@ -47,19 +47,17 @@ class Plan:
     stats_dtype: torch.dtype  # dtype of scores, softmax statistics and accumulators
     block_q: int
     block_k: int
+    tile_bytes: int  # the most a tile of a score_mod's bias takes (the C++ kernel's)
+    route: TiledRoute  # the route it was planned on (the kernel's way with bf16 blocks)
     blocks: BlockPlan | None = None  # the block mask's tables, if one is given
     compile_mods: bool = False  # evaluate score_mod and mask_mod compiled (mods.compile_block)
     dropout: Dropout | None = None  # the weights' dropout, its seed drawn for the call
 
     @staticmethod
-    def of(
-        call: Call,
-        matmul_dtype: torch.dtype,
-        block_q: int,
-        block_k: int,
-        dropout: Dropout | None = None,
-    ) -> Plan:
+    def of(call: Call, route: TiledRoute, dropout: Dropout | None = None) -> Plan:
+        """The plan of ``call`` on ``route``: its products and block sizes."""
         q, k = call.q, call.k
+        block_q, block_k = route.block_q, route.block_k
         blocks = None
         compile_mods = q.shape[2] * k.shape[2] >= mods.COMPILE_FROM
         if call.block_mask is not None:  # whole blocks of the mask's, to skip the empty ones
@@ -75,10 +73,12 @@ class Plan:
             groups=q.shape[1] // k.shape[1],
             t=q.shape[2],
             s=k.shape[2],
-            matmul_dtype=matmul_dtype,
+            matmul_dtype=route.products,
             stats_dtype=torch.promote_types(q.dtype, torch.float32),
             block_q=block_q,
             block_k=block_k,
+            tile_bytes=route.tile_bytes,
+            route=route,
             blocks=blocks,
             compile_mods=compile_mods,
             dropout=dropout,

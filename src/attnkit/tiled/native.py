@@ -26,15 +26,12 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 from torch import Tensor
 
-from attnkit import force, mods
+from attnkit import mods
 from attnkit._tracing import traced
-from attnkit.kernels import loader
 from attnkit.mods import Block
 
 if TYPE_CHECKING:
     from attnkit.tiled.loop import Plan
-
-KERNEL = loader.KERNELS["tiled"]
 
 
 def marked(name: str) -> contextlib.AbstractContextManager:
@@ -43,42 +40,6 @@ def marked(name: str) -> contextlib.AbstractContextManager:
     if traced():
         return contextlib.nullcontext()
     return torch.profiler.record_function(name)
-
-
-def kernel_for(device: torch.device, matmul_dtype: torch.dtype) -> loader.Kernel | None:
-    """The C++ kernel if it would run a call with these block products, else None (the loop
-    runs): float32 products always, bf16 ones where its build multiplies them with AVX512-BF16
-    (elsewhere the loop's bf16 matrix products, oneDNN's, are the faster way). Decides without
-    building or loading it (`attnkit.kernels.loader.Kernel.usable`); see also
-    [`attnkit.force`][attnkit.force]."""
-    if device.type != "cpu" or matmul_dtype not in (torch.float32, torch.bfloat16):
-        return None
-    if traced() or force.loop_only():  # dynamo cannot trace C++
-        return None
-    if not KERNEL.usable()[0]:
-        return None
-    if matmul_dtype == torch.bfloat16 and pair_products(KERNEL) is None:
-        return None
-    return KERNEL
-
-
-def pair_products(kernel) -> str | None:
-    """How the kernel (or its loaded module) multiplies bf16 blocks: ``"avx512_bf16"``
-    (``vdpbf16ps``) where its build has it, else None (bf16 products then run in the loop);
-    ``"portable"``, the same sums in portable code, where a path forces it."""
-    if force.portable_pairs() or (force.current() == "tiled:half" and not kernel.has_avx512_bf16()):
-        return "portable"
-    return "avx512_bf16" if kernel.has_avx512_bf16() else None
-
-
-def products(kernel, matmul_dtype: torch.dtype) -> str:
-    """The block products as [`attnkit.functional.which_backend`][attnkit.functional.which_backend] names them: ``"float32"``,
-    ``"bf16-avx512_bf16"`` or ``"bf16-portable"``."""
-    return "float32" if matmul_dtype == torch.float32 else f"bf16-{pair_products(kernel)}"
-
-
-def _route(kernel: ModuleType) -> int:
-    return 1 if pair_products(kernel) == "avx512_bf16" else 0
 
 
 def _readable(x: Tensor) -> Tensor:
@@ -104,10 +65,10 @@ def options(kernel: ModuleType, plan: Plan) -> object:  # the kernel's TiledOpti
     """The call as the C++ kernel's forward takes it: one ``TiledOptions`` (``tiled.cpp``),
     filled from the plan alone. Masks and slopes the call lacks stay the kernel's empty
     defaults."""
-    return _filled(kernel.TiledOptions(), kernel, plan, tiles(plan))
+    return _filled(kernel.TiledOptions(), plan, tiles(plan))
 
 
-def _filled(opts, kernel: ModuleType, plan: Plan, tiling: Tiles):
+def _filled(opts, plan: Plan, tiling: Tiles):
     call = plan.call
     shape = (plan.b, plan.h_kv * plan.groups, plan.t, plan.s)
     mask = call.masks.attn_mask
@@ -123,17 +84,11 @@ def _filled(opts, kernel: ModuleType, plan: Plan, tiling: Tiles):
     opts.window_left, opts.window_right = call.masks.window or (-1, -1)
     opts.shift = call.masks.shift
     opts.block_q, opts.block_k = plan.block_q, plan.block_k
-    opts.route = _route(kernel)
+    opts.route = 1 if plan.route.pairs == "avx512_bf16" else 0  # how bf16 blocks multiply
     opts.tile_rows, opts.tile_keys, opts.mod_bias = tiling.rows, tiling.keys, tiling.mod_bias
     if plan.dropout is not None:
         opts.dropout_p, opts.dropout_seed = plan.dropout.p, plan.dropout.seed
     return opts
-
-
-TILE_BYTES = 16 * 2**20
-"""The memory a tile of a ``score_mod``'s bias may take (float32, every batch row and head), unless
-one block of queries by one block of keys takes more: it stays in the CPU's last-level cache
-between being written and being read, and the allocator reuses it from tile to tile."""
 
 
 class Tiles(NamedTuple):
@@ -148,7 +103,7 @@ class Tiles(NamedTuple):
 
 def tiles(plan: Plan, mod_grads: list[Tensor | None] | None = None) -> Tiles:
     """One tile for a call without a ``score_mod``. With one that
-    [adds to the score][attnkit.mods.adds_to_score], tiles of about ``TILE_BYTES`` of its bias,
+    [adds to the score][attnkit.mods.adds_to_score], tiles of about ``plan.tile_bytes`` of its bias,
     with enough query blocks a panel to keep every thread busy. ``mod_grads`` (the backward): the
     gradients of the tensors the mod reads, accumulated tile by tile."""
     whole = Tiles(_round_up(plan.t, plan.block_q), _round_up(plan.s, plan.block_k))
@@ -158,7 +113,7 @@ def tiles(plan: Plan, mod_grads: list[Tensor | None] | None = None) -> Tiles:
     heads = plan.h_kv * plan.groups
     rows = plan.block_q * -(-2 * torch.get_num_threads() // (plan.b * heads))  # items to share
     rows = min(rows, whole.rows)
-    keys = TILE_BYTES // (4 * plan.b * heads * rows) // plan.block_k * plan.block_k
+    keys = plan.tile_bytes // (4 * plan.b * heads * rows) // plan.block_k * plan.block_k
     keys = min(max(keys, plan.block_k), whole.keys)
     compiled = plan.compile_mods
 
@@ -245,7 +200,7 @@ def backward(
     ``lse`` at -inf (no key) are read as 0. The kernel takes the forward's options extended by
     what only the backward takes (``TiledBackwardOptions``)."""
     tiling = tiles(plan, mod_grads)  # the bias of a tile and its gradient's taker, as a pair
-    opts = _filled(kernel.TiledBackwardOptions(), kernel, plan, tiling)
+    opts = _filled(kernel.TiledBackwardOptions(), plan, tiling)
     opts.dq, opts.dk, opts.dv = (_laid_out_as(x, x.shape[-1], t) for x, t in zip(operands, dtypes))
     opts.dout = _readable(dout.to(operands[0].dtype))
     opts.lse = lse.to(torch.float32).masked_fill(lse == float("-inf"), 0.0).contiguous()

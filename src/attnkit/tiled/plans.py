@@ -1,13 +1,131 @@
-"""The tiled loop's plan of a block mask: which of its key blocks each block of queries visits,
-in blocks of several of the mask's own (see [`BlockPlan`][attnkit.tiled.plans.BlockPlan])."""
+"""The tiled backend's plans: the route of a call, worked out once while the backend is chosen
+([`TiledRoute`][attnkit.tiled.plans.TiledRoute]: the block products, the C++ kernel or the loop,
+the block and tile sizes), and the plan of a block mask, which of its key blocks each block of
+queries visits, in blocks of several of the mask's own
+([`BlockPlan`][attnkit.tiled.plans.BlockPlan])."""
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
+from attnkit import force
+from attnkit._tracing import traced
 from attnkit.block_mask import scores_allowed, tables
+from attnkit.call import Call
+from attnkit.kernels import cpu, loader
+from attnkit.kernels.loader import Kernel
+
+KERNEL = loader.KERNELS["tiled"]
+
+BLOCK_Q = 256
+"""Query rows per block."""
+BLOCK_K = 512
+"""Keys per block: a (12 heads, 256, 512) float32 block of scores is 6 MB, and stays in cache."""
+TILE_BYTES = 16 * 2**20
+"""The memory a tile of a ``score_mod``'s bias may take (float32, every batch row and head), unless
+one block of queries by one block of keys takes more: it stays in the CPU's last-level cache
+between being written and being read, and the allocator reuses it from tile to tile."""
+
+_HALF_FORCED = ("tiled:half", "tiled:half-loop", "tiled:portable")
+
+
+class TiledRoute(NamedTuple):
+    """Which code of the tiled backend runs a call and in what sizes: worked out once
+    ([`route_of`][attnkit.tiled.plans.route_of]), while the backend is chosen, and carried to the
+    kernel.
+
+    Attributes:
+        products: the dtype of the block products.
+        kernel: the C++ kernel (not yet loaded) that runs the call, or None: the PyTorch loop.
+        pairs: how the kernel multiplies bf16 blocks: ``"avx512_bf16"`` or ``"portable"``; None
+            for float32 products.
+        block_q: query rows per block.
+        block_k: keys per block.
+        tile_bytes: the most a tile of a ``score_mod``'s bias may take.
+    """
+
+    products: torch.dtype
+    kernel: Kernel | None
+    pairs: str | None = None
+    block_q: int = BLOCK_Q
+    block_k: int = BLOCK_K
+    tile_bytes: int = TILE_BYTES
+
+    @property
+    def path(self) -> str:
+        return "loop" if self.kernel is None else "native"
+
+    @property
+    def products_name(self) -> str:
+        """As [`which_backend`][attnkit.functional.which_backend] names them: ``"float32"``,
+        ``"bf16-avx512_bf16"``, ``"bf16-portable"``, or the loop's dtype."""
+        if self.pairs is not None:  # the C++ kernel's bf16 products
+            return f"bf16-{self.pairs}"
+        return str(self.products).removeprefix("torch.")
+
+
+def route_of(call: Call) -> TiledRoute:
+    """The route of ``call``: block products in the inputs' dtype (autocast's, where it is on)
+    where the device multiplies it fast (a GPU; on a CPU, `attnkit.kernels.cpu.fast_half_products`,
+    or as [forced][attnkit.force]), else in float32; the C++ kernel where it takes those products,
+    the call's device and its user functions (a ``score_mod`` that
+    [adds to the score][attnkit.mods.adds_to_score]; no block mask), else the loop."""
+    q = call.q
+    device = q.device
+    dtype = (
+        torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else q.dtype
+    )
+    forced = force.current()
+    if dtype in (torch.bfloat16, torch.float16) and device.type == "cpu":
+        fast = forced in _HALF_FORCED or cpu.fast_half_products(dtype)
+        products = dtype if fast else torch.float32
+    else:
+        products = dtype
+    kernel = None
+    if call.block_mask is None and (call.score_mod is None or call.mod_adds) and not traced():
+        kernel = kernel_for(device, products)
+    pairs = None if kernel is None or products != torch.bfloat16 else pair_products(kernel)
+    sizes = force.block_sizes()
+    if sizes is None:
+        return TiledRoute(products, kernel, pairs)
+    block_q, block_k, tile_bytes = sizes
+    return TiledRoute(products, kernel, pairs, block_q, block_k, tile_bytes or TILE_BYTES)
+
+
+def kernel_for(device: torch.device, matmul_dtype: torch.dtype) -> loader.Kernel | None:
+    """The C++ kernel if it would run a call with these block products, else None (the loop
+    runs): float32 products always, bf16 ones where its build multiplies them with AVX512-BF16
+    (elsewhere the loop's bf16 matrix products, oneDNN's, are the faster way). Decides without
+    building or loading it (`attnkit.kernels.loader.Kernel.usable`); see also
+    [`attnkit.force`][attnkit.force]."""
+    if device.type != "cpu" or matmul_dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if traced() or force.loop_only():  # dynamo cannot trace C++
+        return None
+    if not KERNEL.usable()[0]:
+        return None
+    if matmul_dtype == torch.bfloat16 and pair_products(KERNEL) is None:
+        return None
+    return KERNEL
+
+
+def pair_products(kernel) -> str | None:
+    """How the kernel (or its loaded module) multiplies bf16 blocks: ``"avx512_bf16"``
+    (``vdpbf16ps``) where its build has it, else None (bf16 products then run in the loop);
+    ``"portable"``, the same sums in portable code, where a path forces it."""
+    if force.portable_pairs() or (force.current() == "tiled:half" and not kernel.has_avx512_bf16()):
+        return "portable"
+    return "avx512_bf16" if kernel.has_avx512_bf16() else None
+
+
+def products(kernel, matmul_dtype: torch.dtype) -> str:
+    """The block products as [`attnkit.functional.which_backend`][attnkit.functional.which_backend] names them: ``"float32"``,
+    ``"bf16-avx512_bf16"`` or ``"bf16-portable"``."""
+    return "float32" if matmul_dtype == torch.float32 else f"bf16-{pair_products(kernel)}"
 
 
 class BlockPlan:
