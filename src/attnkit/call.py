@@ -16,7 +16,45 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
 from attnkit.masks import Masks
-from attnkit.mods import ScoreMod
+from attnkit.mods import MaskMod, ScoreMod
+
+
+class Options(NamedTuple):
+    """The keywords of [`attention`][attnkit.functional.attention] that are not tensors, each
+    once, with its default: the call's options as the caller gave them, before any check
+    ([`checked_call`][attnkit.functional.checked_call] checks them into a
+    [`Call`][attnkit.call.Call]). ``which_backend`` and ``checked_call`` take them as
+    ``attention`` does.
+
+    Attributes:
+        causal: key ``j`` is visible to query ``i`` iff ``j <= i + s - t`` (bottom-right aligned).
+        window: ``(left, right)`` positions around ``p(i)`` that a query sees; -1 is unbounded.
+        softcap: caps scores smoothly to ``(-softcap, softcap)``.
+        scale: multiplies ``q . k``; None for ``1 / sqrt(d)``.
+        dropout_p: dropout probability on the weights.
+        return_lse: also return the log-sum-exp of the scores.
+        return_weights: also return the weights: True before dropout, ``"dropped"`` after it.
+        score_mod: ``score_mod(score, b, h, q_idx, kv_idx) -> score``.
+        mask_mod: ``mask_mod(b, h, q_idx, kv_idx) -> bool``, a shorthand for a block mask.
+        backend: ``"auto"`` or a backend's name.
+    """
+
+    causal: bool = False
+    window: tuple[int, int] | None = None
+    softcap: float | None = None
+    scale: float | None = None
+    dropout_p: float = 0.0
+    return_lse: bool = False
+    return_weights: bool | str = False
+    score_mod: ScoreMod | None = None
+    mask_mod: MaskMod | None = None
+    backend: str = "auto"
+
+
+TENSOR_KEYWORDS = ("attn_mask", "key_mask", "alibi_slopes", "sinks", "block_mask", "nonfinite_keys")
+"""The keywords of ``attention`` that are tensors (or hold them): they join the ``Call`` itself."""
+
+DEFAULT_OPTIONS = Options()
 
 
 class Call(NamedTuple):
@@ -147,7 +185,11 @@ def forward_ad_active() -> bool:
 
 def wants_grad(*tensors: Tensor | None) -> bool:
     """Whether autograd will record this call: grad mode is on and some tensor requires grad."""
-    return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors)
+    if torch.is_grad_enabled():
+        for x in tensors:  # a loop, not any(): no generator on every call
+            if x is not None and x.requires_grad:
+                return True
+    return False
 
 
 def gradient_levels(*tensors: Tensor | None) -> int:

@@ -29,6 +29,8 @@ length, ``d`` head dim.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
@@ -37,7 +39,7 @@ from attnkit import _checks, mods
 from attnkit._tracing import traced
 from attnkit.backends import BackendChoice, choose_backend, run
 from attnkit.block_mask import create_block_mask, window_of
-from attnkit.call import AttentionOutput, Call, call_of
+from attnkit.call import DEFAULT_OPTIONS, TENSOR_KEYWORDS, AttentionOutput, Call, Options, call_of
 from attnkit.masks import Masks, both_windows, merge_window
 from attnkit.mods import MaskMod, ScoreMod
 from attnkit.rules.sinks import join as join_sinks
@@ -124,24 +126,28 @@ def attention(
         >>> attention(q, k, v, causal=True).shape
         torch.Size([2, 8, 5, 64])
     """
+    options = Options(
+        causal,
+        window,
+        softcap,
+        scale,
+        dropout_p,
+        return_lse,
+        return_weights,
+        score_mod,
+        mask_mod,
+        backend,
+    )
     call = checked_call(
         q,
         k,
         v,
+        options,
         attn_mask=attn_mask,
         key_mask=key_mask,
-        causal=causal,
-        window=window,
         alibi_slopes=alibi_slopes,
         sinks=sinks,
-        softcap=softcap,
-        scale=scale,
-        dropout_p=dropout_p,
-        return_lse=return_lse,
-        return_weights=return_weights,
-        score_mod=score_mod,
         block_mask=block_mask,
-        mask_mod=mask_mod,
         nonfinite_keys=nonfinite_keys,
     )
     if 0 in (q.shape[2], k.shape[2]):  # no query, or no key: a query with no key gets 0
@@ -167,29 +173,9 @@ def _empty(call: Call) -> tuple[Tensor, Tensor, Tensor]:
     return nothing.expand(b, h, t, v.shape[-1]), lse, nothing.expand(b, h, t, k.shape[2])
 
 
-def which_backend(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    attn_mask: Tensor | None = None,
-    key_mask: Tensor | None = None,
-    causal: bool = False,
-    window: tuple[int, int] | None = None,
-    alibi_slopes: Tensor | None = None,
-    sinks: Tensor | None = None,
-    softcap: float | None = None,
-    scale: float | None = None,
-    dropout_p: float = 0.0,
-    return_lse: bool = False,
-    return_weights: bool | str = False,
-    score_mod: ScoreMod | None = None,
-    block_mask: BlockMask | None = None,
-    mask_mod: MaskMod | None = None,
-    nonfinite_keys: Tensor | None = None,
-    backend: str = "auto",
-) -> BackendChoice:
-    """What [`attention`][attnkit.functional.attention] would run for these arguments, without running it: the backend, the
+def which_backend(q: Tensor, k: Tensor, v: Tensor, **keywords: Any) -> BackendChoice:
+    """What [`attention`][attnkit.functional.attention] would run for these arguments (its
+    keywords, as it takes them), without running it: the backend, the
     path inside it (its C++ kernel or its PyTorch loop), why, and its block products (float32, or
     bf16 with AVX512-BF16, ...; they depend on the CPU, see `attnkit.kernels.cpu`). The same checks run, and the same
     errors are raised, as in [`attention`][attnkit.functional.attention]; the answer depends on the tensors' dtype, device and
@@ -206,57 +192,50 @@ def which_backend(
         >>> which_backend(q, k, v, softcap=30.0).backend  # SDPA has no soft-capping
         'tiled'
     """
-    call = checked_call(
-        q,
-        k,
-        v,
-        attn_mask=attn_mask,
-        key_mask=key_mask,
-        causal=causal,
-        window=window,
-        alibi_slopes=alibi_slopes,
-        sinks=sinks,
-        softcap=softcap,
-        scale=scale,
-        dropout_p=dropout_p,
-        return_lse=return_lse,
-        return_weights=return_weights,
-        score_mod=score_mod,
-        block_mask=block_mask,
-        mask_mod=mask_mod,
-        nonfinite_keys=nonfinite_keys,
-    )
-    return choose_backend(backend, call)
+    options, tensors = split_keywords(keywords, "which_backend")
+    return choose_backend(options.backend, checked_call(q, k, v, options, **tensors))
 
 
 def checked_call(
     q: Tensor,
     k: Tensor,
     v: Tensor,
+    options: Options = DEFAULT_OPTIONS,
     *,
     attn_mask: Tensor | None = None,
     key_mask: Tensor | None = None,
-    causal: bool = False,
-    window: tuple[int, int] | None = None,
     alibi_slopes: Tensor | None = None,
     sinks: Tensor | None = None,
-    softcap: float | None = None,
-    scale: float | None = None,
-    dropout_p: float = 0.0,
-    return_lse: bool = False,
-    return_weights: bool | str = False,
-    score_mod: ScoreMod | None = None,
     block_mask: BlockMask | None = None,
-    mask_mod: MaskMod | None = None,
     nonfinite_keys: Tensor | None = None,
     shift: int = 0,
+    **keywords: Any,
 ) -> Call:
     """Check the arguments of [`attention`][attnkit.functional.attention] and gather them into one
-    [`Call`][attnkit.call.Call]: the only place they are checked. ``shift``: the queries sit
-    that many positions right of bottom-right alignment ([`Masks`][attnkit.masks.Masks]); ring
-    attention's chunks, never a user's call."""
+    [`Call`][attnkit.call.Call]: the only place they are checked. The options come as an
+    [`Options`][attnkit.call.Options] or as ``attention``'s keywords (``keywords``, which replace
+    those of ``options``). ``shift``: the queries sit that many positions right of bottom-right
+    alignment ([`Masks`][attnkit.masks.Masks]); ring attention's chunks, never a user's call."""
+    if keywords:
+        options = _replaced(options, keywords, "checked_call")
+    (
+        causal,
+        window,
+        softcap,
+        scale,
+        dropout_p,
+        return_lse,
+        return_weights,
+        score_mod,
+        mask_mod,
+        _,
+    ) = options
     keys_as_given = k
-    q, k, v = _autocast(q, k, v)
+    # Autocast's flag covers the CPU's and CUDA's; other devices are asked in _autocast.
+    if not (isinstance(q, Tensor) and (q.is_cpu or q.is_cuda)) or (
+        torch._C._is_any_autocast_enabled()
+    ):
+        q, k, v = _autocast(q, k, v)
     _checks.check_qkv(q, k, v)
     b, h, t, _ = q.shape
     s = k.shape[-2]
@@ -268,14 +247,16 @@ def checked_call(
         _checks.check_alibi_slopes(alibi_slopes, h, q.device)
     if score_mod is not None and not callable(score_mod):
         raise TypeError(f"score_mod must be a function, got {type(score_mod).__name__}")
-    _checks.check_flag(causal, "causal")
-    _checks.check_flag(return_lse, "return_lse")
+    if type(causal) is not bool or type(return_lse) is not bool:  # say which is not a bool
+        _checks.check_flag(causal, "causal")
+        _checks.check_flag(return_lse, "return_lse")
     if not (isinstance(return_weights, bool) or return_weights == "dropped"):
         raise TypeError(
             "return_weights must be a bool or 'dropped', got "
             f"{type(return_weights).__name__} {return_weights!r}"
         )
-    window = _checks.check_window(window)
+    if window is not None:
+        window = _checks.check_window(window)
     # A block mask that is a window score for score (a causal one, a sliding one) runs as that
     # window: the kernels skip blocks by position and need no mask per score.
     blocks = None
@@ -318,6 +299,19 @@ def checked_call(
         return_weights=return_weights,
         **extras,
     )
+
+
+def split_keywords(keywords: dict[str, Any], caller: str) -> tuple[Options, dict[str, Any]]:
+    """``attention``'s keywords as an [`Options`][attnkit.call.Options] and the tensors'."""
+    tensors = {name: keywords.pop(name) for name in TENSOR_KEYWORDS if name in keywords}
+    return _replaced(DEFAULT_OPTIONS, keywords, caller), tensors
+
+
+def _replaced(options: Options, keywords: dict[str, Any], caller: str) -> Options:
+    unknown = sorted(keywords.keys() - Options._fields)
+    if unknown:
+        raise TypeError(f"{caller}() got an unexpected keyword argument {unknown[0]!r}")
+    return options._replace(**keywords)
 
 
 def _autocast(q, k, v):

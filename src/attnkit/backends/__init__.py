@@ -105,6 +105,9 @@ _WITH_SPEED_RULES = tuple(
 """The backends with a speed rule of their own, in ``auto``'s order."""
 
 
+_NO_PLAN = object()  # not yet worked out
+
+
 class _Chosen(NamedTuple):
     backend: Backend
     plan: Any  # its plan of the call, worked out while choosing (None: not yet, or none needed)
@@ -115,30 +118,33 @@ def _auto(call: Call, explain: bool = False) -> _Chosen:
     """The backend ``auto`` takes for ``call``, its plan, and with ``explain`` why (else ``""``: a
     call that only runs spends no time on sentences)."""
     chosen, passed, reason = None, [], ""
+    used = call.options
     for name in AUTO_ORDER:
         backend = BACKENDS[name]
-        why_not = _why_not(backend, call)
-        if why_not is None:
+        if used <= backend.supports and backend.refuses(call) is None:
             chosen = backend
             if explain:
                 reason = f"the first backend of {', '.join(AUTO_ORDER)} that runs this call"
             break
         if explain:
-            passed.append(f"{name} {why_not}")
+            passed.append(f"{name} {_why_not(backend, call)}")
     if chosen is None:  # pragma: no cover - the reference backend runs every call
         raise AssertionError("no backend runs this call")
-    later = AUTO_ORDER.index(chosen.name)
+    later, plan = AUTO_ORDER.index(chosen.name), _NO_PLAN
     for backend in _WITH_SPEED_RULES:  # a later backend takes over where its rule says so
         if AUTO_ORDER.index(backend.name) <= later:
             continue
-        faster = backend.faster_than(chosen, call)
-        if faster is not None and _why_not(backend, call) is None:
+        if not backend.may_be_faster(call):
+            continue
+        mine = backend.plan(call)
+        faster = backend.faster_than(chosen, call, mine)
+        if faster is not None and used <= backend.supports and backend.refuses(call) is None:
             if explain:
                 reason = f"faster than {chosen.name} here: {faster}"
-            chosen = backend
+            chosen, plan = backend, mine
     if passed:
         reason += "; passed over: " + "; ".join(passed)
-    return _Chosen(chosen, chosen.plan(call), reason)
+    return _Chosen(chosen, chosen.plan(call) if plan is _NO_PLAN else plan, reason)
 
 
 def _named(name: str, call: Call) -> Backend:
@@ -201,10 +207,9 @@ def _size(n: float) -> str:
 
 
 def _check_memory(backend: Backend, call: Call) -> None:
-    """Refuse, before any work, a call whose results or intermediates alone exceed the memory."""
+    """Refuse, before any work, a call whose results or intermediates alone exceed the memory
+    (asked from ``SMALL_CALL`` scores on)."""
     b, h, t, _ = call.q.shape
-    if b * h * t * call.k.shape[2] < SMALL_CALL:
-        return
     need, what = backend.memory(call)
     limit = memory_of(call.q.device)
     if need > limit:
@@ -220,16 +225,20 @@ def run(name: str, call: Call) -> AttentionOutput:
     """``call`` on the backend ``name`` (or ``"auto"``'s choice). A kernel chosen because it could
     be built, whose build then fails, is not taken again: ``auto`` chooses anew, a named backend
     raises ``ValueError`` saying why."""
-    backend, plan, _ = _auto(call) if name == "auto" else _Chosen(_named(name, call), None)
-    _check_memory(backend, call)
+    if name == "auto":
+        backend, plan, _ = _auto(call)
+    else:
+        backend = _named(name, call)
+        plan = backend.plan(call)
+    b, h, t, _ = call.q.shape
+    if b * h * t * call.k.shape[2] >= SMALL_CALL:
+        _check_memory(backend, call)
     try:
-        plan = backend.plan(call) if plan is None else plan
         return backend.run(call) if plan is None else backend.run(call, plan)
     except loader.KernelUnavailableError as error:
         if name != "auto":
             raise ValueError(f"{error}; use backend='auto'") from None
     backend, plan, _ = _auto(call)
-    plan = backend.plan(call) if plan is None else plan
     return backend.run(call) if plan is None else backend.run(call, plan)
 
 

@@ -50,6 +50,11 @@ class Backend:
         None for a backend that needs nothing. Never builds or loads anything."""
         return None
 
+    def may_be_faster(self, call: Call) -> bool:
+        """A quick look before ``faster_than``, on every call ``auto`` gives another backend:
+        False where no speed rule of this one can apply (then its plan is not worked out)."""
+        return True
+
     def faster_than(self, other: Backend, call: Call, plan: Any = None) -> str | None:
         """Why it runs ``call`` faster than ``other``, which ``auto`` would take before it (None if
         it does not): its own speed rule, beside its kernel."""

@@ -54,7 +54,9 @@ def sdpa(call: Call) -> AttentionOutput:
     q, k, v = call.q, call.k, call.v
     t, s = q.shape[-2], k.shape[-2]
     masks = call.masks
-    keys, values = zero_padding(k, masks.key_mask), zero_padding(v, masks.key_mask)
+    keys, values = k, v
+    if masks.key_mask is not None:
+        keys, values = zero_padding(k, masks.key_mask), zero_padding(v, masks.key_mask)
     causal_only = masks.is_causal_only
     is_causal = causal_only and t == s and call.alibi_slopes is None
     sees_all = causal_only and t == 1  # the one query, last, sees every key
@@ -259,7 +261,10 @@ class SdpaBackend(Backend):
                 return reason
         if forward_ad_active():
             return "forward-mode AD (torch.func.jvp, jacfwd, forward_ad): torch's fused kernels have no jvp rule"
-        if gradient_levels(call.q, call.k, call.v, call.alibi_slopes) >= 2:
+        if (
+            torch._C._are_functorch_transforms_active()
+            and gradient_levels(call.q, call.k, call.v, call.alibi_slopes) >= 2
+        ):
             return (
                 "nested torch.func gradients (grad of grad, or autograd around torch.func.grad): "
                 "torch's fused kernels have no double backward"

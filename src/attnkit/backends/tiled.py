@@ -119,12 +119,16 @@ class TiledBackend(Backend):
             torch._C._are_functorch_transforms_active()
         ):
             return "score_mod or block_mask under a torch.func transform (the reference backend runs it)"
-        if gradient_levels(call.q, call.k, call.v, call.alibi_slopes):
+        if torch._C._are_functorch_transforms_active() and gradient_levels(
+            call.q, call.k, call.v, call.alibi_slopes
+        ):
             return (
                 "under torch.func.grad, vjp or jacrev: its recomputing backward does not compose "
                 "with them (the reference backend does, and auto takes it or SDPA)"
             )
         return None
+
+    may_be_faster = staticmethod(_may_be_faster)
 
     def plan(self, call: Call) -> TiledRoute:
         """The route of ``call`` ([`route_of`][attnkit.tiled.plans.route_of]): its kernel or
@@ -136,7 +140,7 @@ class TiledBackend(Backend):
         ``attnkit bench``, docs/bench/choices.md)."""
         if other.name != "sdpa" or not _may_be_faster(call):
             return None
-        route = route_of(call) if plan is None else plan
+        route = route_of(call) if plan is None else plan  # (None: asked directly, not by auto)
         native = route.kernel is not None
         q, k, v = call.q, call.k, call.v
         half = q.dtype in (torch.bfloat16, torch.float16)

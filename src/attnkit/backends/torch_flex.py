@@ -341,6 +341,9 @@ class FlexBackend(Backend):
             return "without Triton, whose kernels torch's FlexAttention compiles on CUDA"
         return None
 
+    def may_be_faster(self, call: Call) -> bool:
+        return call.q.is_cuda  # its rules are CUDA's
+
     def faster_than(self, other: Backend, call: Call, plan: None = None) -> str | None:
         """Over SDPA, on CUDA only, where SDPA would be given a dense mask: from
         [`OVER_SDPA_SCORES`][attnkit.backends.torch_flex.OVER_SDPA_SCORES] scores, or where the tiled

@@ -152,7 +152,7 @@ def fast_half_products(dtype: torch.dtype) -> bool:
     bf16 with AVX512-BF16 or AMX, fp16 with AMX-FP16. Without such units they are emulated, tens to
     hundreds of times slower than float32."""
     if dtype == torch.bfloat16:
-        return has("avx512_bf16") or has("amx_bf16")
+        return not features().isdisjoint(("avx512_bf16", "amx_bf16"))
     if dtype == torch.float16:
         return has("amx_fp16")
     return False

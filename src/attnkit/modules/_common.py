@@ -16,6 +16,15 @@ def as_batched(
     """Check a ``(b, t, e)`` or unbatched ``(t, e)`` input against the layer's width and its
     parameter ``like`` (dtype, device); return it as ``(b, t, e)`` and whether it was unbatched
     (the output is then squeezed back, as torch's own modules do)."""
+    if (  # the common case, in one expression; any other input goes through the checks below
+        isinstance(x, Tensor)
+        and x.dim() == 3
+        and x.shape[-1] == features
+        and x.dtype == like.dtype
+        and x.device == like.device
+        and x.is_floating_point()
+    ):
+        return x, False
     _checks.check_tensor(x, name)
     _checks.check_rank(x, name, (2, 3), "(batch, tokens, features) or (tokens, features)")
     _checks.check_floating(x, name)

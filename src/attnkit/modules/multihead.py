@@ -189,20 +189,26 @@ class MultiHeadAttention(ProjectedAttention):
             ``(b, t, d_out)``, or ``(output, weights)``.
         """
         x, unbatched = as_batched(x, "x", self.d_q, "d_in", self._modules["W_query"].weight)
-        _checks.check_flag(need_weights, "need_weights")
-        _checks.check_flag(average_weights, "average_weights")
+        if type(need_weights) is not bool or type(average_weights) is not bool:  # say which
+            _checks.check_flag(need_weights, "need_weights")
+            _checks.check_flag(average_weights, "average_weights")
         b, t, _ = x.shape
         if unbatched and key_mask is not None and key_mask.dim() == 1:
             key_mask = key_mask.unsqueeze(0)
         if key_mask is not None:
             _checks.check_key_mask(key_mask, b, t, x.device)
-        self._check_mode(x, cache, context_parallel, documents, attn_mask, need_weights)
+        if cache is not None or context_parallel is not None:
+            self._check_mode(x, cache, context_parallel, documents, attn_mask, need_weights)
+        elif self.context_length is not None and t > self.context_length:
+            _checks.check_context_length(t, self.context_length)
         step = cache is not None  # a cached decoding step: its projections fused
         queries, keys, values = self._project(x, x, step)
         if self.rope is not None:
             positions = self._positions(t, key_mask, cache, context_parallel, x.device)
             queries, keys = self.rope(queries, positions), self.rope(keys, positions)
-        mods = _mods_of(score_mod, mask_mod, block_mask, documents, cache, x.device)
+        mods = {"score_mod": score_mod, "mask_mod": mask_mod, "block_mask": block_mask}
+        if documents is not None or block_mask is not None:
+            mods = _mods_of(score_mod, mask_mod, block_mask, documents, cache, x.device)
         causal, window, slopes = self.causal, self.window, self.alibi_slopes
         if cache is not None and traced():
             if score_mod is not None or mask_mod is not None:
@@ -234,7 +240,7 @@ class MultiHeadAttention(ProjectedAttention):
             step=step,
             **mods,
         )
-        return unbatch(result, unbatched)
+        return unbatch(result, unbatched) if unbatched else result
 
     def _check_mode(self, x, cache, context_parallel, documents, attn_mask, need_weights) -> None:
         """Check what this call's mode allows: a whole sequence, a cached step (compiled or not)

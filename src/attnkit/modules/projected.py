@@ -86,9 +86,13 @@ class ProjectedAttention(nn.Module):
     ) -> tuple[Tensor, Tensor, Tensor]:
         """Queries ``(b, h, t, d)`` from ``x`` ``(b, t, d_q)``; keys and values ``(b, h_kv, s, d)``
         from ``memory`` ``(b, s, d_kv)``. ``step``: a cached decoding step."""
-        if x is memory:  # self-attention: in a step, the three projections of x in one product
-            q, k, v = self._linears(("W_query", "W_key", "W_value"), x, step)
+        layers = self._modules
+        if x is memory and not step:  # self-attention: each projection of x, as its layer's call
+            q, k, v = layers["W_query"](x), layers["W_key"](x), layers["W_value"](x)
             queries = split_heads(q, self.num_heads)  # (b, t, e) -> (b, h, t, d)
+        elif x is memory:  # a cached step: the three projections of x in one product
+            q, k, v = self._linears(("W_query", "W_key", "W_value"), x, step)
+            queries = split_heads(q, self.num_heads)
         else:
             queries = self._project_queries(x, step)
             k, v = self._linears(("W_key", "W_value"), memory, step)
@@ -127,7 +131,12 @@ class ProjectedAttention(nn.Module):
         )
         context, weights = result if need_weights else (result, None)
         # (b, h, t, d) -> (b, t, e) -> (b, t, e)
-        [out] = self._linears(("out_proj",), merge_heads(context), step)
+        merged = merge_heads(context)  # (b, h, t, d) -> (b, t, e)
+        out = (
+            gemv.project([self._modules["out_proj"]], merged)[0]
+            if step
+            else self._modules["out_proj"](merged)
+        )
         if not need_weights:
             return out
         return out, weights.mean(dim=1) if average_weights else weights  # (b, t, s) | (b, h, t, s)

@@ -50,10 +50,6 @@ def spec_of(call: Call, route: TiledRoute | None = None) -> Spec:
     return Spec(call.with_tensors(*[None] * 6), route, dropout)
 
 
-def plan_of(call: Call, spec: Spec) -> Plan:
-    return Plan.of(call, spec.route, spec.dropout)
-
-
 class TiledAttention(torch.autograd.Function):
     """``(out, lse)`` of one call. Saves only q, k, v, the masks, the output and the lse (and the
     tensors a ``score_mod`` reads, in ``TiledAttentionWithMods``).
@@ -124,18 +120,12 @@ class TiledAttentionWithMods(TiledAttention):
         return forward(call, spec)
 
 
-def _loaded(spec: Spec):
-    """The C++ kernel's module where it runs this call (built or loaded now if need be), else
-    None: the loop runs, also where the build failed (it warned, once)."""
-    kernel = spec.route.kernel
-    return None if kernel is None else kernel.load()
-
-
 def forward(call: Call, spec: Spec, *, cast: bool = True) -> tuple[Tensor, Tensor]:
     """``(out, lse)`` of ``call``; ``cast=False`` leaves the output in the statistics' dtype."""
     q, k, v = call.q, call.k, call.v
-    plan = plan_of(call, spec)
-    kernel = _loaded(spec)
+    plan = Plan.of(call, spec.route, spec.dropout)
+    # the C++ kernel (built or loaded now if need be), or None: the loop, also where a build failed
+    kernel = None if spec.route.kernel is None else spec.route.kernel.load()
     dtype = q.dtype if cast else plan.stats_dtype
     if kernel is not None:
         operands = _native_operands(q, k, v, plan)
@@ -165,7 +155,7 @@ def backward(
     rows' whole lse). ``dout``/``dlse`` None: no gradient reached that output. ``cast=False``
     leaves the gradients of q, k and v in the statistics' dtype, for a caller that sums them."""
     q, k, v = call.q, call.k, call.v
-    plan = plan_of(call, spec)
+    plan = Plan.of(call, spec.route, spec.dropout)
     if dout is None:
         dout = torch.zeros_like(out)
     delta = (dout.to(plan.stats_dtype) * out.to(plan.stats_dtype)).sum(dim=-1)  # dO_i . O_i
@@ -173,7 +163,8 @@ def backward(
         delta = delta - dlse.to(plan.stats_dtype)
     b, h, t, d = q.shape
     mod_grads: list[Tensor | None] = [None] * len(call.mod_tensors)
-    kernel = _loaded(spec)
+    # the C++ kernel (built or loaded now if need be), or None: the loop, also where a build failed
+    kernel = None if spec.route.kernel is None else spec.route.kernel.load()
     dtypes = (q.dtype, k.dtype, v.dtype) if cast else (plan.stats_dtype,) * 3
     if kernel is not None:  # the gradients in their dtypes, that of q times the scale
         operands = _native_operands(q, k, v, plan)
@@ -222,7 +213,8 @@ def run(call: Call, route: TiledRoute | None = None) -> AttentionOutput:
         q, k, v = (x.to(dtype) for x in (q, k, v))
     with torch.autocast(device, enabled=False):
         masks = call.masks
-        k, v = zero_padding(k, masks.key_mask), zero_padding(v, masks.key_mask)
+        if masks.key_mask is not None:
+            k, v = zero_padding(k, masks.key_mask), zero_padding(v, masks.key_mask)
         spec = spec_of(call, route)
         function = TiledAttentionWithMods if call.mod_tensors else TiledAttention
         out, lse = function.apply(
@@ -231,7 +223,7 @@ def run(call: Call, route: TiledRoute | None = None) -> AttentionOutput:
         weights = None
         if call.return_weights:
             call = call._replace(q=q, k=k, v=v)
-            weights = _weights(call, lse, plan_of(call, spec)).to(q.dtype)
+            weights = _weights(call, lse, Plan.of(call, spec.route, spec.dropout)).to(q.dtype)
     return AttentionOutput(out, lse if call.return_lse else None, weights)
 
 

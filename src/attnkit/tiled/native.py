@@ -57,8 +57,12 @@ def _readable(x: Tensor) -> Tensor:
 
 
 def _pairs_aligned(x: Tensor) -> bool:
-    strides = zip(x.shape[:-1], x.stride()[:-1])
-    return x.data_ptr() % 4 == 0 and all(size == 1 or stride % 2 == 0 for size, stride in strides)
+    if x.data_ptr() % 4:
+        return False
+    for size, stride in zip(x.shape[:-1], x.stride()[:-1]):  # a loop: no generator per call
+        if size != 1 and stride % 2:
+            return False
+    return True
 
 
 def options(kernel: ModuleType, plan: Plan) -> object:  # the kernel's TiledOptions
@@ -106,7 +110,9 @@ def tiles(plan: Plan, mod_grads: list[Tensor | None] | None = None) -> Tiles:
     [adds to the score][attnkit.mods.adds_to_score], tiles of about ``plan.tile_bytes`` of its bias,
     with enough query blocks a panel to keep every thread busy. ``mod_grads`` (the backward): the
     gradients of the tensors the mod reads, accumulated tile by tile."""
-    whole = Tiles(_round_up(plan.t, plan.block_q), _round_up(plan.s, plan.block_k))
+    whole = Tiles(
+        -(-plan.t // plan.block_q) * plan.block_q, -(-plan.s // plan.block_k) * plan.block_k
+    )
     score_mod = plan.call.score_mod
     if score_mod is None:
         return whole
@@ -154,10 +160,6 @@ def tiles(plan: Plan, mod_grads: list[Tensor | None] | None = None) -> Tiles:
                 mod_grads[i].add_(grad)
 
     return Tiles(rows, keys, mod_bias_with_graph, mod_bias_grad)
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return max(1, -(-n // multiple)) * multiple
 
 
 def forward(

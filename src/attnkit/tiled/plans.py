@@ -73,7 +73,8 @@ def route_of(call: Call) -> TiledRoute:
     where the device multiplies it fast (a GPU; on a CPU, `attnkit.kernels.cpu.fast_half_products`,
     or as [forced][attnkit.force]), else in float32; the C++ kernel where it takes those products,
     the call's device and its user functions (a ``score_mod`` that
-    [adds to the score][attnkit.mods.adds_to_score]; no block mask), else the loop."""
+    [adds to the score][attnkit.mods.adds_to_score]; no block mask), else the loop. What is forced
+    and whether this is traced are read once, here."""
     q = call.q
     device = q.device
     dtype = (
@@ -85,10 +86,9 @@ def route_of(call: Call) -> TiledRoute:
         products = dtype if fast else torch.float32
     else:
         products = dtype
-    kernel = None
-    if call.block_mask is None and (call.score_mod is None or call.mod_adds) and not traced():
-        kernel = kernel_for(device, products)
-    pairs = None if kernel is None or products != torch.bfloat16 else pair_products(kernel)
+    kernel = pairs = None
+    if call.block_mask is None and (call.score_mod is None or call.mod_adds):
+        kernel, pairs = _kernel_and_pairs(device, products, forced)
     sizes = force.block_sizes()
     if sizes is None:
         return TiledRoute(products, kernel, pairs)
@@ -96,30 +96,41 @@ def route_of(call: Call) -> TiledRoute:
     return TiledRoute(products, kernel, pairs, block_q, block_k, tile_bytes or TILE_BYTES)
 
 
-def kernel_for(device: torch.device, matmul_dtype: torch.dtype) -> loader.Kernel | None:
+_NOW = object()  # read what is forced now
+
+
+def kernel_for(device: torch.device, matmul_dtype: torch.dtype, forced=_NOW) -> Kernel | None:
     """The C++ kernel if it would run a call with these block products, else None (the loop
     runs): float32 products always, bf16 ones where its build multiplies them with AVX512-BF16
     (elsewhere the loop's bf16 matrix products, oneDNN's, are the faster way). Decides without
-    building or loading it (`attnkit.kernels.loader.Kernel.usable`); see also
-    [`attnkit.force`][attnkit.force]."""
+    building or loading it (`attnkit.kernels.loader.Kernel.usable`); ``forced``: the path
+    [forced][attnkit.force] (read now if not given)."""
+    return _kernel_and_pairs(device, matmul_dtype, force.current() if forced is _NOW else forced)[0]
+
+
+def _kernel_and_pairs(device, matmul_dtype, forced) -> tuple[Kernel | None, str | None]:
+    """`kernel_for`, and `pair_products` of it for bf16 products (None for float32)."""
     if device.type != "cpu" or matmul_dtype not in (torch.float32, torch.bfloat16):
-        return None
-    if traced() or force.loop_only():  # dynamo cannot trace C++
-        return None
+        return None, None
+    if forced in ("tiled:loop", "tiled:half-loop") or traced():  # dynamo cannot trace C++
+        return None, None
     if not KERNEL.usable()[0]:
-        return None
-    if matmul_dtype == torch.bfloat16 and pair_products(KERNEL) is None:
-        return None
-    return KERNEL
+        return None, None
+    if matmul_dtype == torch.float32:
+        return KERNEL, None
+    pairs = pair_products(KERNEL, forced)
+    return (None, None) if pairs is None else (KERNEL, pairs)
 
 
-def pair_products(kernel) -> str | None:
+def pair_products(kernel, forced=_NOW) -> str | None:
     """How the kernel (or its loaded module) multiplies bf16 blocks: ``"avx512_bf16"``
     (``vdpbf16ps``) where its build has it, else None (bf16 products then run in the loop);
     ``"portable"``, the same sums in portable code, where a path forces it."""
-    if force.portable_pairs() or (force.current() == "tiled:half" and not kernel.has_avx512_bf16()):
+    forced = force.current() if forced is _NOW else forced
+    fast = kernel.has_avx512_bf16()
+    if forced == "tiled:portable" or (forced == "tiled:half" and not fast):
         return "portable"
-    return "avx512_bf16" if kernel.has_avx512_bf16() else None
+    return "avx512_bf16" if fast else None
 
 
 def products(kernel, matmul_dtype: torch.dtype) -> str:
