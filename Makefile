@@ -45,7 +45,7 @@ browser:
 	  || echo "note: Chromium could not be installed here; the browser test will skip"
 
 test: lint browser kernels
-	$(BIN)/python -m pytest -m "not build" --durations=15
+	$(BIN)/python -m pytest -m "not build" --durations=15 --junitxml=build/test-times.xml
 
 # The inner loop: every test but the browser, the docs site and the notebooks (marked `outer`).
 test-fast: $(TEST_STAMP) kernels

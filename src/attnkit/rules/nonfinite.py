@@ -44,7 +44,10 @@ def can_branch_on_data(*tensors: Tensor) -> bool:
         or torch._C._len_torch_dispatch_stack() > 0
     ):
         return False
-    return all(type(x) is Tensor and x.is_cpu for x in tensors)
+    for x in tensors:  # a loop, not all(): no generator on every call
+        if type(x) is not Tensor or not x.is_cpu:
+            return False
+    return True
 
 
 def all_finite(*tensors: Tensor) -> bool:
