@@ -3,6 +3,7 @@ with ``sys.setprofile`` after a warm-up call. Usage: ``python scripts/call-path.
 
 from __future__ import annotations
 
+import itertools
 import sys
 from collections import Counter
 
@@ -34,7 +35,7 @@ def entered(fn) -> list[tuple[str, str]]:
 def report(name: str, fn, show: bool) -> None:
     calls = entered(fn)
     files = [f for f, _ in calls]
-    switches = sum(a != b for a, b in zip(files, files[1:]))
+    switches = sum(a != b for a, b in itertools.pairwise(files))
     print(f"{name}: {len(calls)} functions in {len(set(files))} files, {switches} switches")
     if show:
         for (f, q), n in Counter(calls).items():
@@ -46,7 +47,9 @@ def main() -> None:
     torch.manual_seed(0)
     mha = MultiHeadAttention(256, 256, 128, 0.0, 8).to(torch.bfloat16).train()
     x = torch.randn(2, 128, 256, dtype=torch.bfloat16)
-    report("bf16 training forward of MultiHeadAttention (2 x 128 x 256, 8 heads)", lambda: mha(x), show)
+    report(
+        "bf16 training forward of MultiHeadAttention (2 x 128 x 256, 8 heads)", lambda: mha(x), show
+    )
     q = torch.randn(1, 4, 32, 32)
     report("small attention() call (1, 4, 32, 32) fp32", lambda: attention(q, q, q), show)
 

@@ -44,7 +44,7 @@ def can_branch_on_data(*tensors: Tensor) -> bool:
         or torch._C._len_torch_dispatch_stack() > 0
     ):
         return False
-    for x in tensors:  # a loop, not all(): no generator on every call
+    for x in tensors:  # noqa: SIM110 - a loop, not all(): no generator on every call
         if type(x) is not Tensor or not x.is_cpu:
             return False
     return True
