@@ -88,3 +88,27 @@ def test_an_unknown_path_is_refused_naming_the_known_ones(path):
     with pytest.raises(ValueError, match=message), force.forced(path):
         pass
     assert force.current() is None
+
+
+def test_block_and_piece_sizes_nest_and_refuse_what_is_not_a_size():
+    from attnkit.distributed.plan import KEY_PIECE, QUERY_PIECE, piece_sizes
+    from attnkit.functional import checked_call
+    from attnkit.tiled.plans import route_of
+
+    q = torch.randn(1, 2, 8, 4)
+    with force.blocks(3, 5):
+        assert route_of(checked_call(q, q, q))[3:5] == (3, 5)
+        with force.blocks(16, 32, tile_bytes=64):
+            assert route_of(checked_call(q, q, q))[3:] == (16, 32, 64)
+        assert route_of(checked_call(q, q, q))[3:5] == (3, 5)
+    assert piece_sizes() == (KEY_PIECE, QUERY_PIECE)
+    with force.pieces(4):
+        assert piece_sizes() == (4, QUERY_PIECE)
+    for bad in (0, -1, 2.5, True):
+        with (
+            pytest.raises(ValueError, match="block_q must be a positive int"),
+            force.blocks(bad, 8),
+        ):
+            pass
+        with pytest.raises(ValueError, match="key_piece must be a positive int"), force.pieces(bad):
+            pass

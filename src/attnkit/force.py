@@ -15,7 +15,8 @@ that choice is overridden:
 Inside ``blind()``, the calls never look at the data from Python, as on a GPU: the CPU runs the
 GPU's form of attnkit's rule for non-finite values. Inside ``blocks(block_q, block_k)``, the tiled
 backend walks blocks of those sizes (the tests take small ones, so that short calls cross many
-blocks).
+blocks); inside ``pieces(key_piece, query_piece)``, ring attention cuts its chunks into pieces of
+those sizes.
 
 Example:
     >>> import torch
@@ -107,13 +108,7 @@ def blocks(block_q: int, block_k: int, tile_bytes: int | None = None) -> Iterato
     Raises:
         ValueError: a size that is not a positive int.
     """
-    for value, name in (
-        (block_q, "block_q"),
-        (block_k, "block_k"),
-        (tile_bytes or 1, "tile_bytes"),
-    ):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    _check_sizes(block_q=block_q, block_k=block_k, tile_bytes=tile_bytes)
     _BLOCKS.append((block_q, block_k, tile_bytes))
     try:
         yield
@@ -124,3 +119,37 @@ def blocks(block_q: int, block_k: int, tile_bytes: int | None = None) -> Iterato
 def block_sizes() -> tuple[int, int, int | None] | None:
     """The sizes [`blocks`][attnkit.force.blocks] set now, or None."""
     return _BLOCKS[-1] if _BLOCKS else None
+
+
+_PIECES: list[tuple[int | None, int | None]] = []
+
+
+@contextlib.contextmanager
+def pieces(key_piece: int | None = None, query_piece: int | None = None) -> Iterator[None]:
+    """Run the calls inside with ring attention's chunks cut into pieces of about ``key_piece``
+    keys and ``query_piece`` queries (None: the default, `attnkit.distributed.KEY_PIECE` and
+    `QUERY_PIECE`).
+
+    Raises:
+        ValueError: a size that is not a positive int.
+    """
+    _check_sizes(key_piece=key_piece, query_piece=query_piece)
+    _PIECES.append((key_piece, query_piece))
+    try:
+        yield
+    finally:
+        _PIECES.pop()
+
+
+def piece_sizes() -> tuple[int | None, int | None]:
+    """The sizes [`pieces`][attnkit.force.pieces] set now (None where not set)."""
+    return _PIECES[-1] if _PIECES else (None, None)
+
+
+def _check_sizes(**sizes: object) -> None:
+    """Each size given (not None) is a positive int."""
+    for name, value in sizes.items():
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 1
+        ):
+            raise ValueError(f"{name} must be a positive int, got {value!r}")

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from attnkit.distributed import plan as pieces
+from attnkit import force
 from attnkit.distributed.passes import RingAttention, forward_pass
 from attnkit.distributed.plan import RingPlan
 from attnkit.distributed.transport import Ring
@@ -63,10 +63,10 @@ def plan_of(q, k, v, options):
 
 
 @pytest.fixture(autouse=True)
-def small_pieces(monkeypatch):
+def small_pieces():
     """Pieces of about 2 keys and 5 queries: six rounds of keys, unequal pieces of queries."""
-    monkeypatch.setattr(pieces, "KEY_PIECE", 2)
-    monkeypatch.setattr(pieces, "QUERY_PIECE", 5)
+    with force.pieces(2, 5):
+        yield
 
 
 @pytest.mark.parametrize("name", CASES)

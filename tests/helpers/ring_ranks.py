@@ -18,7 +18,6 @@ from attnkit import distributed as ring
 from attnkit import force
 from attnkit import functional as F
 from attnkit.bench.launch import run_local
-from attnkit.distributed import plan
 from attnkit.distributed.transport import Ring
 from attnkit.tiled import autograd as tiled_function
 
@@ -69,7 +68,7 @@ def compare_case(rank: int, world: int, case: dict) -> dict[str, float]:
     slopes' or table's gradient, summed over the ranks)."""
     _small_blocks()
     # Pieces of about 2 keys and 3 queries a chunk: several rounds, pieces of unequal sizes.
-    plan.KEY_PIECE, plan.QUERY_PIECE = case.get("pieces", (2, 3))
+    _KEPT.enter_context(force.pieces(*case.get("pieces", (2, 3))))
     dtype = case.get("dtype", torch.float64)
     b, h, h_kv, d = 2, case.get("h", 2), case.get("h_kv", 2), 8
     t, s = case["t"], case.get("s", case["t"])
@@ -297,7 +296,7 @@ def module_case(rank: int, world: int, layout: str) -> dict[str, float]:
     from attnkit import MultiHeadAttention
 
     _small_blocks()
-    plan.KEY_PIECE, plan.QUERY_PIECE = 2, 3
+    _KEPT.enter_context(force.pieces(2, 3))
     torch.manual_seed(0)
     mha = MultiHeadAttention(
         16, 16, context_length=None, dropout=0.0, num_heads=4, num_kv_heads=2, rope=True,
@@ -326,7 +325,7 @@ def largest_transfer(rank: int, world: int, layout: str) -> int:
     """Forward and backward with key pieces of about 4 keys a chunk, over shards of 16 tokens: the
     most tokens of any tensor this rank sent or received (keys, values, their key mask and the
     gradients' sums)."""
-    plan.KEY_PIECE = 4
+    _KEPT.enter_context(force.pieces(4))
     tokens = []
     exchange = Ring.exchange
 
@@ -346,7 +345,7 @@ def largest_transfer(rank: int, world: int, layout: str) -> int:
 def under_autocast(rank: int, world: int) -> list[float]:
     """The largest differences of the output and gradients of ring attention (causal, zigzag, a
     mask_mod: the PyTorch loop's products) under bf16 autocast from those without it."""
-    plan.KEY_PIECE, plan.QUERY_PIECE = 2, 3
+    _KEPT.enter_context(force.pieces(2, 3))
     torch.manual_seed(0)
     whole = [torch.randn(1, 2, 16, 8) for _ in range(3)]
     mine = [ring.shard(x, 2, layout="zigzag") for x in whole]
@@ -365,6 +364,6 @@ def under_autocast(rank: int, world: int) -> list[float]:
 
 def mismatched_pieces(rank: int, world: int) -> tuple[str, str]:
     """Rank 0 cuts the keys into other pieces than the rest: the transfers could not match."""
-    plan.KEY_PIECE = 2 if rank == 0 else 4
+    _KEPT.enter_context(force.pieces(2 if rank == 0 else 4))
     q = k = v = torch.randn(1, 2, 8, 8)
     return _error_of(lambda: ring.ring_attention(q, k, v, causal=True, timeout=20))

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from attnkit import masks, mods
+from attnkit import force, masks, mods
 from attnkit.block_mask import create_block_mask
 from attnkit.call import Call, call_of
 from attnkit.distributed.layout import Chunk, Piece, chunks, local, pieces_of
@@ -26,6 +26,13 @@ less memory. How well a transfer hides behind the compute does not depend on the
 QUERY_PIECE = 2048
 """About how many queries of a chunk one call of the tiled kernel takes: the call's own buffers
 (its queries scaled, their gradients) grow with it, and the fixed cost of a call shrinks."""
+
+
+def piece_sizes() -> tuple[int, int]:
+    """``(key_piece, query_piece)``: `KEY_PIECE` and `QUERY_PIECE`, or as
+    [forced][attnkit.force.pieces]."""
+    key_piece, query_piece = force.piece_sizes()
+    return key_piece or KEY_PIECE, query_piece or QUERY_PIECE
 
 
 @dataclass(frozen=True)
@@ -56,10 +63,11 @@ class RingPlan:
     ) -> RingPlan:
         q_chunks = local(chunks(t, ring.size, layout)[ring.rank])
         k_chunks = [local(c) for c in chunks(s, ring.size, layout)]
-        count = pieces_of(k_chunks[0][0].length, KEY_PIECE)
+        key_piece, query_piece = piece_sizes()
+        count = pieces_of(k_chunks[0][0].length, key_piece)
         return RingPlan(
             ring=ring,
-            q_pieces=[p for c in q_chunks for p in c.slices(pieces_of(c.length, QUERY_PIECE))],
+            q_pieces=[p for c in q_chunks for p in c.slices(pieces_of(c.length, query_piece))],
             k_pieces=[Piece.cut_up(shard, count) for shard in k_chunks],
             t=t,
             s=s,

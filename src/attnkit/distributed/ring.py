@@ -123,7 +123,7 @@ def ring_attention(
         scale=scale,
         score_mod=mods.name_of(score_mod) if score_mod is not None else None,
         mask_mod=mods.name_of(mask_mod) if mask_mod is not None else None,
-        key_piece=pieces.KEY_PIECE,  # the pieces that travel must have the same sizes everywhere
+        key_piece=pieces.piece_sizes()[0],  # the pieces that travel: the same sizes everywhere
     )
     if ring.size == 1:  # the shard is the whole sequence: attention of it, in the inputs' dtype
         with torch.autocast(q.device.type, enabled=False):
