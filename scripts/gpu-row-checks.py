@@ -1,5 +1,5 @@
 """Which per-row check of non-finite values reads a tensor fastest on this GPU: the candidates for
-attnkit's NaN rule on CUDA (backends/nonfinite.py), timed on a decoding step's keys, beside a copy.
+attnkit's NaN rule on CUDA (rules/nonfinite.py), timed on a decoding step's keys, beside a copy.
 Run by scripts/gpu-check.sh; prints one line per candidate."""
 
 import math

@@ -66,7 +66,7 @@ def every_extension(monkeypatch):
 
 @pytest.fixture
 def pytorch_loop():
-    """The tiled backend without its C++ kernel: the PyTorch loop of tiled_loop.py runs."""
+    """The tiled backend without its C++ kernel: the PyTorch loop of tiled/loop.py runs."""
     with force.forced("tiled:loop"):
         yield
 

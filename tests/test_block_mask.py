@@ -100,7 +100,7 @@ def test_a_block_mask_for_one_batch_and_head_still_sees_every_batch_and_head(dev
 )
 def test_a_block_mask_that_is_a_window_is_known_as_one(name, mask_mod, t, s, window):
     mask = create_block_mask(mask_mod, None, None, t, s, "cpu", 64)
-    assert window_of(mask) == window
+    assert window_of(mask, 1, 2) == window
     q = torch.randn(1, 2, t, 8)
     k = torch.randn(1, 2, s, 8)
     got = attention(q, k, k, block_mask=mask, backend="tiled")
@@ -131,4 +131,18 @@ def test_a_causal_block_mask_runs_the_kernel_of_causal_true():
 
 def test_a_mask_per_batch_or_head_is_not_looked_at():
     mask = create_block_mask(lambda b, h, q, k: q >= k, 1, 2, 64, 64, "cpu")
-    assert window_of(mask) is None
+    assert window_of(mask, 1, 2) is None
+
+
+def test_a_shared_table_whose_mask_differs_by_head_is_no_window():
+    """Tables built with H None, a mask_mod that reads the head: the call applies it per head in
+    the partial blocks, so it is a window for head 0 only, and runs as the block mask it is."""
+
+    def causal_or_even_keys(b, h, q, k):
+        return (q >= k) & ((h == 0) | (k % 2 == 0))
+
+    mask = create_block_mask(causal_or_even_keys, None, None, 256, 256, "cpu")
+    assert window_of(mask, 1, 1) == (-1, 0) and window_of(mask, 1, 2) is None
+    q = torch.randn(1, 2, 256, 8)
+    got = attention(q, q, q, block_mask=mask, backend="tiled")
+    torch.testing.assert_close(got, attention(q, q, q, block_mask=mask, backend="reference"))

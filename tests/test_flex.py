@@ -42,7 +42,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without to
 def cases_on_devices(cuda_shape: str) -> list:
     """``(mod, shape, backend, device)``: every case on both backends on the CPU; on CUDA every mod
     on one shape, in the tiled backend's loop (the reference backend evaluates mods with the same
-    code on every device, and runs them on CUDA in tests/backends/test_nonfinite.py)."""
+    code on every device, and runs them on CUDA in tests/rules/test_nonfinite.py)."""
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     return [
         *(

@@ -24,7 +24,7 @@ SHAPES = {
 MASK_KINDS = ["none", "key_mask", "bool", "float"]
 # The backends that take any shape, with gradients, on any device; the decode kernel (a few queries
 # over a cache, no gradients, CPU only) and the flex backend (torch's compiled FlexAttention, CUDA
-# only) have their own tests in tests/backends/test_decode.py and test_flex_backend.py.
+# only) have their own tests in tests/backends/test_decode.py and test_torch_flex.py.
 GENERAL = ["reference", "sdpa", "tiled"]
 OWN_TESTS = ["decode", "flex"]
 assert {*GENERAL, *OWN_TESTS} == set(BACKENDS), "a new backend: add it to GENERAL or give it tests"

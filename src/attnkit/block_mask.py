@@ -222,30 +222,44 @@ def scores_allowed(
 
 
 _WINDOWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-"""Each block mask seen, and the window it is (or None)."""
+"""Each block mask seen: ``{(b, h): the window it is, or None}``."""
 
 
-def window_of(block_mask: BlockMask) -> tuple[int, int] | None:
+def window_of(block_mask: BlockMask, b: int, h: int) -> tuple[int, int] | None:
     """The positional window ``(left, right)`` (bottom-right aligned, -1 unbounded, as
-    ``attention``'s ``window`` takes it) that ``block_mask`` allows score for score, or None if it
-    is no window: a causal mask (``q_idx >= kv_idx`` with as many queries as keys), a sliding
-    window, a block mask with every listed block full. Then a call can run as that window, on
-    the kernels that skip blocks by position and apply no mask per score.
+    ``attention``'s ``window`` takes it) that ``block_mask`` allows score for score in a call of
+    ``b`` batches and ``h`` heads, or None if it is no window: a causal mask (``q_idx >= kv_idx``
+    with as many queries as keys), a sliding window, a block mask with every listed block full.
+    Then a call can run as that window, on the kernels that skip blocks by position and apply no
+    mask per score.
 
-    Only a mask that depends on neither batch nor head (built with ``B`` and ``H`` None) on a
-    CPU outside tracing is looked at: its mask is evaluated in its partial blocks alone, once
-    per block mask (a causal mask at 4096 evaluates 32 blocks of 128 x 128)."""
+    Looked at only for block tables shared by every batch and head (built with ``B`` and ``H``
+    None), on a CPU, outside tracing; the mask is evaluated in its partial blocks at every batch
+    and head of the call, as the call would apply it, and must be the same for all. Kept per
+    block mask and call size (a causal mask at 4096 evaluates 32 blocks of 128 x 128)."""
     partial, full = tables(block_mask)
     if partial.shape[:2] != (1, 1) or not partial.is_cpu or traced():
         return None
-    if block_mask in _WINDOWS:
-        return _WINDOWS[block_mask]
-    window = _window(block_mask, partial[0, 0], full[0, 0])
-    _WINDOWS[block_mask] = window
-    return window
+    kept = _WINDOWS.setdefault(block_mask, {})
+    if (b, h) not in kept:
+        kept[b, h] = _window(block_mask, partial[0, 0], full[0, 0], b, h)
+    return kept[b, h]
 
 
-def _window(block_mask: BlockMask, partial: Tensor, full: Tensor) -> tuple[int, int] | None:
+def _rows_contiguous(listed: Tensor) -> bool:
+    """Whether each row of a ``(n, m)`` bool table lists one run of columns (or none)."""
+    count = listed.sum(dim=1)
+    columns = torch.arange(listed.shape[1])
+    first = torch.where(listed, columns, listed.shape[1]).amin(dim=1)
+    last = torch.where(listed, columns, -1).amax(dim=1)
+    return bool(((count == 0) | (count == last - first + 1)).all())
+
+
+def _window(
+    block_mask: BlockMask, partial: Tensor, full: Tensor, b: int, h: int
+) -> tuple[int, int] | None:
+    if not _rows_contiguous(partial | full):  # a gap between blocks: no window (a quick look)
+        return None
     t, s = block_mask.seq_lengths
     bq, bk = block_mask.BLOCK_SIZE
     # each row's first and last allowed key and how many it may see
@@ -260,8 +274,11 @@ def _window(block_mask: BlockMask, partial: Tensor, full: Tensor) -> tuple[int, 
         count[rows] += j1 - j0
     for qb, kb in partial.nonzero().tolist():
         rows, keys = range(qb * bq, min((qb + 1) * bq, t)), range(kb * bk, min((kb + 1) * bk, s))
-        at = mods.Block.of(range(1), range(1), rows, keys, partial.device)
-        seen = mods.mask(block_mask.mask_mod, at).expand(1, 1, len(rows), len(keys))[0, 0]
+        at = mods.Block.of(range(b), range(h), rows, keys, partial.device)
+        every = mods.mask(block_mask.mask_mod, at).expand(b, h, len(rows), len(keys))
+        seen = every[0, 0]
+        if not bool((every == seen).all()):  # the batches or heads differ: no one window
+            return None
         where = torch.arange(keys.start, keys.stop)
         some = seen.any(dim=1)
         lo = torch.where(seen, where, s).amin(dim=1)

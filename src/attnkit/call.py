@@ -81,8 +81,8 @@ class Call(NamedTuple):
         block_mask: a torch ``BlockMask`` of ``(t, s)``: the blocks it lists, its ``mask_mod``
             applied in its partial blocks.
         mod_tensors: the tensors ``score_mod`` reads that require grad (gradients reach them).
-        mod_adds: whether ``score_mod`` [adds to the score][attnkit.mods.adds_to_score] (read
-            once per call; False without one).
+        mod_adds: whether ``score_mod`` [adds to the score][attnkit.mods.adds_to_score] (found
+            once per function, `attnkit.mods.memo`; False without one).
         nonfinite_keys: ``(b, h_kv, s)`` True where a row of ``k`` holds a NaN or an infinity, as
             the caller knew it (a [`KVCache`][attnkit.cache.KVCache]), or None: a hint that a
             backend may take instead of reading ``k``, not an option.

@@ -265,7 +265,7 @@ def checked_call(
         blocks = create_block_mask(mask_mod, b, h, t, s, device=q.device)
     elif block_mask is not None:
         blocks = _checks.check_block_mask(block_mask, b, h, t, s, q.device)
-    if blocks is not None and (as_window := window_of(blocks)) is not None:
+    if blocks is not None and (as_window := window_of(blocks, b, h)) is not None:
         window, blocks = both_windows(window, as_window), None
     masks = Masks(merge_window(causal, window, t, s, shift), key_mask, attn_mask, shift)
     # Only the options the caller set are checked and passed on; the others keep the defaults of
@@ -334,7 +334,8 @@ def _autocast(q, k, v):
 
 
 def _adds_to_score(score_mod: ScoreMod, q: Tensor) -> bool:
-    """Whether a mod that a CPU kernel may run adds to the score (inspected once per call)."""
+    """Whether a mod that a CPU kernel may run adds to the score (found once per function:
+    `attnkit.mods.memo`)."""
     if q.device.type != "cpu" or traced():
         return False
     return mods.adds_to_score(score_mod)

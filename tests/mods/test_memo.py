@@ -3,6 +3,8 @@ kept answer is never stale."""
 
 from __future__ import annotations
 
+import types
+
 import torch
 
 from attnkit import KVCache, MultiHeadAttention, attention
@@ -96,3 +98,41 @@ def test_the_state_reads_what_a_module_or_partial_holds():
     with torch.no_grad():
         bias.table.add_(1)  # its values: not part of the state
     assert memo.state_of(bias.forward) == memo.state_of(bias.forward)
+
+
+CONFIG = types.ModuleType("config")  # a module a mod reads a setting from, as `config.op`
+CONFIG.op = "add"
+
+
+def test_a_setting_read_from_a_module_is_part_of_the_state(monkeypatch):
+    ran = counting(monkeypatch)
+    q = torch.randn(1, 2, 8, 4)
+
+    def mod(score, b, h, q_idx, kv_idx):
+        return score + 0.5 * (q_idx - kv_idx) if CONFIG.op == "add" else score * 2
+
+    for op, adds in (("add", True), ("scale", False), ("add", True)):
+        monkeypatch.setattr(CONFIG, "op", op)
+        want = attention(q, q, q, score_mod=mod, backend="reference")
+        torch.testing.assert_close(attention(q, q, q, score_mod=mod, backend="tiled"), want)
+        assert inspection.adds_to_score(mod) is adds
+    assert ran.count("adds") == 3
+
+
+def test_each_layers_bound_mod_is_kept_apart(monkeypatch):
+    ran = counting(monkeypatch)
+
+    class Bias(torch.nn.Module):
+        def __init__(self, scale):
+            super().__init__()
+            self.scale = scale
+
+        def mod(self, score, b, h, q_idx, kv_idx):
+            return score + self.scale * (q_idx - kv_idx)
+
+    layers = [Bias(0.1), Bias(0.2)]
+    q = torch.randn(1, 2, 8, 4)
+    for _ in range(3):
+        for layer in layers:
+            attention(q, q, q, score_mod=layer.mod)
+    assert ran.count("adds") == 2  # once a layer, not once a call

@@ -14,7 +14,7 @@
 // logit per query head that joins the denominator and brings no value) enter the final merge as
 // one more split with output 0.
 //
-// Non-finite values follow attnkit's rule (reference.py): a padding key (key_mask False) is never
+// Non-finite values follow attnkit's rule (rules/nonfinite.py): a padding key (key_mask False) is never
 // read into a result, whatever it holds; a row with a real key whose score is not finite (NaN or
 // infinite q or k) is NaN; a non-finite value reaches the rows that see its key. Built with
 // -ffast-math but -fno-finite-math-only, so that the checks for NaN and infinity stay.

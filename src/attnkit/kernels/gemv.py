@@ -26,7 +26,7 @@ _LINEAR_FORWARD = nn.Linear.forward  # a forward patched on the class later is c
 
 
 def runs_linear(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None]) -> bool:
-    """Whether [`linear`][attnkit.kernels.gemv.linear] computes exactly what ``torch.nn.functional.linear`` would for each
+    """Whether [`linear`][attnkit.kernels.gemv.linear] computes what ``torch.nn.functional.linear`` would (its sums in another order) for each
     weight and bias: at most [`MAX_ROWS`][attnkit.kernels.gemv.MAX_ROWS] rows of plain CPU tensors of one dtype (float32,
     bfloat16 or float16), contiguous weights and biases, nothing that needs a gradient; outside
     autocast, tracing, ``torch.compile``, ``torch.func`` transforms and ``__torch_function__`` or

@@ -229,7 +229,7 @@ def _describe(build_id: dict) -> str:
 
 
 KERNELS = {name: Kernel(name) for name in build.KERNELS}
-"""The kernels of this process, by name (the modules that run them hold theirs: ``attnkit.tiled.native.KERNEL``)."""
+"""The kernels of this process, by name (the modules that run them hold theirs: ``attnkit.tiled.plans.KERNEL``)."""
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 // The tiled kernel's scoring: what turns a block of raw scores q . k into the scores the softmax
 // takes, row by row while the row is in cache: the window of positions, soft-capping, ALiBi, a
 // score_mod's additions, float and bool masks, key padding; and attnkit's rule for non-finite
-// scores (reference.py): only a mask gives -inf, anything else not finite is NaN.
+// scores (rules/nonfinite.py): only a mask gives -inf, anything else not finite is NaN.
 
 #pragma once
 
@@ -17,7 +17,7 @@
 namespace {
 
 // A score made infinite or NaN by the inputs is NaN: only a mask gives -inf (attnkit's rule for
-// non-finite values, see reference.py).
+// non-finite values, see rules/nonfinite.py).
 inline float nan_unless_finite(float x) { return finite(x) ? x : kNaN; }
 
 // A score plus a bias (a score_mod's or a float mask's): -inf masks the key, whether the bias or

@@ -7,7 +7,9 @@ hundreds of microseconds, which a decoding step or a small training step would p
 The answer depends on the function's code and on what it holds: the values of the numbers and
 strings in its closure, defaults and bound object, which tensors it holds (by identity, dtype,
 shape and device, not by their values, which an optimizer changes at every step) and the same
-of the functions it holds. That state is read at each call (a few microseconds); while it is
+of the functions it holds; the attributes it names of a module it imports (``config.scale``);
+the children of a ``torch.nn.Module`` it is bound to and the numbers and strings of an object's
+class. The state is read a few levels deep (four), as far as a mod's own state usually goes. That state is read at each call (a few microseconds); while it is
 unchanged, the answer kept is the answer. A function shifted to other positions
 ([`at_positions`][attnkit.mods.at_positions]) is asked as the function it wraps: adding an offset to
 the indices changes neither answer.
@@ -35,11 +37,13 @@ def remembered(fn: Callable, question: Hashable, answer: Callable[[], Any]) -> A
     """``answer()``, computed once for ``fn`` and ``question`` while ``fn``'s state is unchanged
     (computed every time for a function whose state cannot be read or kept)."""
     fn = unwrapped(fn)
-    owner = fn.__func__ if isinstance(fn, types.MethodType) else fn
+    owner = fn
+    if isinstance(fn, types.MethodType):  # a new object at each lookup: kept by its instance
+        owner, question = fn.__self__, (fn.__func__, question)
     try:
         state = state_of(fn)
         kept = _KEPT.get(owner)
-    except TypeError:  # not weakly referable, or a state that cannot be hashed
+    except (TypeError, ValueError):  # not weakly referable, a state that cannot be hashed or read
         return answer()
     if kept is not None and question in kept and kept[question][0] == state:
         return kept[question][1]
@@ -67,10 +71,11 @@ def state_of(obj: object, depth: int = 0) -> Hashable:
     if isinstance(obj, types.FunctionType):
         cells = tuple(deeper(cell.cell_contents) for cell in obj.__closure__ or ())
         defaults = tuple(map(deeper, obj.__defaults__ or ()))
+        names = obj.__code__.co_names
         named = tuple(
-            (name, deeper(obj.__globals__[name]))
-            for name in obj.__code__.co_names
-            if name in obj.__globals__ and not isinstance(obj.__globals__[name], types.ModuleType)
+            (name, _global(obj.__globals__[name], names, deeper))
+            for name in names
+            if name in obj.__globals__
         )
         kwdefaults = tuple(sorted((k, deeper(v)) for k, v in (obj.__kwdefaults__ or {}).items()))
         return ("function", obj.__code__, cells, defaults, kwdefaults, named)
@@ -85,9 +90,31 @@ def state_of(obj: object, depth: int = 0) -> Hashable:
         return ("dict", tuple((k, deeper(v)) for k, v in obj.items()))
     if isinstance(obj, (type, types.BuiltinFunctionType, types.ModuleType)):
         return ("object", id(obj))
-    if isinstance(obj, torch.nn.Module):  # its own parameters and buffers, and plain attributes
+    if isinstance(obj, torch.nn.Module):  # its parameters, buffers, plain attributes, children
         own = dict((*obj.named_parameters(recurse=False), *obj.named_buffers(recurse=False)))
         plain = {k: v for k, v in vars(obj).items() if isinstance(v, (*_SCALARS, Tensor))}
-        return ("module", id(obj), deeper(own), deeper(plain), obj.training)
+        children = dict(obj.named_children())
+        return ("module", id(obj), deeper(own), deeper(plain), deeper(children), obj.training)
     attributes = getattr(obj, "__dict__", None)
-    return ("object", id(obj), type(obj), None if attributes is None else deeper(attributes))
+    own = None if attributes is None else deeper(attributes)
+    return ("object", id(obj), type(obj), own, _class_state(type(obj)))
+
+
+def _global(value: object, names: tuple[str, ...], deeper: Callable) -> Hashable:
+    """A global a function names; for an imported module, the values of the names the function
+    also uses that are attributes of it (``config.scale``), numbers, strings or tensors."""
+    if not isinstance(value, types.ModuleType):
+        return deeper(value)
+    plain = []
+    for name in names:
+        attribute = getattr(value, name, None)
+        if isinstance(attribute, (*_SCALARS, Tensor)):
+            plain.append((name, deeper(attribute)))
+    return ("module", value.__name__, tuple(plain))
+
+
+def _class_state(cls: type) -> Hashable:
+    """The numbers and strings a class holds (class attributes an instance's method may read)."""
+    return tuple(
+        (k, v) for k, v in vars(cls).items() if isinstance(v, _SCALARS) and not k.startswith("__")
+    )
