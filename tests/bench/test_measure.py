@@ -13,7 +13,7 @@ from attnkit.bench.peers import Case
 
 def test_a_case_over_its_time_budget_is_reported_not_dropped():
     case = Case("naive", 64, "fp32", False, "fwd", h=1, d=8)
-    result = probe_memory(case, timeout_s=0.01)
+    [result] = probe_memory([case], timeout_s=0.01)
     assert result.status.startswith("timeout")
 
 
@@ -45,3 +45,19 @@ def test_the_peak_counts_from_its_reset_not_from_what_came_before():
     small = torch.ones(16 * 2**20)  # 64 MiB
     assert peak_mib() - before >= 60
     del small
+
+
+def test_one_process_probes_every_case_in_turn_and_reports_each():
+    cases = [Case(impl, 16, "fp32", False, "fwd", h=1, d=8) for impl in ("naive", "torch-sdpa")]
+    results = probe_memory(cases, timeout_s=120, one_process=True)
+    assert [r.case for r in results] == cases
+    assert all(r.status == "ok" and r.peak_mib is not None and r.first_call_s > 0 for r in results)
+
+
+def test_a_process_stopped_early_marks_the_cases_it_did_not_report():
+    from attnkit.bench.measure import in_fresh_process
+
+    # the probe's module raises on its first argument: no report, the process's last line given
+    reports = in_fresh_process("attnkit.bench.measure", ["not json", "{}"], timeout_s=120)
+    assert len(reports) == 2 and all(r["status"].startswith("error: ") for r in reports)
+    assert "JSONDecodeError" in reports[0]["status"]

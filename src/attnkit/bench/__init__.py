@@ -45,6 +45,7 @@ class BenchConfig:
     repeats: int = 5  # timed runs per case, interleaved; the median is reported
     warmups: int = 2
     timeout_s: float = 600.0  # per case, for its memory probe; longer counts as "timeout"
+    one_process: bool = False  # probe every case's memory in one process (rough; the smoke run)
     slow_s: float = 60.0  # a case whose single run takes longer is timed once, not repeated
     matmul_max: int = 4096  # the largest size^3 product that measures the matmul throughput
     device: str = "cpu"  # or "cuda"
@@ -66,6 +67,7 @@ class BenchConfig:
             "repeats": 1,
             "warmups": 1,
             "matmul_max": 512,
+            "one_process": True,
         },
         # a lent GPU: SDPA's shapes of the goals (b=4, h=16, d=128, bf16), attnkit's choice beside
         "gpu": {
@@ -132,13 +134,21 @@ def run(config: BenchConfig, progress_stream: TextIO | None = None) -> tuple[lis
     native = native_kernels() if config.device == "cpu" else {}
     progress = Progress(len(cases) * (1 + config.warmups + config.repeats), stream)
 
+    reasons = [supported(case) for case in cases]
+    measured = [case for case, reason in zip(cases, reasons) if not reason]
+    if config.one_process:
+        probed = iter(probe_memory(measured, config.timeout_s, one_process=True))
+        progress.done = len(cases) - 1
+        progress.step(f"memory of {len(measured)} cases, in one process")
+    else:
+        probed = (r for case in measured for r in probe_memory([case], config.timeout_s))
     results: list[Result] = []
-    for case in cases:
-        reason = supported(case)
-        result = Result(case, status=reason) if reason else probe_memory(case, config.timeout_s)
+    for case, reason in zip(cases, reasons):
+        result = Result(case, status=reason) if reason else next(probed)
         result.runs = None if reason else runs(case)
         results.append(result)
-        progress.step(f"memory {case.label} N={case.n} {case.dtype} {case.mode}")
+        if not config.one_process:
+            progress.step(f"memory {case.label} N={case.n} {case.dtype} {case.mode}")
 
     rows: dict[tuple, list[Result]] = defaultdict(list)
     for result in results:

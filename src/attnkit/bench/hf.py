@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
@@ -24,7 +23,7 @@ from pathlib import Path
 import torch
 
 from attnkit._progress import Progress
-from attnkit.bench.measure import peak_mib, reset_peak, resident_mib
+from attnkit.bench.measure import in_fresh_process, peak_mib, probe_each, reset_peak, resident_mib
 from attnkit.bench.report import machine, write_record
 
 WARM_UP_TOKENS = 64
@@ -99,12 +98,14 @@ class HFBenchConfig:
     warmups: int = 1
     shrink: int = 1  # divides the lengths and widths: the smoke run
     timeout_s: float = 900.0
+    one_process: bool = False  # probe every run's memory in one process (rough; the smoke run)
 
     @staticmethod
     def smoke(**overrides) -> HFBenchConfig:
         chosen = ("gemma2 fp32", "llama generate fp32")  # a step, three kinds; generation
         return HFBenchConfig(
-            **{"cases": chosen, "repeats": 1, "warmups": 0, "shrink": 32, **overrides}
+            **{"cases": chosen, "repeats": 1, "warmups": 0, "shrink": 32, "one_process": True}
+            | overrides
         )
 
 
@@ -175,20 +176,9 @@ def run_once(model: torch.nn.Module, impl: str, case: ModelCase, given: dict) ->
             )
 
 
-def probe(case: ModelCase, impl: str, timeout_s: float) -> dict:
-    """Peak memory of one run of ``case`` with ``impl`` above a short warm-up, in a fresh process."""
-    command = [sys.executable, "-m", "attnkit.bench.hf", json.dumps([asdict(case), impl])]
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        return {"status": f"timeout (> {timeout_s:.0f} s)"}
-    if done.returncode != 0:
-        last = (done.stderr.strip().splitlines() or ["killed"])[-1]
-        return {"status": f"error: {last[:160]}"}
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def _probe_main(argument: str) -> None:
+def _probe_one(argument: str) -> dict:
+    """Peak memory of one run of a case with an implementation (``argument``: the two as JSON)
+    above a short warm-up."""
     fields, impl = json.loads(argument)
     case = ModelCase(**{**fields, "impls": tuple(fields["impls"])})
     model = build(case)
@@ -201,8 +191,7 @@ def _probe_main(argument: str) -> None:
     start = time.perf_counter()
     run_once(model, impl, case, given)
     seconds = time.perf_counter() - start
-    peak = peak_mib() - before
-    print(json.dumps({"status": "ok", "peak_mib": peak, "first_s": seconds}))
+    return {"status": "ok", "peak_mib": peak_mib() - before, "first_s": seconds}
 
 
 def run_hf(config: HFBenchConfig, progress: Progress | None = None) -> dict:
@@ -210,17 +199,28 @@ def run_hf(config: HFBenchConfig, progress: Progress | None = None) -> dict:
     implementation."""
     cases = [shrunk(c, config.shrink) for c in CASES if c.name in config.cases]
     progress = progress or Progress(sum(len(c.impls) + 1 for c in cases))
+    pairs = [(case, impl) for case in cases for impl in case.impls]
+    arguments = [json.dumps([asdict(case), impl]) for case, impl in pairs]
+    if config.one_process:
+        reports = in_fresh_process(__name__, arguments, config.timeout_s)
+        progress.done = len(pairs) - 1
+        progress.step(f"memory of {len(pairs)} runs, in one process")
+    else:
+        reports = []
+        for (case, impl), argument in zip(pairs, arguments):
+            progress.step(f"memory {case.name} {impl}")
+            reports += in_fresh_process(__name__, [argument], config.timeout_s)
+    probes = {(case.name, impl): report for (case, impl), report in zip(pairs, reports)}
     rows = []
     for case in cases:
-        probes = {}
-        for impl in case.impls:
-            progress.step(f"memory {case.name} {impl}")
-            probes[impl] = probe(case, impl, config.timeout_s)
         progress.step(f"time {case.name}")
-        times = _timed(case, [i for i in case.impls if probes[i]["status"] == "ok"], config)
+        ok = [i for i in case.impls if probes[case.name, i]["status"] == "ok"]
+        times = _timed(case, ok, config)
         for impl in case.impls:
             median = statistics.median(times[impl]) if times.get(impl) else None
-            rows.append({"case": case.name, "impl": impl, **probes[impl], "median_s": median})
+            rows.append(
+                {"case": case.name, "impl": impl, **probes[case.name, impl], "median_s": median}
+            )
     return {"machine": machine(), "config": asdict(config), "rows": rows}
 
 
@@ -280,4 +280,4 @@ def write_hf(record: dict, out_dir: Path) -> dict[str, Path]:
 
 
 if __name__ == "__main__":
-    _probe_main(sys.argv[1])
+    probe_each(_probe_one, sys.argv[1:])

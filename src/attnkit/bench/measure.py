@@ -2,8 +2,8 @@
 process, by torch's allocator statistics), then the times of all cases that ran, interleaved in
 this process (A B C A B C ...), median after warm-ups.
 
-Run as ``python -m attnkit.bench.measure '<case json>'`` it is the memory probe: it runs one case
-once and prints ``{"status", "peak_mib", "seconds"}`` as JSON.
+Run as ``python -m attnkit.bench.measure '<case json>' ...`` it is the memory probe: it runs each
+case once and prints ``{"status", "peak_mib", "seconds"}`` as a JSON line for each.
 """
 
 from __future__ import annotations
@@ -73,28 +73,59 @@ def peak_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def probe_memory(case: Case, timeout_s: float) -> Result:
-    """Run ``case`` once in a fresh interpreter; its peak RSS growth over the set-up is the peak
+def in_fresh_process(module: str, arguments: Sequence[str], timeout_s: float) -> list[dict]:
+    """``python -m module *arguments``: the module's probe (see
+    [`probe_each`][attnkit.bench.measure.probe_each]) measures each argument in turn and prints one
+    JSON line for it. Returns one report per argument; those that never printed one get the
+    ``status`` of what stopped the process: ``"timeout (> N s)"`` (``timeout_s`` for each
+    argument), ``"oom (killed)"`` (a signal: the OOM killer, in practice) or
+    ``"error: <its last line>"``."""
+    command = [sys.executable, "-m", module, *arguments]
+    try:
+        done = subprocess.run(
+            command, capture_output=True, text=True, timeout=timeout_s * len(arguments)
+        )
+        out, returncode, err = done.stdout, done.returncode, done.stderr
+    except subprocess.TimeoutExpired as expired:
+        out, returncode, err = expired.stdout or "", None, ""
+        out = out.decode() if isinstance(out, bytes) else out
+    reports = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    if returncode is None:
+        stopped = f"timeout (> {timeout_s:.0f} s)"
+    elif returncode < 0:
+        stopped = "oom (killed)"
+    else:
+        stopped = "error: " + (err.strip().splitlines() or ["no output"])[-1][:160]
+    return reports + [{"status": stopped}] * (len(arguments) - len(reports))
+
+
+def probe_each(probe: Callable[[str], dict], arguments: Sequence[str]) -> None:
+    """The probe's side of [`in_fresh_process`][attnkit.bench.measure.in_fresh_process]: one JSON
+    line per argument, printed as soon as it is measured."""
+    for argument in arguments:
+        print(json.dumps(probe(argument)), flush=True)
+
+
+def probe_memory(
+    cases: Sequence[Case], timeout_s: float, *, one_process: bool = False
+) -> list[Result]:
+    """Run each case once in a fresh interpreter; its peak RSS growth over the set-up is its peak
     extra memory. The first call includes any compilation, so it is reported apart. A GPU case runs
     here instead: torch's allocator counts its peak exactly, and a fresh process would spend
-    seconds starting the GPU."""
-    if case.device != "cpu":
-        return _probe_gpu(case)
-    command = [sys.executable, "-m", "attnkit.bench.measure", json.dumps(case.to_json())]
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        return Result(case, status=f"timeout (> {timeout_s:.0f} s)")
-    if done.returncode < 0:  # killed by a signal: the OOM killer, in practice
-        return Result(case, status="oom (killed)")
-    try:
-        report = json.loads(done.stdout.strip().splitlines()[-1])
-    except (json.JSONDecodeError, IndexError):
-        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        return Result(case, status=f"error: {last[:120]}")
-    return Result(
-        case, status=report["status"], peak_mib=report["peak_mib"], first_call_s=report["seconds"]
-    )
+    seconds starting the GPU.
+
+    ``one_process`` probes every case in turn in one fresh process, seconds instead of a process
+    per case: what a case leaves behind (the allocator's free lists) hides part of the next one's
+    peak, so the smoke runs alone, which test the pipeline rather than the figures, use it."""
+    if any(case.device != "cpu" for case in cases):
+        return [_probe_gpu(case) for case in cases]
+    arguments = [json.dumps(case.to_json()) for case in cases]
+    groups = [arguments] if one_process else [[argument] for argument in arguments]
+    reports = [r for g in groups if g for r in in_fresh_process(__name__, g, timeout_s)]
+    return [
+        Result(case, status=r["status"], peak_mib=r.get("peak_mib"), first_call_s=r.get("seconds"))
+        for case, r in zip(cases, reports)
+    ]
 
 
 def _probe_gpu(case: Case) -> Result:
@@ -118,8 +149,7 @@ def _probe_gpu(case: Case) -> Result:
     return Result(case, peak_mib=peak, first_call_s=seconds)
 
 
-def _probe_main(case_json: str) -> None:
-    resource.setrlimit(resource.RLIMIT_AS, (_MEMORY_CAP, _MEMORY_CAP))
+def _probe_one(case_json: str) -> dict:
     torch.manual_seed(0)
     case = Case(**json.loads(case_json))
     try:
@@ -129,12 +159,11 @@ def _probe_main(case_json: str) -> None:
         start = time.perf_counter()
         run()
         seconds = time.perf_counter() - start
-        report = {"status": "ok", "peak_mib": peak_mib() - before, "seconds": seconds}
+        return {"status": "ok", "peak_mib": peak_mib() - before, "seconds": seconds}
     except (RuntimeError, MemoryError) as err:
         out_of_memory = isinstance(err, MemoryError) or "memory" in str(err).lower()
         status = "oom" if out_of_memory else f"error: {str(err).splitlines()[0][:120]}"
-        report = {"status": status, "peak_mib": None, "seconds": None}
-    print(json.dumps(report))
+        return {"status": status, "peak_mib": None, "seconds": None}
 
 
 def time_interleaved(
@@ -210,4 +239,5 @@ def copy_gbps(device: str, nbytes: int = 2**31, repeats: int = 10) -> float:
 
 
 if __name__ == "__main__":
-    _probe_main(sys.argv[1])
+    resource.setrlimit(resource.RLIMIT_AS, (_MEMORY_CAP, _MEMORY_CAP))
+    probe_each(_probe_one, sys.argv[1:])

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -24,7 +23,7 @@ from pathlib import Path
 import torch
 
 from attnkit._progress import Progress
-from attnkit.bench.measure import peak_mib, reset_peak, resident_mib
+from attnkit.bench.measure import in_fresh_process, peak_mib, probe_each, reset_peak, resident_mib
 from attnkit.bench.report import machine, write_record
 
 IMPLS = ("torch", "attnkit")
@@ -58,6 +57,7 @@ class TorchNNConfig:
     warmups: int = 1
     shrink: int = 1  # divides the widths and the length: the smoke run
     timeout_s: float = 900.0
+    one_process: bool = False  # probe every case's memory in one process (rough; the smoke run)
 
     def cases(self) -> list[EncoderCase]:
         s = self.shrink
@@ -138,7 +138,7 @@ def _nanogpt(case: EncoderCase) -> torch.nn.Module:
     return torch.nn.Sequential(*blocks)
 
 
-def _probe(case_json: str) -> None:
+def _probe_one(case_json: str) -> dict:
     case = EncoderCase(**json.loads(case_json))
     step_of(case, seq=64)[1]()  # warm: the first call's one-time costs
     step = step_of(case)[1]
@@ -146,28 +146,24 @@ def _probe(case_json: str) -> None:
     before = resident_mib()
     start = time.perf_counter()
     step()
-    print(json.dumps({"peak_mib": peak_mib() - before, "seconds": time.perf_counter() - start}))
-
-
-def probe(case: EncoderCase, timeout_s: float) -> dict:
-    command = [sys.executable, "-m", "attnkit.bench.torch_nn", json.dumps(asdict(case))]
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
-        return json.loads(done.stdout.strip().splitlines()[-1])
-    except subprocess.TimeoutExpired:
-        return {"status": "timeout"}
-    except (json.JSONDecodeError, IndexError):
-        return {"status": f"error: {(done.stderr.strip().splitlines() or ['?'])[-1][:120]}"}
+    return {"status": "ok", "peak_mib": peak_mib() - before, "seconds": time.perf_counter() - start}
 
 
 def run_torch_nn(config: TorchNNConfig, stream=None) -> dict:
     """Peak memory of each case in a fresh process, then the steps timed in turns."""
     cases = config.cases()
     progress = Progress(len(cases) * (1 + config.warmups + config.repeats), stream or sys.stderr)
-    rows = []
-    for case in cases:
-        rows.append({**asdict(case), **probe(case, config.timeout_s), "times": []})
-        progress.step(f"memory {case.model} {case.impl} {case.dtype} dropout={case.dropout}")
+    arguments = [json.dumps(asdict(case)) for case in cases]
+    if config.one_process:
+        reports = in_fresh_process(__name__, arguments, config.timeout_s)
+        progress.done = len(cases) - 1
+        progress.step(f"memory of {len(cases)} cases, in one process")
+    else:
+        reports = []
+        for case, argument in zip(cases, arguments):
+            reports += in_fresh_process(__name__, [argument], config.timeout_s)
+            progress.step(f"memory {case.model} {case.impl} {case.dtype} dropout={case.dropout}")
+    rows = [{**asdict(case), **report, "times": []} for case, report in zip(cases, reports)]
     for i in range(0, len(rows), len(IMPLS)):  # torch and attnkit of one dtype and dropout
         pair = rows[i : i + len(IMPLS)]
         steps = [step_of(EncoderCase(**_fields(row)))[1] for row in pair]
@@ -231,4 +227,4 @@ def write_torch_nn(record: dict, out_dir: Path) -> dict[str, Path]:
 
 
 if __name__ == "__main__":
-    _probe(sys.argv[1])
+    probe_each(_probe_one, sys.argv[1:])

@@ -112,6 +112,7 @@ def _run_torch_nn_bench(args: argparse.Namespace) -> int:
     overrides = {k: tuple(v) if k == "dtypes" else v for k, v in given.items() if v is not None}
     if args.smoke:
         smoke = {"repeats": 1, "warmups": 0, "shrink": 16, "dtypes": ("fp32",), "dropouts": (0.1,)}
+        smoke |= {"one_process": True}  # the pipeline, not the figures: one probe process
         overrides = {**smoke, **overrides}
     config = TorchNNConfig(**overrides)
     _show(write_torch_nn(run_torch_nn(config), Path(args.out)))
