@@ -1,10 +1,13 @@
-"""The package's shape: every file within its line bound, and no attnkit module reading another's
-private names (a package-private module such as ``attnkit._checks`` may be imported)."""
+"""The package's shape: every file within its line bound, no attnkit module reading another's
+private names (a package-private module such as ``attnkit._checks`` may be imported), and what
+``import attnkit`` imports."""
 
 from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -161,3 +164,14 @@ void f() {                        // 1
 }  // namespace n
 """
     assert deepest_nesting(source) == [(5, 7)]
+
+
+def test_importing_attnkit_imports_no_optional_package_and_not_torchdynamo():
+    # the extras are imported where they are used; TorchDynamo (torch.compile's tracer) would
+    # double the time `import attnkit` takes, in every process that imports it
+    code = (
+        "import sys, attnkit, attnkit.functional; "
+        "print(*(m in sys.modules for m in ('transformers', 'matplotlib', 'torch._dynamo')))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.split() == ["False", "False", "False"]

@@ -26,7 +26,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from attnkit._tracing import traced
 from attnkit.backends.base import Backend, Route, result_bytes
@@ -62,7 +61,8 @@ def sdpa(call: Call) -> AttentionOutput:
     sees_all = causal_only and t == 1  # the one query, last, sees every key
     allowed = None if is_causal or sees_all else masks.allowed(t, s, q.device)
     attn_mask = lower_right(call) if allowed is not None else None
-    if attn_mask is not None:
+    by_bias = attn_mask is not None  # torch's causal bias, which calls fused kernels
+    if by_bias:
         allowed = None
     else:
         attn_mask = allowed
@@ -87,10 +87,10 @@ def sdpa(call: Call) -> AttentionOutput:
             scale=call.scale,
             enable_gqa=bool(q.shape[1] != k.shape[1]),  # bool: under jit.trace sizes are tensors
         )
-    fused = _fused(out) or isinstance(attn_mask, CausalBias)  # the bias calls fused kernels
+    fused = _fused(out) or by_bias
     twice = fused and wants_grad(q, k, v, call.alibi_slopes, masks.attn_mask)
     if bias is not None or not _all_finite(q, keys=keys, nonfinite_keys=call.nonfinite_keys):
-        causal = is_causal or isinstance(attn_mask, CausalBias)  # a row the rule may make NaN
+        causal = is_causal or by_bias  # a row the rule may make NaN
         out = _nan_rule(out, q, keys, allowed, causal, call)
     if empty_rows is not None:  # rows with no allowed key are 0, whatever the kernel does
         out = torch.where(empty_rows, 0.0, out)
@@ -125,16 +125,22 @@ def _nan_rule(
     return out.masked_fill_(nan_rows, _NAN)  # in place: no copy
 
 
-def lower_right(call: Call) -> CausalBias | None:
-    """Bottom-right causal alignment for ``t < s`` as torch's ``causal_lower_right``, which its
-    fused CUDA kernels apply without a dense mask; None where a dense mask is needed: on a CPU
-    (whose fused kernel aligns top-left only), with other masks or ALiBi, or with GQA (torch's
-    dispatch of the bias does not pass GQA on to its kernels)."""
+def lower_right(call: Call) -> object | None:
+    """Bottom-right causal alignment for ``t < s`` as torch's ``causal_lower_right`` (a
+    ``CausalBias``), which its fused CUDA kernels apply without a dense mask; None where a dense
+    mask is needed: on a CPU (whose fused kernel aligns top-left only), with other masks or ALiBi,
+    or with GQA (torch's dispatch of the bias does not pass GQA on to its kernels). Its module is
+    imported here, where a GPU call needs it: importing it imports TorchDynamo, which would double
+    the time ``import attnkit`` takes."""
     q, k = call.q, call.k
     t, s = q.shape[-2], k.shape[-2]
     if not (call.masks.is_causal_only and t < s and q.is_cuda and call.alibi_slopes is None):
         return None
-    return causal_lower_right(t, s) if q.shape[1] == k.shape[1] else None
+    if q.shape[1] != k.shape[1]:
+        return None
+    from torch.nn.attention.bias import causal_lower_right
+
+    return causal_lower_right(t, s)
 
 
 def nans_seen(q: Tensor, k: Tensor, causal: bool, nonfinite_keys: Tensor | None = None) -> Tensor:
