@@ -1,6 +1,6 @@
 """The layer table of docs/architecture.md, held against the code: every import of an attnkit
 module, at the top of a file or inside a function, runs to the importer's own layer or one
-listed before it."""
+listed before it; no import circle; and every module's test file where the tree says it is."""
 
 from __future__ import annotations
 
@@ -115,3 +115,17 @@ def test_no_import_circle():
         if module not in state:
             visit(module, [module])
     assert not circles, "import circles:\n" + "\n".join(circles)
+
+
+def test_every_module_has_a_test_file_named_after_it_in_its_folder():
+    """``attnkit/a/b.py`` (or ``a/_b.py``) is tested in ``tests/a/test_b.py``; a package's
+    ``__init__`` and ``__main__`` are tested through the modules and commands they hold."""
+    missing = []
+    for path in FILES:
+        if path.stem in ("__init__", "__main__"):
+            continue
+        folder = path.parent.relative_to(PACKAGE)
+        test = ROOT / "tests" / folder / f"test_{path.stem.removeprefix('_')}.py"
+        if not test.exists():
+            missing.append(f"{path.relative_to(PACKAGE)}: no {test.relative_to(ROOT)}")
+    assert not missing, "\n".join(missing)

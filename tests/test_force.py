@@ -112,3 +112,11 @@ def test_block_and_piece_sizes_nest_and_refuse_what_is_not_a_size():
             pass
         with pytest.raises(ValueError, match="key_piece must be a positive int"), force.pieces(bad):
             pass
+        with pytest.raises(ValueError, match="min_keys must be a positive int"), force.splits(bad):
+            pass
+    assert force.split_size() is None
+    with force.splits(16):
+        with force.splits(4):
+            assert force.split_size() == 4
+        assert force.split_size() == 16
+    assert force.split_size() is None

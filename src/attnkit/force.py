@@ -16,7 +16,8 @@ Inside ``blind()``, the calls never look at the data from Python, as on a GPU: t
 GPU's form of attnkit's rule for non-finite values. Inside ``blocks(block_q, block_k)``, the tiled
 backend walks blocks of those sizes (the tests take small ones, so that short calls cross many
 blocks); inside ``pieces(key_piece, query_piece)``, ring attention cuts its chunks into pieces of
-those sizes.
+those sizes; inside ``splits(min_keys)``, the decode kernel's threads take splits of the keys as
+short as ``min_keys``.
 
 Example:
     >>> import torch
@@ -144,6 +145,32 @@ def pieces(key_piece: int | None = None, query_piece: int | None = None) -> Iter
 def piece_sizes() -> tuple[int | None, int | None]:
     """The sizes [`pieces`][attnkit.force.pieces] set now (None where not set)."""
     return _PIECES[-1] if _PIECES else (None, None)
+
+
+_SPLITS: list[int] = []
+
+
+@contextlib.contextmanager
+def splits(min_keys: int) -> Iterator[None]:
+    """Run the calls inside with the decode kernel splitting the keys among its threads into
+    splits of at least ``min_keys`` keys (the default:
+    [`MIN_KEYS_PER_SPLIT`][attnkit.backends.decode.MIN_KEYS_PER_SPLIT]); the tests take short
+    ones, so that short caches are split.
+
+    Raises:
+        ValueError: a size that is not a positive int.
+    """
+    _check_sizes(min_keys=min_keys)
+    _SPLITS.append(min_keys)
+    try:
+        yield
+    finally:
+        _SPLITS.pop()
+
+
+def split_size() -> int | None:
+    """The size [`splits`][attnkit.force.splits] set now, or None."""
+    return _SPLITS[-1] if _SPLITS else None
 
 
 def _check_sizes(**sizes: object) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnkit import KVCache, MultiHeadAttention, attention
+from attnkit import KVCache, MultiHeadAttention, attention, force
 from attnkit.backends import BACKENDS, choose_backend, decode
 from attnkit.call import call_of
 from attnkit.kernels.loader import Kernel
@@ -41,9 +41,9 @@ def inputs(shape, dtype=torch.float32, masked=False):
 
 
 @pytest.fixture(params=[1024, 16], ids=["splits as in use", "many splits"])
-def split_size(request, monkeypatch):
-    monkeypatch.setattr(decode, "MIN_KEYS_PER_SPLIT", request.param)
-    return request.param
+def split_size(request):
+    with force.splits(request.param):
+        yield request.param
 
 
 @pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())

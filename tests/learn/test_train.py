@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from attnkit.learn import Settings, learn
-from attnkit.learn.settings import DEFAULTS
 from attnkit.learn.train import learning_rate, snapshot_steps
 
 TINY = {"steps": 6, "layers": 2, "heads": 2, "dim": 16, "context": 16}
@@ -86,30 +85,6 @@ def test_the_schedule_warms_up_then_decays_to_a_tenth():
 def test_snapshot_steps_start_at_0_and_end_at_the_last_step():
     assert snapshot_steps(100, 4) == [0, 25, 50, 75, 100]
     assert snapshot_steps(3, 25) == [0, 1, 2, 3]  # never more snapshots than steps
-
-
-def test_defaults_differ_by_task_and_given_settings_replace_them():
-    assert Settings.for_task("copy") == DEFAULTS["copy"]
-    assert not DEFAULTS["copy"].feed_forward and DEFAULTS["text"].feed_forward
-    assert Settings.for_task("text", num_heads=2, emb_dim=None).num_heads == 2
-
-
-@pytest.mark.parametrize(
-    "task, given, error, message",
-    [
-        ("poems", {}, ValueError, "task must be one of text, copy, got 'poems'"),
-        ("copy", {"steps": 0}, ValueError, "steps must be >= 1, got 0"),
-        ("copy", {"emb_dim": 30, "num_heads": 4}, ValueError, r"dim \(30\) .* heads \(4\)"),
-        ("copy", {"num_layers": 1.5}, TypeError, "num_layers must be an int, got float"),
-        ("copy", {"context_length": 2.5}, TypeError, "--context must be an int, got float"),
-        ("copy", {"context_length": 7}, ValueError, "--context must be >= 8 for --task copy"),
-        # the longest context follows the layers and heads: a snapshot's weights stay < 1 GiB
-        ("text", {"num_heads": 8, "context_length": 714}, ValueError, "<= 713 with 2 layers"),
-    ],
-)
-def test_bad_settings_are_named(task, given, error, message):
-    with pytest.raises(error, match=message):
-        Settings.for_task(task, **given)
 
 
 def test_a_run_loads_no_cpp_kernel(monkeypatch):

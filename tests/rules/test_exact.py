@@ -1,4 +1,4 @@
-"""attnkit.backends.reference: its masked softmax (an empty row is zeros, not NaN), the reach of a
+"""attnkit.rules.exact, the equations the reference backend materialises: its masked softmax (an empty row is zeros, not NaN), the reach of a
 non-finite value (the rows that see its key, the column it is in), the dtypes of its results, and
 the differentiable gradients other backends borrow for a second derivative."""
 
@@ -9,8 +9,6 @@ import math
 import pytest
 import torch
 
-from attnkit.backends.base import Path, Route
-from attnkit.backends.reference import BACKEND
 from attnkit.functional import attention, checked_call
 from attnkit.rules.exact import differentiable_grads, masked_softmax, weighted_values
 
@@ -80,40 +78,6 @@ def test_a_nan_value_at_a_padded_key_reaches_no_row(device):
     keep = [0, 2, 3]
     want = attention(q, k[:, :, keep], v[:, :, keep], backend="reference")
     torch.testing.assert_close(out, want)
-
-
-@pytest.mark.parametrize(
-    ("dtype", "lse_dtype"),
-    [
-        (torch.float64, torch.float64),
-        (torch.float32, torch.float32),
-        (torch.bfloat16, torch.float32),
-    ],
-)
-def test_results_come_back_in_the_inputs_dtype_and_the_lse_in_float32_or_float64(
-    dtype, lse_dtype, device
-):
-    q, k, v = (torch.randn(1, 2, 3, 4, dtype=dtype, device=device) for _ in range(3))
-    out, lse, weights = BACKEND.run(
-        checked_call(q, k, v, causal=True, return_lse=True, return_weights=True)
-    )
-    assert (out.dtype, lse.dtype, weights.dtype) == (dtype, lse_dtype, dtype)
-    exact, exact_lse = attention(
-        *(x.double() for x in (q, k, v)), causal=True, return_lse=True, backend="reference"
-    )
-    assert torch.equal(out, exact.to(dtype)) and torch.equal(lse, exact_lse.to(lse_dtype))
-    assert BACKEND.path(checked_call(q, k, v)) == Route("float64", "float64")
-    assert Path is Route  # the former name still imports
-
-
-def test_its_memory_is_the_results_and_three_float64_score_matrices():
-    q, k, v = torch.randn(2, 3, 5, 4), torch.randn(2, 3, 7, 4), torch.randn(2, 3, 7, 4)
-    call = checked_call(q, k, v)
-    results = 2 * 3 * 5 * (4 * 4 + 4)
-    assert BACKEND.memory(call) == (
-        results + 3 * 2 * 3 * 5 * 7 * 8,
-        "the results and float64 scores, weights, exponentials",
-    )
 
 
 def test_differentiable_grads_are_the_wanted_gradients_and_can_be_differentiated_again(device):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnkit import attention, flex_attention, varlen_attention
+from attnkit import attention, flex_attention, force, varlen_attention
 from attnkit.backends import decode
 from attnkit.functional import which_backend
 from helpers.devices import CUDA, forced_path
@@ -220,14 +220,13 @@ def test_bad_sinks_are_refused_naming_them(sinks, error, words):
 @pytest.mark.skipif(not decode.KERNEL.usable()[0], reason="decode kernel unavailable")
 @pytest.mark.parametrize("split", [1024, 16], ids=["splits as in use", "many splits"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_decode_kernel_joins_the_sink_in_its_merge(split, dtype, monkeypatch):
-    monkeypatch.setattr(decode, "MIN_KEYS_PER_SPLIT", split)
+def test_the_decode_kernel_joins_the_sink_in_its_merge(split, dtype):
     b, h, h_kv, t, s, d = 2, 6, 2, 2, 150, 40
     q, k, v = (torch.randn(b, n, m, d).to(dtype) for n, m in ((h, t), (h_kv, s), (h_kv, s)))
     sinks = torch.randn(h) * 3
     key_mask = torch.rand(b, s) > 0.3
     key_mask[1] = False  # a batch row of padding only: zeros
-    with torch.no_grad():
+    with torch.no_grad(), force.splits(split):
         assert which_backend(q, k, v, sinks=sinks, key_mask=key_mask).backend == "decode"
         out = attention(q, k, v, sinks=sinks, key_mask=key_mask, backend="decode")
     expected = naive_attention(

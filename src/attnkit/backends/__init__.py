@@ -41,12 +41,13 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 from typing import Any, NamedTuple
 
 import torch
 
 from attnkit.backends import decode, reference, sdpa, tiled, torch_flex
-from attnkit.backends.base import Backend, Path, Route
+from attnkit.backends.base import Backend, Route
 from attnkit.call import AttentionOutput, Call
 from attnkit.kernels import loader
 
@@ -249,8 +250,20 @@ __all__ = [
     "Backend",
     "BackendChoice",
     "Call",
-    "Path",
     "Route",
     "choose_backend",
     "run",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """``Path``, the former name of [`Route`][attnkit.backends.base.Route] (beside
+    ``pathlib.Path`` it misled), with a deprecation warning."""
+    if name == "Path":
+        warnings.warn(
+            "attnkit.backends.Path is deprecated; use attnkit.backends.Route",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return Route
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

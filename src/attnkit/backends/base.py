@@ -28,10 +28,6 @@ class Route(NamedTuple):
     products: str | None = None
 
 
-Path = Route
-"""The former name of [`Route`][attnkit.backends.base.Route], kept for code that imports it."""
-
-
 class Backend:
     """A way to compute attention, as the registry sees it: a name, the options it computes
     exactly, and four questions. A backend module defines one subclass and one instance of it."""

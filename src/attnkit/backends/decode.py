@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from attnkit import force
 from attnkit._tracing import traced
 from attnkit.backends.base import Backend, Route
 from attnkit.call import AttentionOutput, Call, forward_ad_active
@@ -88,7 +89,8 @@ def decode(call: Call) -> AttentionOutput:
     key_mask = call.masks.key_mask
     mask = _NO_MASK if key_mask is None else key_mask.contiguous()
     sinks = _NO_SINKS if call.sinks is None else call.sinks.float().contiguous()
-    out = kernel.decode(call.q, call.k, call.v, mask, sinks, call.scale, MIN_KEYS_PER_SPLIT)
+    min_keys = force.split_size() or MIN_KEYS_PER_SPLIT
+    out = kernel.decode(call.q, call.k, call.v, mask, sinks, call.scale, min_keys)
     return AttentionOutput(out)
 
 
