@@ -14,8 +14,8 @@ from attnkit import _checks, functional, mods
 from attnkit.backends import choose_backend
 from attnkit.call import AttentionOutput
 from attnkit.distributed import passes
-from attnkit.distributed import plan as pieces
 from attnkit.distributed.layout import LAYOUTS, chunks
+from attnkit.distributed.plan import RingPlan, piece_sizes
 from attnkit.distributed.transport import DEFAULT_TIMEOUT, Ring
 from attnkit.rules.sinks import join as join_sinks
 
@@ -123,14 +123,14 @@ def ring_attention(
         scale=scale,
         score_mod=mods.name_of(score_mod) if score_mod is not None else None,
         mask_mod=mods.name_of(mask_mod) if mask_mod is not None else None,
-        key_piece=pieces.piece_sizes()[0],  # the pieces that travel: the same sizes everywhere
+        key_piece=piece_sizes()[0],  # the pieces that travel: the same sizes everywhere
     )
     if ring.size == 1:  # the shard is the whole sequence: attention of it, in the inputs' dtype
         with torch.autocast(q.device.type, enabled=False):
             return functional.attention(
                 q, k, v, return_lse=return_lse, sinks=sinks, backend="tiled", **options
             )
-    plan = pieces.RingPlan.of(ring, t, s, layout, shard_call, causal, window, mask_mod)
+    plan = RingPlan.of(ring, t, s, layout, shard_call, causal, window, mask_mod)
     piece = plan.k_pieces[ring.rank][0]  # any pair: the tiled kernel's refusals
     qc, kc = plan.q_pieces[0], piece.parts[0]
     rows = (slice(None), slice(None), qc.rows)
