@@ -50,6 +50,7 @@ from attnkit.backends import decode, reference, sdpa, tiled, torch_flex
 from attnkit.backends.base import Backend, Route
 from attnkit.call import AttentionOutput, Call
 from attnkit.kernels import loader
+from attnkit.masks import zero_padding
 
 BACKENDS: dict[str, Backend] = {
     backend.name: backend
@@ -235,11 +236,20 @@ def run(name: str, call: Call) -> AttentionOutput:
     if b * h * t * call.k.shape[2] >= SMALL_CALL:
         _check_memory(backend, call)
     try:
-        return backend.run(call) if plan is None else backend.run(call, plan)
+        return _run_on(backend, plan, call)
     except loader.KernelUnavailableError as error:
         if name != "auto":
             raise ValueError(f"{error}; use backend='auto'") from None
     backend, plan, _ = _auto(call)
+    return _run_on(backend, plan, call)
+
+
+def _run_on(backend: Backend, plan: Any, call: Call) -> AttentionOutput:
+    """``backend.run``, with the padded keys and values zeroed first where it reads them: the one
+    place padding is zeroed for every backend (ring attention zeroes its pieces as they travel)."""
+    key_mask = call.masks.key_mask
+    if key_mask is not None and backend.reads_padding:
+        call = call._replace(k=zero_padding(call.k, key_mask), v=zero_padding(call.v, key_mask))
     return backend.run(call) if plan is None else backend.run(call, plan)
 
 

@@ -34,6 +34,10 @@ class Backend:
 
     name: str = ""
     supports: frozenset[str] = frozenset()
+    reads_padding: bool = True
+    """Whether its computation reads the values of padded keys (``key_mask`` False), so that the
+    registry zeroes them before it runs (a weight of 0 times a NaN there is still NaN); False for
+    a kernel that skips them."""
 
     def refuses(self, call: Call) -> str | None:
         """Why it cannot run ``call`` (device, dtype, sizes, gradients, a transform, tracing, a

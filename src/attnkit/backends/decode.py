@@ -99,6 +99,7 @@ class DecodeBackend(Backend):
 
     name = "decode"
     supports = frozenset({"key_mask", "sinks"})
+    reads_padding = False  # the kernel skips masked keys: no copy of a long cache
 
     def refuses(self, call: Call) -> str | None:
         return refuses(call)

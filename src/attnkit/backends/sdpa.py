@@ -32,7 +32,7 @@ from attnkit.backends.base import Backend, Route, result_bytes
 from attnkit.backends.sdpa_sinks import attention_with_sinks
 from attnkit.backends.sdpa_sinks import refuses as refuses_sinks
 from attnkit.call import AttentionOutput, Call, forward_ad_active, gradient_levels, wants_grad
-from attnkit.masks import alibi_bias, zero_padding
+from attnkit.masks import alibi_bias
 from attnkit.rules.exact import differentiable_grads
 from attnkit.rules.nonfinite import (
     all_finite,
@@ -53,9 +53,7 @@ def sdpa(call: Call) -> AttentionOutput:
     q, k, v = call.q, call.k, call.v
     t, s = q.shape[-2], k.shape[-2]
     masks = call.masks
-    keys, values = k, v
-    if masks.key_mask is not None:
-        keys, values = zero_padding(k, masks.key_mask), zero_padding(v, masks.key_mask)
+    keys, values = k, v  # padding zeroed by the registry
     causal_only = masks.is_causal_only
     is_causal = causal_only and t == s and call.alibi_slopes is None
     sees_all = causal_only and t == 1  # the one query, last, sees every key

@@ -37,7 +37,6 @@ from attnkit._tracing import traced
 from attnkit.backends import base, tiled, torch_flex_masks
 from attnkit.backends.base import Backend, Route
 from attnkit.call import AttentionOutput, Call, forward_ad_active, wants_grad
-from attnkit.masks import zero_padding
 from attnkit.mods import MaskMod, ScoreMod
 from attnkit.rules.exact import differentiable_grads
 from attnkit.rules.nonfinite import can_branch_on_data, nonfinite_rows
@@ -136,8 +135,8 @@ def _run_kernel(
     the ``(b, h, t)`` rows of q that are not finite (None where Python saw none), whose scores
     entered the kernel as 0 and whose output [`_rows_fixed`][attnkit.backends.torch_flex._rows_fixed]
     makes NaN."""
-    q, masks = call.q, call.masks
-    keys, values = zero_padding(call.k, masks.key_mask), zero_padding(call.v, masks.key_mask)
+    q = call.q
+    keys, values = call.k, call.v  # padding zeroed by the registry
     block_mask, hidden = torch_flex_masks.masks_of(call)
     bad_rows = nonfinite_rows(q.detach())  # (b, h, t)
     if can_branch_on_data(bad_rows) and not bool(bad_rows.any()):

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from attnkit import block_mask, mods
 from attnkit.call import AttentionOutput, Call
-from attnkit.masks import alibi_bias, zero_padding
+from attnkit.masks import alibi_bias
 from attnkit.rules.nonfinite import NAN, nan_unless_finite
 
 
@@ -77,18 +77,16 @@ def reference(call: Call) -> AttentionOutput:
     """Materialised attention; shapes ``q (b, h, t, d)``, ``k (b, h_kv, s, d)``, ``v (b, h_kv, s, d_v)``.
 
     Computed in float64; the output and weights come back in the input dtype, the lse in float32
-    (float64 for float64 inputs), as on every backend.
+    (float64 for float64 inputs), as on every backend. The padded keys and values come zeroed
+    (the registry zeroes them before any backend that reads them runs).
     """
     q, k, v = call.q, call.k, call.v
     t, s = q.shape[-2], k.shape[-2]
     f64 = torch.float64
     stats_dtype = torch.promote_types(q.dtype, torch.float32)  # of the lse, and a mod's scores
-    groups = (
-        q.shape[1] // k.shape[1]
-    )  # query heads per key/value head (GQA): head i uses i // groups
-    key_mask = call.masks.key_mask
+    groups = q.shape[1] // k.shape[1]  # query heads per key/value head: head i uses i // groups
     queries = q.to(f64)
-    keys, values = (zero_padding(x.to(f64), key_mask) for x in (k, v))
+    keys, values = k.to(f64), v.to(f64)
     keys = keys.repeat_interleave(groups, dim=1)  # (b, h_kv, s, d) -> (b, h, s, d)
     values = values.repeat_interleave(groups, dim=1)  # (b, h_kv, s, d_v) -> (b, h, s, d_v)
 

@@ -22,7 +22,6 @@ import torch
 from torch import Tensor
 
 from attnkit.call import AttentionOutput, Call, wants_grad
-from attnkit.masks import zero_padding
 from attnkit.rules.dropout import Dropout
 from attnkit.rules.exact import differentiable_grads
 from attnkit.rules.nonfinite import all_finite, nan_rows
@@ -194,27 +193,20 @@ def backward(
 
 def partial(call: Call) -> tuple[Tensor, Tensor]:
     """``(out, lse)`` without autograd, the output in the statistics' dtype (float32; float64 for
-    float64): part of a row that goes on to be merged with other parts (ring attention), and is
-    rounded to the inputs' dtype once, at the end."""
-    key_mask = call.masks.key_mask
-    call = call._replace(k=zero_padding(call.k, key_mask), v=zero_padding(call.v, key_mask))
+    float64): part of a row that goes on to be merged with other parts (ring attention, whose
+    pieces of keys and values travel with their padding zeroed), and is rounded to the inputs'
+    dtype once, at the end."""
     return forward(call, spec_of(call), cast=False)
 
 
 def run(call: Call, route: TiledRoute | None = None) -> AttentionOutput:
     """``call`` through the autograd function, on ``route`` (the backend's, chosen with it); the
     weights are recomputed from the lse after the pass (the output is the same bit for bit).
-    Under autocast, the inputs are cast to the autocast dtype and the kernel runs on them as
-    such."""
+    Under autocast, the inputs come in autocast's dtype (``checked_call`` casts them) and every
+    operation runs in it."""
     q, k, v = call.q, call.k, call.v
-    device = q.device.type
-    if torch.is_autocast_enabled(device):
-        dtype = torch.get_autocast_dtype(device)
-        q, k, v = (x.to(dtype) for x in (q, k, v))
-    with torch.autocast(device, enabled=False):
+    with torch.autocast(q.device.type, enabled=False):
         masks = call.masks
-        if masks.key_mask is not None:
-            k, v = zero_padding(k, masks.key_mask), zero_padding(v, masks.key_mask)
         spec = spec_of(call, route)
         function = TiledAttentionWithMods if call.mod_tensors else TiledAttention
         out, lse = function.apply(
