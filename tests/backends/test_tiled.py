@@ -45,10 +45,12 @@ def test_backward_stores_no_score_sized_tensor():
     assert shapes, "the hook saw nothing: the test would pass vacuously"
     assert all(t not in shape[-2:] or s not in shape[-2:] for shape in shapes), shapes
 
-    # ctx attributes: the spec holds no tensor; the masks and slopes are saved inputs (None here)
+    # ctx attributes: the plan holds none of the call's tensors; the masks and slopes are saved
+    # inputs (None here)
     ctx = out.grad_fn
     tensors = [x for x in vars(ctx).values() if isinstance(x, torch.Tensor)]
-    tensors += [x for x in ctx.spec if isinstance(x, torch.Tensor)]  # a NamedTuple: its fields
+    tensors += [x for x in vars(ctx.plan).values() if isinstance(x, torch.Tensor)]
+    assert ctx.plan.call.tensors() == (None,) * 6
     assert all(x.numel() < t * s for x in tensors)
     saved = {tuple(x.shape) for x in ctx.saved_tensors if x is not None}
     assert saved == {(1, 2, t, 8), (1, 1, s, 8), (1, 2, t)}

@@ -11,7 +11,7 @@ import torch
 
 from attnkit.functional import attention, checked_call
 from attnkit.tiled import autograd as tiled_function
-from attnkit.tiled.autograd import TiledAttention, partial, spec_of
+from attnkit.tiled.autograd import TiledAttention, partial, plan_of
 
 
 def qkv(dtype=torch.float32, b=2, h=4, h_kv=2, t=9, s=13):
@@ -22,7 +22,7 @@ def qkv(dtype=torch.float32, b=2, h=4, h_kv=2, t=9, s=13):
     )
 
 
-def test_the_spec_keeps_the_call_without_its_tensors_and_the_block_sizes():
+def test_the_plan_keeps_the_call_without_its_tensors_and_binds_a_passs_tensors():
     q, k, v = qkv()
     table = torch.randn(4, requires_grad=True)
 
@@ -41,12 +41,21 @@ def test_the_spec_keeps_the_call_without_its_tensors_and_the_block_sizes():
         score_mod=scaled,
     )
     assert call.mod_tensors == (table,)
-    spec = spec_of(call)
-    assert spec.call.tensors() == (None,) * 6 and spec.call.mod_tensors == ()
-    assert (spec.route.block_q, spec.route.block_k) == (5, 7)  # the tests' blocks (conftest)
+    plan = plan_of(call)
+    assert plan.call.tensors() == (None,) * 6 and plan.call.mod_tensors == ()
+    assert (plan.route.block_q, plan.route.block_k) == (5, 7)  # the tests' blocks (conftest)
     kept = ("scale", "softcap", "score_mod", "options", "return_lse")
-    assert all(getattr(spec.call, name) == getattr(call, name) for name in kept)
-    assert spec.call.masks.window == call.masks.window
+    assert all(getattr(plan.call, name) == getattr(call, name) for name in kept)
+    assert plan.call.masks.window == call.masks.window
+    bound = plan.bound(call)  # what a pass runs on: the call's tensors, the plan's sizes
+    assert bound.call is call and (bound.b, bound.h_kv, bound.groups, bound.t, bound.s) == (
+        2,
+        2,
+        2,
+        9,
+        13,
+    )
+    assert (bound.block_q, bound.route, bound.dropout) == (plan.block_q, plan.route, plan.dropout)
 
 
 @pytest.mark.parametrize(
@@ -95,7 +104,7 @@ def counted_forward(monkeypatch):
 
 def apply(q, k, v, slopes=None, key_mask=None, **options):
     call = checked_call(q, k, v, alibi_slopes=slopes, key_mask=key_mask, **options)
-    return TiledAttention.apply(q, k, v, slopes, None, key_mask, spec_of(call))
+    return TiledAttention.apply(q, k, v, slopes, None, key_mask, plan_of(call))
 
 
 def test_under_vmap_the_mapped_dim_joins_the_batch_in_one_call(monkeypatch):

@@ -97,7 +97,7 @@ def backward_pass(q, k, v, slopes, key_mask, out, lse, dout, dlse, mod_tensors, 
                 lse[rows],
                 None if dout is None else dout[rows],
                 None if dlse is None else dlse[rows],
-                autograd.spec_of(pair),
+                autograd.plan_of(pair),
                 slopes_grad=slopes_grad,
                 cast=False,
             )

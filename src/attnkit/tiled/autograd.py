@@ -6,17 +6,15 @@ where it takes the call, else the PyTorch loop ([`attnkit.tiled.loop`][attnkit.t
 is built or loaded here, at the first run that needs it, never while a backend is chosen.
 
 The call is split once into its tensors, which are the function's inputs (so that gradients and
-``vmap`` see them), and a [`Spec`][attnkit.tiled.autograd.Spec]: the call without its
-tensors and the block sizes. Each pass puts the tensors it is handed back into the call
-(`Call.with_tensors`).
+``vmap`` see them), and its [`Plan`][attnkit.tiled.loop.Plan] without them (route, products,
+block sizes, a block mask's tables, the dropout's seed), made once. Each pass puts the tensors it
+is handed back into the call (`Call.with_tensors`) and binds the plan to them (`Plan.bound`).
 
 Shapes: ``b`` batch, ``h`` query heads, ``h_kv`` key/value heads, ``g = h / h_kv``, ``t`` queries,
 ``s`` keys, ``d`` head dim.
 """
 
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -33,20 +31,13 @@ from attnkit.tiled.plans import TiledRoute, route_of
 _NEG_INF = float("-inf")
 
 
-class Spec(NamedTuple):
-    """What the autograd function keeps of a call besides its tensors."""
-
-    call: Call  # without its tensors
-    route: TiledRoute  # the kernel or the loop, the products and the sizes, chosen once
-    dropout: Dropout | None = None  # with the seed of this call's masks, for the backward's
-
-
-def spec_of(call: Call, route: TiledRoute | None = None) -> Spec:
-    """The spec of one call, on ``route`` (worked out now if not given); a dropout's seed is
-    drawn here, once."""
+def plan_of(call: Call, route: TiledRoute | None = None) -> Plan:
+    """The plan of one call on ``route`` (worked out now if not given), without the call's
+    tensors: made once, for the forward, the backward and the weights; a dropout's seed is drawn
+    here, once."""
     dropout = Dropout.drawn(call.dropout_p) if call.dropout_p else None
     route = route_of(call) if route is None else route
-    return Spec(call.with_tensors(*[None] * 6), route, dropout)
+    return Plan.of(call, route, dropout).without_tensors()
 
 
 class TiledAttention(torch.autograd.Function):
@@ -57,34 +48,34 @@ class TiledAttention(torch.autograd.Function):
     run it; forward-mode AD is refused before it gets here (no jvp rule)."""
 
     @staticmethod
-    def forward(q, k, v, alibi_slopes, attn_mask, key_mask, spec: Spec):
-        call = spec.call.with_tensors(q, k, v, alibi_slopes, attn_mask, key_mask)
-        return forward(call, spec)
+    def forward(q, k, v, alibi_slopes, attn_mask, key_mask, plan: Plan):
+        call = plan.call.with_tensors(q, k, v, alibi_slopes, attn_mask, key_mask)
+        return forward(call, plan)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, alibi_slopes, attn_mask, key_mask, spec, *mod_tensors = inputs
+        q, k, v, alibi_slopes, attn_mask, key_mask, plan, *mod_tensors = inputs
         out, lse = output
         ctx.save_for_backward(q, k, v, alibi_slopes, attn_mask, key_mask, out, lse, *mod_tensors)
-        ctx.spec = spec
+        ctx.plan = plan
         ctx.set_materialize_grads(False)  # an unused lse (or output) gets None, not zeros
 
     @staticmethod
     def backward(ctx, dout: Tensor | None, dlse: Tensor | None):
         q, k, v, slopes, attn_mask, key_mask, out, lse, *mod_tensors = ctx.saved_tensors
         wanted = ctx.needs_input_grad[:4]  # q, k, v, the slopes (a float mask has none here)
-        call = ctx.spec.call.with_tensors(q, k, v, slopes, attn_mask, key_mask, tuple(mod_tensors))
+        call = ctx.plan.call.with_tensors(q, k, v, slopes, attn_mask, key_mask, tuple(mod_tensors))
         if torch.is_grad_enabled():  # create_graph=True: the gradients must be differentiable
             wanted = (*wanted, False, *ctx.needs_input_grad[7:])
             grads = differentiable_grads(call, dout, dlse, wanted)
             return *grads[:4], None, None, None, *grads[5:]
         dq, dk, dv, dslopes, mod_grads = backward(
-            call, out, lse, dout, dlse, ctx.spec, slopes_grad=wanted[3]
+            call, out, lse, dout, dlse, ctx.plan, slopes_grad=wanted[3]
         )
         return dq, dk, dv, dslopes, None, None, None, *mod_grads
 
     @staticmethod
-    def vmap(info, in_dims, q, k, v, alibi_slopes, attn_mask, key_mask, spec):
+    def vmap(info, in_dims, q, k, v, alibi_slopes, attn_mask, key_mask, plan):
         """``vmap`` over the call: the mapped dim joins the batch dim (one kernel call), except for
         per-example ALiBi slopes, which are per head: then one call per example."""
         size = info.batch_size
@@ -93,7 +84,7 @@ class TiledAttention(torch.autograd.Function):
         if dims[3] is not None:
             results = [
                 TiledAttention.apply(
-                    *(x if dim is None else x.select(dim, i) for x, dim in zip(args, dims)), spec
+                    *(x if dim is None else x.select(dim, i) for x, dim in zip(args, dims)), plan
                 )
                 for i in range(size)
             ]
@@ -104,27 +95,28 @@ class TiledAttention(torch.autograd.Function):
             key_mask = _fold_batch(key_mask, dims[5], size)
         if attn_mask is not None:
             attn_mask = _fold_mask(attn_mask, dims[4], size, b)
-        out, lse = TiledAttention.apply(q, k, v, alibi_slopes, attn_mask, key_mask, spec)
+        out, lse = TiledAttention.apply(q, k, v, alibi_slopes, attn_mask, key_mask, plan)
         return (out.unflatten(0, (size, b)), lse.unflatten(0, (size, b))), (0, 0)
 
 
 class TiledAttentionWithMods(TiledAttention):
     """The same, for a call whose ``score_mod`` reads tensors that require grad: they follow the
-    spec as inputs, so that autograd sends them their gradients. (A separate class: dynamo, which
+    plan as inputs, so that autograd sends them their gradients. (A separate class: dynamo, which
     traces ``TiledAttention`` under ``torch.compile``, mishandles a forward with ``*args``.)"""
 
     @staticmethod
-    def forward(q, k, v, alibi_slopes, attn_mask, key_mask, spec: Spec, *mod_tensors):
-        call = spec.call.with_tensors(q, k, v, alibi_slopes, attn_mask, key_mask, mod_tensors)
-        return forward(call, spec)
+    def forward(q, k, v, alibi_slopes, attn_mask, key_mask, plan: Plan, *mod_tensors):
+        call = plan.call.with_tensors(q, k, v, alibi_slopes, attn_mask, key_mask, mod_tensors)
+        return forward(call, plan)
 
 
-def forward(call: Call, spec: Spec, *, cast: bool = True) -> tuple[Tensor, Tensor]:
-    """``(out, lse)`` of ``call``; ``cast=False`` leaves the output in the statistics' dtype."""
+def forward(call: Call, plan: Plan, *, cast: bool = True) -> tuple[Tensor, Tensor]:
+    """``(out, lse)`` of ``call`` on its ``plan`` (made by [`plan_of`][attnkit.tiled.autograd.plan_of]);
+    ``cast=False`` leaves the output in the statistics' dtype."""
     q, k, v = call.q, call.k, call.v
-    plan = Plan.of(call, spec.route, spec.dropout)
+    plan = plan.bound(call)
     # the C++ kernel (built or loaded now if need be), or None: the loop, also where a build failed
-    kernel = None if spec.route.kernel is None else spec.route.kernel.load()
+    kernel = None if plan.route.kernel is None else plan.route.kernel.load()
     dtype = q.dtype if cast else plan.stats_dtype
     if kernel is not None:
         operands = _native_operands(q, k, v, plan)
@@ -143,7 +135,7 @@ def backward(
     lse: Tensor,
     dout: Tensor | None,
     dlse: Tensor | None,
-    spec: Spec,
+    plan: Plan,
     *,
     slopes_grad: bool,
     cast: bool = True,
@@ -154,7 +146,7 @@ def backward(
     rows' whole lse). ``dout``/``dlse`` None: no gradient reached that output. ``cast=False``
     leaves the gradients of q, k and v in the statistics' dtype, for a caller that sums them."""
     q, k, v = call.q, call.k, call.v
-    plan = Plan.of(call, spec.route, spec.dropout)
+    plan = plan.bound(call)
     if dout is None:
         dout = torch.zeros_like(out)
     delta = (dout.to(plan.stats_dtype) * out.to(plan.stats_dtype)).sum(dim=-1)  # dO_i . O_i
@@ -163,7 +155,7 @@ def backward(
     b, h, t, d = q.shape
     mod_grads: list[Tensor | None] = [None] * len(call.mod_tensors)
     # the C++ kernel (built or loaded now if need be), or None: the loop, also where a build failed
-    kernel = None if spec.route.kernel is None else spec.route.kernel.load()
+    kernel = None if plan.route.kernel is None else plan.route.kernel.load()
     dtypes = (q.dtype, k.dtype, v.dtype) if cast else (plan.stats_dtype,) * 3
     if kernel is not None:  # the gradients in their dtypes, that of q times the scale
         operands = _native_operands(q, k, v, plan)
@@ -196,7 +188,7 @@ def partial(call: Call) -> tuple[Tensor, Tensor]:
     float64): part of a row that goes on to be merged with other parts (ring attention, whose
     pieces of keys and values travel with their padding zeroed), and is rounded to the inputs'
     dtype once, at the end."""
-    return forward(call, spec_of(call), cast=False)
+    return forward(call, plan_of(call), cast=False)
 
 
 def run(call: Call, route: TiledRoute | None = None) -> AttentionOutput:
@@ -207,15 +199,14 @@ def run(call: Call, route: TiledRoute | None = None) -> AttentionOutput:
     q, k, v = call.q, call.k, call.v
     with torch.autocast(q.device.type, enabled=False):
         masks = call.masks
-        spec = spec_of(call, route)
+        plan = plan_of(call, route)
         function = TiledAttentionWithMods if call.mod_tensors else TiledAttention
         out, lse = function.apply(
-            q, k, v, call.alibi_slopes, masks.attn_mask, masks.key_mask, spec, *call.mod_tensors
+            q, k, v, call.alibi_slopes, masks.attn_mask, masks.key_mask, plan, *call.mod_tensors
         )
         weights = None
         if call.return_weights:
-            call = call._replace(q=q, k=k, v=v)
-            weights = _weights(call, lse, Plan.of(call, spec.route, spec.dropout)).to(q.dtype)
+            weights = _weights(call, lse, plan.bound(call)).to(q.dtype)
     return AttentionOutput(out, lse if call.return_lse else None, weights)
 
 

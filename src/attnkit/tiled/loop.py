@@ -11,7 +11,7 @@ queries, ``s`` keys, ``d`` head dim, ``bq``/``bk`` block sizes.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -26,6 +26,11 @@ from attnkit.tiled.plans import BlockPlan, TiledRoute
 _NEG_INF = float("-inf")
 
 
+def _stats_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the scores, softmax statistics and accumulators: float32, float64 for float64."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def _by_group(m: Tensor, h_kv: int, groups: int) -> Tensor:
     """A tensor broadcastable to ``(b, h, bq, bk)`` -> broadcastable to ``(b, h_kv, g, bq, bk)``."""
     while m.dim() < 4:
@@ -35,7 +40,10 @@ def _by_group(m: Tensor, h_kv: int, groups: int) -> Tensor:
 
 @dataclass(frozen=True)
 class Plan:
-    """What one call needs, shared by the forward, the backward and the weights."""
+    """What one call needs, shared by the forward, the backward and the weights: made once per
+    call ([`Plan.of`][attnkit.tiled.loop.Plan.of]), kept without the call's tensors by the
+    autograd function, and bound to the tensors each pass is handed
+    ([`bound`][attnkit.tiled.loop.Plan.bound])."""
 
     call: Call
     b: int
@@ -74,7 +82,7 @@ class Plan:
             t=q.shape[2],
             s=k.shape[2],
             matmul_dtype=route.products,
-            stats_dtype=torch.promote_types(q.dtype, torch.float32),
+            stats_dtype=_stats_dtype(q.dtype),
             block_q=block_q,
             block_k=block_k,
             tile_bytes=route.tile_bytes,
@@ -83,6 +91,21 @@ class Plan:
             compile_mods=compile_mods,
             dropout=dropout,
         )
+
+    def bound(self, call: Call) -> Plan:
+        """This plan on the tensors of ``call``, the same call's as handed to a pass (under
+        ``vmap``, with the mapped dim folded into the batch)."""
+        q, k = call.q, call.k
+        b, h, t, _ = q.shape
+        h_kv, s = k.shape[1], k.shape[2]
+        stats = _stats_dtype(q.dtype)
+        return replace(
+            self, call=call, b=b, h_kv=h_kv, groups=h // h_kv, t=t, s=s, stats_dtype=stats
+        )
+
+    def without_tensors(self) -> Plan:
+        """This plan, its call without its tensors: what the autograd function keeps."""
+        return replace(self, call=self.call.with_tensors(*[None] * 6))
 
     def query_blocks(self) -> Iterator[tuple[int, int]]:
         for i0 in range(0, self.t, self.block_q):
