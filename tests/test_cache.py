@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from attnkit import KVCache
-from attnkit.cache import token_positions
 from helpers.devices import CUDA
 
 
@@ -89,14 +88,6 @@ def test_ragged_rows_keep_their_key_mask_and_count_their_own_positions(device):
     cache.update(*chunks(2, 1, 1, 2, 3, device=device))
     assert cache.key_mask.tolist() == [[True] * 4, [False, False, True, True]]
     assert cache.row_positions.tolist() == [4, 2]
-
-
-def test_token_positions_count_real_tokens_from_each_rows_start(device):
-    key_mask = torch.tensor([[False, True, True], [True, True, True]], device=device)
-    assert token_positions(3, key_mask).tolist() == [[0, 0, 1], [0, 1, 2]]
-    starts = torch.tensor([2, 5], device=device)
-    assert token_positions(3, key_mask, starts).tolist() == [[0, 2, 3], [5, 6, 7]]
-    assert token_positions(2, None, 4, device).tolist() == [4, 5]
 
 
 BAD_CHUNKS = [

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from attnkit import RotaryEmbedding
+from attnkit.positions import token_positions
 
 
 def rotated_float64(x, positions, base=10000.0):
@@ -58,3 +59,11 @@ def test_errors():
         rope(torch.randn(1, 1, 2, 6), torch.tensor([0, 1]))
     with pytest.raises(ValueError, match=r"positions must be \(tokens,\) = \(2,\)"):
         rope(torch.randn(1, 1, 2, 8), torch.tensor([0, 1, 2]))
+
+
+def test_token_positions_count_real_tokens_from_each_rows_start(device):
+    key_mask = torch.tensor([[False, True, True], [True, True, True]], device=device)
+    assert token_positions(3, key_mask).tolist() == [[0, 0, 1], [0, 1, 2]]
+    starts = torch.tensor([2, 5], device=device)
+    assert token_positions(3, key_mask, starts).tolist() == [[0, 2, 3], [5, 6, 7]]
+    assert token_positions(2, None, 4, device).tolist() == [4, 5]

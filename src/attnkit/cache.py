@@ -13,12 +13,16 @@ Shapes: ``b`` batch, ``h_kv`` key/value heads, ``n`` tokens in a chunk, ``d`` he
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor, nn
 
 from attnkit import _checks
 from attnkit._tracing import traced
 from attnkit.masks import alibi_bias, window_mask
+from attnkit.mods import MaskMod, ScoreMod, at_positions
+from attnkit.positions import token_positions
 from attnkit.rules.nonfinite import nonfinite_rows
 
 
@@ -38,8 +42,8 @@ class KVCache(nn.Module):
             cache and to ``max_len`` otherwise.
 
     The buffers are not persistent: they move with ``.to()`` but stay out of ``state_dict()``. Keys
-    and values are stored detached: the cache is for inference. Under ``torch.compile`` the modules
-    call [`update_static`][attnkit.cache.KVCache.update_static] instead of [`update`][attnkit.cache.KVCache.update], so that a step compiles once.
+    and values are stored detached: the cache is for inference. A causal layer's step calls
+    [`step`][attnkit.cache.KVCache.step], eager or compiled (a compiled step then compiles once).
 
     Example:
         >>> cache = KVCache(1, 4, max_len=128, head_dim=64)
@@ -291,24 +295,71 @@ class KVCache(nn.Module):
         held = torch.arange(self.capacity, device=keys.device) < filled  # (capacity,)
         return keys, values, real & held
 
-    def static_step(
+    def step(
         self,
         k: Tensor,
         v: Tensor,
-        key_mask: Tensor | None,
-        window: tuple[int, int] | None,
-        alibi_slopes: Tensor | None,
-        context_length: int | None,
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        """What a causal module's cached step under ``torch.compile`` attends with: the whole
-        buffers ([`update_static`][attnkit.cache.KVCache.update_static], so that its shapes never
-        change and it compiles once), and the mask, bool or with ALiBi float ``(b, h or 1, t, C)``,
-        of the keys each query may see, from the ``(t,)`` slots of the queries.
+        *,
+        key_mask: Tensor | None = None,
+        attn_mask: Tensor | None = None,
+        window: tuple[int, int] | None = None,
+        alibi_slopes: Tensor | None = None,
+        score_mod: ScoreMod | None = None,
+        mask_mod: MaskMod | None = None,
+        context_length: int | None = None,
+    ) -> tuple[Tensor, Tensor, dict[str, Any]]:
+        """A causal layer's step: its chunk's keys and values join the cache, and back come the
+        keys and values its queries attend to, with the keywords of
+        [`attention`][attnkit.functional.attention] that go with them (``causal``, ``key_mask``,
+        ``attn_mask``, ``window``, ``alibi_slopes``, the mods at the tokens' positions in the
+        sequence, and off the CPU ``nonfinite_keys``). The arguments are the layer's.
 
-        Returns:
-            ``(keys, values, attn_mask)`` for ``attention(..., causal=False)``.
+        One path for eager and compiled steps; what is read back differs, and why:
+
+        - eager: views of the keys held (a windowed cache: those the window reaches), so that no
+          backend computes over empty slots (a prompt's prefill would otherwise cost
+          ``max_len / prompt`` times more);
+        - under ``torch.compile``, where no Python int may change from one token to the next
+          (each value would compile anew): the whole buffers ([`update_static`][attnkit.cache.KVCache.update_static])
+          and the mask, bool or with ALiBi float ``(b, h or 1, t, capacity)``, of the slots each
+          query may see, from the tensor position ``filled``: a step compiles once (a cache
+          without window; no ``attn_mask``, ``score_mod`` or ``mask_mod``).
+
+        Raises:
+            ValueError: more tokens than ``context_length``; under ``torch.compile``, an
+                ``attn_mask``, ``score_mod`` or ``mask_mod``.
         """
         t = k.shape[2]
+        if not traced():
+            _checks.check_context_length(self.position + t, context_length, "cache + x")
+            keys, values = self.update(k, v, key_mask=key_mask)
+            held = self.key_mask
+            mods = at_positions(
+                {"score_mod": score_mod, "mask_mod": mask_mod},
+                self.position - t,
+                self.position - keys.shape[2],
+            )
+            options = {
+                "causal": True,
+                "key_mask": None if held is None else held[:, -keys.shape[2] :],
+                "attn_mask": attn_mask,
+                "window": window,
+                "alibi_slopes": alibi_slopes,
+                **mods,
+            }
+            if not keys.is_cpu:  # where SDPA would read the whole cache to find them
+                options["nonfinite_keys"] = self.nonfinite_keys()
+            return keys, values, options
+        for given, name in (
+            (attn_mask, "attn_mask"),
+            (score_mod, "score_mod"),
+            (mask_mod, "mask_mod"),
+        ):
+            if given is not None:
+                raise ValueError(
+                    f"{name} cannot be used with a KVCache under torch.compile: a compiled step "
+                    "attends over the cache's whole buffer, whose length is not the keys held"
+                )
         slots = self.next_slots(t)  # where this chunk goes: the queries' positions
         if context_length is not None:  # check_context_length, on the tensor
             torch._assert_async(
@@ -317,13 +368,14 @@ class KVCache(nn.Module):
             )
         keys, values, real = self.update_static(k, v, key_mask=key_mask)
         capacity = keys.shape[2]
-        window = (-1, 0) if window is None else window  # a cached module is causal
+        window = (-1, 0) if window is None else window  # a cached layer is causal
         allowed = window_mask(t, capacity, window, device=keys.device, query_slots=slots)
         attn_mask = allowed & real[:, None, None, :]  # (t, C) & (b, 1, 1, C) -> (b, 1, t, C)
         if alibi_slopes is not None:
             bias = alibi_bias(alibi_slopes, t, capacity, query_slots=slots)  # (h, t, C)
             attn_mask = bias.to(k.dtype).masked_fill(~attn_mask, float("-inf"))
-        return keys, values, attn_mask
+        off = {"causal": False, "key_mask": None, "window": None, "alibi_slopes": None}
+        return keys, values, {**off, "attn_mask": attn_mask}
 
     def _check_chunk(self, k: Tensor, v: Tensor, key_mask: Tensor | None, keys: Tensor) -> int:
         """The chunk's length ``n``, once ``k``, ``v`` and ``key_mask`` fit the cache and its room."""
@@ -394,18 +446,3 @@ class KVCache(nn.Module):
             f"max_len={self.max_len}, head_dim={self.head_dim}, dtype={self.dtype}, "
             f"window={self.window}, capacity={self.capacity}, position={self.position}"
         )
-
-
-def token_positions(
-    n: int, key_mask: Tensor | None, start: Tensor | int = 0, device: torch.device | None = None
-) -> Tensor:
-    """Positions of ``n`` tokens that follow ``start`` tokens seen: ``(n,)`` without a mask; with a
-    ``(b, n)`` mask, ``(b, n)`` counting real tokens only (a left-padded row starts at its first real
-    token; padding gets position 0)."""
-    if key_mask is None:
-        if isinstance(start, Tensor):  # per-row starts, no padding in this chunk
-            return start[:, None] + torch.arange(n, device=start.device)
-        return torch.arange(start, start + n, device=device)
-    counted = key_mask.long().cumsum(dim=1) - 1  # (b, n): real tokens before each one
-    start = start[:, None] if isinstance(start, Tensor) else start
-    return (counted + start).masked_fill(~key_mask, 0)

@@ -6,6 +6,9 @@ angle ``p * base^(-2i/d)``. The score of a query at ``p`` and a key at ``p'`` th
 only, so a key cached at its own position never needs rotating again. (ALiBi, the other way to give
 attention positions, is a score bias: see [`attnkit.alibi_slopes`][attnkit.masks.alibi_slopes].)
 
+The positions themselves come from [`token_positions`][attnkit.positions.token_positions]: a
+ragged (left-padded) batch counts each row's real tokens only.
+
 Shapes: ``b`` batch, ``h`` heads, ``t`` tokens, ``d`` head dim.
 """
 
@@ -93,3 +96,18 @@ def rotate_half(x: Tensor) -> Tensor:
     """``(x1, x2) -> (-x2, x1)`` on the two halves of the last dim."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([-x2, x1], dim=-1)
+
+
+def token_positions(
+    n: int, key_mask: Tensor | None, start: Tensor | int = 0, device: torch.device | None = None
+) -> Tensor:
+    """Positions of ``n`` tokens that follow ``start`` tokens seen: ``(n,)`` without a mask; with a
+    ``(b, n)`` mask, ``(b, n)`` counting real tokens only (a left-padded row starts at its first real
+    token; padding gets position 0)."""
+    if key_mask is None:
+        if isinstance(start, Tensor):  # per-row starts, no padding in this chunk
+            return start[:, None] + torch.arange(n, device=start.device)
+        return torch.arange(start, start + n, device=device)
+    counted = key_mask.long().cumsum(dim=1) - 1  # (b, n): real tokens before each one
+    start = start[:, None] if isinstance(start, Tensor) else start
+    return (counted + start).masked_fill(~key_mask, 0)

@@ -21,14 +21,14 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from attnkit import _checks
 from attnkit._tracing import traced
-from attnkit.cache import KVCache, token_positions
+from attnkit.cache import KVCache
 from attnkit.functional import attention
 from attnkit.masks import alibi_slopes
-from attnkit.mods import MaskMod, ScoreMod, at_positions
+from attnkit.mods import MaskMod, ScoreMod
 from attnkit.modules import interop
 from attnkit.modules._common import as_batched, module_softcap, module_window, unbatch
 from attnkit.modules.projected import ProjectedAttention
-from attnkit.positions import RotaryEmbedding
+from attnkit.positions import RotaryEmbedding, token_positions
 from attnkit.varlen import document_mask
 
 if TYPE_CHECKING:
@@ -209,36 +209,30 @@ class MultiHeadAttention(ProjectedAttention):
         mods = {"score_mod": score_mod, "mask_mod": mask_mod, "block_mask": block_mask}
         if documents is not None or block_mask is not None:
             mods = _mods_of(score_mod, mask_mod, block_mask, documents, cache, x.device)
-        causal, window, slopes = self.causal, self.window, self.alibi_slopes
-        if cache is not None and traced():
-            if score_mod is not None or mask_mod is not None:
-                raise ValueError("a compiled cached step takes no score_mod or mask_mod")
-            # the cache's whole buffers, positions and empty slots in the mask: one compiled graph
-            keys, values, attn_mask = cache.static_step(
-                keys, values, key_mask, window, slopes, self.context_length
+        layer = {"attn_mask": attn_mask, "window": self.window, "alibi_slopes": self.alibi_slopes}
+        if cache is None:
+            options = {"causal": self.causal, "key_mask": key_mask, **layer, **mods}
+        else:  # the chunk joins the cache; its queries attend to what the cache gives back
+            keys, values, options = cache.step(
+                keys,
+                values,
+                key_mask=key_mask,
+                score_mod=score_mod,
+                mask_mod=mask_mod,
+                context_length=self.context_length,
+                **layer,
             )
-            causal, key_mask, window, slopes = False, None, None, None
-        elif cache is not None:
-            keys, values = cache.update(keys, values, key_mask=key_mask)
-            key_mask = None if cache.key_mask is None else cache.key_mask[:, -keys.shape[2] :]
-            mods = at_positions(mods, cache.position - t, cache.position - keys.shape[2])
-            mods |= self._known_of(cache, keys)
         result = self._attend(
             queries,
             keys,
             values,
-            causal=causal,
-            key_mask=key_mask,
-            attn_mask=attn_mask,
             need_weights=need_weights,
             average_weights=average_weights,
-            window=window,
-            alibi_slopes=slopes,
             sinks=self.sinks,
             softcap=self.softcap,
             attend=attention if context_parallel is None else context_parallel.attention,
             step=step,
-            **mods,
+            **options,
         )
         return unbatch(result, unbatched) if unbatched else result
 
@@ -258,10 +252,11 @@ class MultiHeadAttention(ProjectedAttention):
             _checks.check_context_length(t, self.context_length)
         else:
             self._check_cache(cache, x)
-            if traced():
-                self._check_compiled_step(attn_mask, need_weights)
-            else:  # the position is a Python int, which a compiled step must not read
-                _checks.check_context_length(cache.position + t, self.context_length, "cache + x")
+            if need_weights and traced():
+                raise ValueError(
+                    "need_weights cannot be used with a KVCache under torch.compile: a compiled "
+                    "step attends over the cache's whole buffer, whose length is not the keys held"
+                )
 
     @staticmethod
     def _positions(t, key_mask, cache, context_parallel, device) -> Tensor:
@@ -271,15 +266,6 @@ class MultiHeadAttention(ProjectedAttention):
         if cache is None:
             return token_positions(t, key_mask, device=device)
         return cache.next_positions(t, key_mask)
-
-    @staticmethod
-    def _check_compiled_step(attn_mask: Tensor | None, need_weights: bool) -> None:
-        for used, name in ((attn_mask is not None, "attn_mask"), (need_weights, "need_weights")):
-            if used:
-                raise ValueError(
-                    f"{name} cannot be used with a KVCache under torch.compile: a compiled step "
-                    "attends over the cache's whole buffer, whose length is not the keys held"
-                )
 
     def _check_cache(self, cache: KVCache, x: Tensor) -> None:
         super()._check_cache(cache, x)

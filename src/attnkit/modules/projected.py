@@ -130,7 +130,6 @@ class ProjectedAttention(nn.Module):
             **score_options,
         )
         context, weights = result if need_weights else (result, None)
-        # (b, h, t, d) -> (b, t, e) -> (b, t, e)
         merged = merge_heads(context)  # (b, h, t, d) -> (b, t, e)
         out = (
             gemv.project([self._modules["out_proj"]], merged)[0]
