@@ -86,6 +86,9 @@ class Call(NamedTuple):
         nonfinite_keys: ``(b, h_kv, s)`` True where a row of ``k`` holds a NaN or an infinity, as
             the caller knew it (a [`KVCache`][attnkit.cache.KVCache]), or None: a hint that a
             backend may take instead of reading ``k``, not an option.
+        finite: whether every value of q and of the keys is finite, as the registry found before a
+            backend that [keeps the NaN rule by a look][attnkit.backends.base.Backend.looks_at_values]
+            ran; None where it did not look or Python may not (the exact path then runs).
         options: the options in use, named as the arguments of ``attention``.
     """
 
@@ -105,6 +108,7 @@ class Call(NamedTuple):
     mod_tensors: tuple[Tensor, ...] = ()
     mod_adds: bool = False
     nonfinite_keys: Tensor | None = None
+    finite: bool | None = None
     options: frozenset[str] = frozenset()
 
     def with_tensors(
@@ -129,6 +133,7 @@ class Call(NamedTuple):
             alibi_slopes=alibi_slopes,
             mod_tensors=mod_tensors,
             nonfinite_keys=None,
+            finite=None,
         )
 
     def tensors(self) -> tuple[Tensor | None, ...]:

@@ -299,3 +299,58 @@ def test_on_a_cpu_no_call_gives_sdpa_a_dense_mask_of_positions_or_padding(loop_o
             assert choice.backend == "tiled", (options, choice.reason)
         assert which_backend(k, k, k, causal=True).backend == "sdpa"
         assert which_backend(k, k, k).backend == "sdpa"
+
+
+def _calls_seen_by(names, monkeypatch):
+    """The calls that the backends ``names`` are handed, by name."""
+    seen = {}
+    for name in names:
+        backend = BACKENDS[name]
+
+        def run(call, *plan, real=backend.run, name=name):
+            seen[name] = call
+            return real(call, *plan)
+
+        monkeypatch.setattr(backend, "run", run)
+    return seen
+
+
+def test_padding_is_zeroed_before_each_backend_that_reads_it_and_the_decode_kernel_skips_it(
+    monkeypatch,
+):
+    seen = _calls_seen_by(("sdpa", "tiled", "reference", "decode"), monkeypatch)
+    q, k, v = torch.randn(1, 2, 1, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
+    key_mask = torch.tensor([[True, False, True, True, False, True]])
+    k[0, :, 1], v[0, :, 4] = math.nan, math.inf  # padding may hold anything
+    names = ["sdpa", "tiled", "reference"]
+    if BACKENDS["decode"].refuses(call_of(q, k, v, Masks(), 1.0)) is None:  # its kernel is here
+        names.append("decode")
+    outs = {name: attention(q, k, v, key_mask=key_mask, backend=name) for name in names}
+    assert set(seen) == set(names)
+    for name, call in seen.items():
+        padded = ~key_mask[0]
+        if BACKENDS[name].reads_padding:
+            assert bool((call.k[0, :, padded] == 0).all()) and bool(
+                (call.v[0, :, padded] == 0).all()
+            )
+        else:  # given as they are: the kernel never reads them
+            assert call.k is k and call.v is v
+    for out in outs.values():
+        assert bool(out.isfinite().all())
+        torch.testing.assert_close(out, outs["reference"])
+
+
+def test_the_nan_rules_look_at_the_inputs_is_made_once_by_the_registry_where_a_backend_needs_it(
+    monkeypatch,
+):
+    seen = _calls_seen_by(("sdpa", "tiled"), monkeypatch)
+    q = torch.randn(1, 2, 8, 4)
+    attention(q, q, q, backend="sdpa")
+    attention(q, q, q, backend="tiled")
+    assert seen["sdpa"].finite is True  # looked at, once, before SDPA ran
+    assert seen["tiled"].finite is None  # its kernel keeps the rule itself: no look
+    bad = q.clone()
+    bad[0, 1, 3, 2] = math.inf
+    attention(bad, q, q, backend="sdpa")
+    assert seen["sdpa"].finite is False
+    assert [name for name, b in BACKENDS.items() if b.looks_at_values] == ["sdpa", "flex"]

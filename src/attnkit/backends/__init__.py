@@ -51,6 +51,7 @@ from attnkit.backends.base import Backend, Route
 from attnkit.call import AttentionOutput, Call
 from attnkit.kernels import loader
 from attnkit.masks import zero_padding
+from attnkit.rules.nonfinite import inputs_finite
 
 BACKENDS: dict[str, Backend] = {
     backend.name: backend
@@ -245,11 +246,16 @@ def run(name: str, call: Call) -> AttentionOutput:
 
 
 def _run_on(backend: Backend, plan: Any, call: Call) -> AttentionOutput:
-    """``backend.run``, with the padded keys and values zeroed first where it reads them: the one
-    place padding is zeroed for every backend (ring attention zeroes its pieces as they travel)."""
+    """``backend.run``, with the padded keys and values zeroed first where it reads them, and the
+    NaN rule's look at q and k made where it keeps the rule by one: the one place for each (ring
+    attention zeroes its pieces as they travel; the tiled and decode kernels look at no input)."""
     key_mask = call.masks.key_mask
     if key_mask is not None and backend.reads_padding:
         call = call._replace(k=zero_padding(call.k, key_mask), v=zero_padding(call.v, key_mask))
+    if backend.looks_at_values:  # the NaN rule's one look at the inputs
+        call = call._replace(
+            finite=inputs_finite(call.q, keys=call.k, nonfinite_keys=call.nonfinite_keys)
+        )
     return backend.run(call) if plan is None else backend.run(call, plan)
 
 

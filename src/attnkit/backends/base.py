@@ -34,6 +34,10 @@ class Backend:
 
     name: str = ""
     supports: frozenset[str] = frozenset()
+    looks_at_values: bool = False
+    """Whether it keeps the NaN rule by a look at the values of q and k
+    ([`inputs_finite`][attnkit.rules.nonfinite.inputs_finite]), where its kernel would not: the
+    registry makes that look once, before it runs, and hands the answer in ``Call.finite``."""
     reads_padding: bool = True
     """Whether its computation reads the values of padded keys (``key_mask`` False), so that the
     registry zeroes them before it runs (a weight of 0 times a NaN there is still NaN); False for

@@ -35,8 +35,8 @@ from attnkit.call import AttentionOutput, Call, forward_ad_active, gradient_leve
 from attnkit.masks import alibi_bias
 from attnkit.rules.exact import differentiable_grads
 from attnkit.rules.nonfinite import (
-    all_finite,
     can_branch_on_data,
+    inputs_finite,
     nonfinite_rows,
     zero_or_nan_rows,
 )
@@ -87,7 +87,7 @@ def sdpa(call: Call) -> AttentionOutput:
         )
     fused = _fused(out) or by_bias
     twice = fused and wants_grad(q, k, v, call.alibi_slopes, masks.attn_mask)
-    if bias is not None or not _all_finite(q, keys=keys, nonfinite_keys=call.nonfinite_keys):
+    if bias is not None or call.finite is not True:  # the registry's look at q and k
         causal = is_causal or by_bias  # a row the rule may make NaN
         out = _nan_rule(out, q, keys, allowed, causal, call)
     if empty_rows is not None:  # rows with no allowed key are 0, whatever the kernel does
@@ -96,15 +96,6 @@ def sdpa(call: Call) -> AttentionOutput:
         template = call.with_tensors(*[None] * 6)  # its tensors are saved apart
         out = _TwiceDifferentiable.apply(out, *call.tensors(), template)
     return AttentionOutput(out)
-
-
-def _all_finite(*queries: Tensor, keys: Tensor, nonfinite_keys: Tensor | None) -> bool:
-    """Whether Python may look and every value of ``queries`` and ``keys`` is finite; for the keys,
-    from the caller's record of their rows where there is one (``s`` flags, not ``s * d`` values)."""
-    if nonfinite_keys is None:
-        return all_finite(*queries, keys)
-    known = nonfinite_keys
-    return can_branch_on_data(known) and not bool(known.any()) and all_finite(*queries)
 
 
 def _nan_rule(
@@ -180,7 +171,7 @@ def rows_made_nan(
     whole."""
     h, h_kv = q.shape[1], k.shape[1]
     known = nonfinite_keys
-    if allowed is None and _all_finite(keys=k, nonfinite_keys=known):  # the usual case: no key
+    if allowed is None and inputs_finite(keys=k, nonfinite_keys=known):  # the usual case: no key
         bad = nonfinite_rows(q)[..., None]  # to see, only q's rows
     elif allowed is None:  # every key, or the causal ones: no look at the data needed
         bad = torch.isnan(nans_seen(q, k, is_causal, known))
@@ -252,6 +243,7 @@ class SdpaBackend(Backend):
         {"causal", "window", "attn_mask", "key_mask", "alibi_slopes", "dropout_p", "attn_mask_grad"}
         | {"sinks"}
     )
+    looks_at_values = True  # its fused CPU kernel takes a row of NaN scores for an empty row
 
     def refuses(self, call: Call) -> str | None:
         if call.sinks is not None:

@@ -138,7 +138,7 @@ def _run_kernel(
     q = call.q
     keys, values = call.k, call.v  # padding zeroed by the registry
     block_mask, hidden = torch_flex_masks.masks_of(call)
-    bad_rows = nonfinite_rows(q.detach())  # (b, h, t)
+    bad_rows = None if call.finite else nonfinite_rows(q.detach())  # (b, h, t)
     if can_branch_on_data(bad_rows) and not bool(bad_rows.any()):
         bad_rows = None
     with_lse = q.device.type in GRAPH_DEVICES
@@ -299,6 +299,7 @@ class FlexBackend(Backend):
         {"causal", "window", "attn_mask", "key_mask", "alibi_slopes", "softcap", "return_lse"}
         | {"score_mod", "block_mask", "shift", "sinks"}
     )
+    looks_at_values = True  # a NaN query row enters the kernel as 0 (see _run_kernel)
     runs = "torch's FlexAttention (torch.nn.attention.flex_attention), compiled by torch.compile"
     """What runs, as which_backend's reason says."""
 

@@ -56,6 +56,16 @@ def all_finite(*tensors: Tensor) -> bool:
     return can_branch_on_data(*tensors) and values_finite(tensors)
 
 
+def inputs_finite(*queries: Tensor, keys: Tensor, nonfinite_keys: Tensor | None = None) -> bool:
+    """Whether Python may look and every value of ``queries`` and ``keys`` is finite; for the keys,
+    from the caller's record of their rows where there is one (``s`` flags, not ``s * d`` values:
+    a cache's, [`KVCache.nonfinite_keys`][attnkit.cache.KVCache.nonfinite_keys])."""
+    if nonfinite_keys is None:
+        return all_finite(*queries, keys)
+    known = nonfinite_keys
+    return can_branch_on_data(known) and not bool(known.any()) and all_finite(*queries)
+
+
 def nonfinite_rows(x: Tensor) -> Tensor:
     """``(...)`` True where a row ``x[..., :]`` holds a NaN or an infinity.
 
