@@ -8,7 +8,7 @@ import inspect
 import pytest
 import torch
 
-from attnkit.call import TENSOR_KEYWORDS, Options
+from attnkit.call import TENSOR_KEYWORDS, Call, Options
 from attnkit.functional import attention, checked_call, which_backend
 
 
@@ -43,3 +43,12 @@ def test_an_unknown_keyword_is_named():
     ):
         checked_call(q, q, q, x=1)
     assert which_backend(q, q, q, softcap=2.0, backend="reference").backend == "reference"
+
+
+def test_looked_sets_finite_alone():
+    q = torch.randn(1, 2, 3, 4)
+    call = checked_call(q, q, q, causal=True, return_lse=True)
+    assert Call._fields[-2:] == ("finite", "options")  # what looked's tuple relies on
+    looked = call.looked(True)
+    assert type(looked) is Call and looked.finite is True
+    assert looked == call._replace(finite=True)

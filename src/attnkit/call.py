@@ -136,6 +136,12 @@ class Call(NamedTuple):
             finite=None,
         )
 
+    def looked(self, finite: bool | None) -> Call:
+        """This call with ``finite`` set (the registry's look at the inputs), made from its fields
+        in order: ``_replace`` costs 1 µs, a twentieth of a small call's own time, this a third of
+        it. ``finite`` is the last field but ``options`` (held by a test)."""
+        return tuple.__new__(Call, (*self[:-2], finite, self[-1]))
+
     def tensors(self) -> tuple[Tensor | None, ...]:
         """The call's tensors other than ``mod_tensors``, in the order ``with_tensors`` takes."""
         masks = self.masks

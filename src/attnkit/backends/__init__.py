@@ -253,9 +253,7 @@ def _run_on(backend: Backend, plan: Any, call: Call) -> AttentionOutput:
     if key_mask is not None and backend.reads_padding:
         call = call._replace(k=zero_padding(call.k, key_mask), v=zero_padding(call.v, key_mask))
     if backend.looks_at_values:  # the NaN rule's one look at the inputs
-        call = call._replace(
-            finite=inputs_finite(call.q, keys=call.k, nonfinite_keys=call.nonfinite_keys)
-        )
+        call = call.looked(inputs_finite(call.q, keys=call.k, nonfinite_keys=call.nonfinite_keys))
     return backend.run(call) if plan is None else backend.run(call, plan)
 
 
