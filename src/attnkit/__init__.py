@@ -12,6 +12,7 @@ from attnkit.block_mask import create_block_mask
 from attnkit.cache import KVCache
 from attnkit.flex import flex_attention
 from attnkit.functional import attention
+from attnkit.linear import gated_delta_rule
 from attnkit.masks import alibi_slopes, causal_mask, window_mask
 from attnkit.modules import (
     AdditiveAttention,
@@ -46,6 +47,7 @@ __all__ = [
     "document_mask",
     "flex_attention",
     "functional",
+    "gated_delta_rule",
     "simple_self_attention",
     "varlen_attention",
     "window_mask",

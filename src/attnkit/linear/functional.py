@@ -1,0 +1,226 @@
+"""`gated_delta_rule`: linear attention with the gated delta rule, the layer beside softmax attention
+in today's hybrid models (Gated DeltaNet in Qwen3.5 and Qwen3-Next), with the arguments and results
+of flash-linear-attention's ``chunk_gated_delta_rule`` and transformers' reference.
+
+The call is checked once, its queries and keys normalised and scaled, packed sequences cut at
+their boundaries, and then one form runs each sequence: the book's token loop in float64
+(``"reference"``, [`attnkit.linear.reference`][attnkit.linear.reference]) or the chunked form
+(``"chunked"``, [`attnkit.linear.chunked`][attnkit.linear.chunked]); ``"auto"`` takes the loop for
+float64 inputs and the chunks otherwise.
+
+Shapes: ``b`` batch, ``t`` tokens, ``h_k`` query/key heads, ``h`` value heads (a multiple of
+``h_k``), ``d_k`` and ``d_v`` head dims, ``N`` sequences.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from attnkit import _checks
+from attnkit.linear.chunked import chunked
+from attnkit.linear.reference import delta_rule_loop
+from attnkit.rules.nonfinite import can_branch_on_data
+
+BACKENDS = ("reference", "chunked")
+"""The forms that can run a call, beside ``"auto"``."""
+
+L2_EPS = 1e-6
+"""Added to a row's squared norm before ``use_qk_l2norm`` divides by its root (as
+flash-linear-attention and transformers do)."""
+
+
+class LinearChoice(NamedTuple):
+    """Which form runs a call of [`gated_delta_rule`][attnkit.linear.functional.gated_delta_rule],
+    and why."""
+
+    backend: str
+    reason: str
+
+
+def gated_delta_rule(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor | None = None,
+    beta: Tensor | None = None,
+    *,
+    scale: float | None = None,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm: bool = False,
+    cu_seqlens: Tensor | None = None,
+    backend: str = "auto",
+    use_qk_l2norm_in_kernel: bool | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """Linear attention with the gated delta rule. For each value head, token by token::
+
+        S = S * exp(g_t);  delta = (v_t - S^T k_t) * beta_t;  S = S + k_t delta^T;  o_t = S^T q_t
+
+    Args:
+        q: ``(b, t, h_k, d_k)`` queries.
+        k: ``(b, t, h_k, d_k)`` keys.
+        v: ``(b, t, h, d_v)`` values; value head ``i`` reads query and key head ``i // (h / h_k)``
+            (Qwen3.5's layout), which is never copied.
+        g: ``(b, t, h)`` log decays, ``<= 0`` (the state is multiplied by ``exp(g_t)``); None:
+            no decay (DeltaNet).
+        beta: ``(b, t, h)`` write strengths; None: no correction, the state adds ``k_t v_t^T``
+            (gated linear attention).
+        scale: multiplies the queries; default ``d_k ** -0.5``.
+        initial_state: ``(N, h, d_k, d_v)``, the state before each sequence's first token;
+            default zeros.
+        output_final_state: also return each sequence's state after its last token.
+        use_qk_l2norm: divide each query and key by its L2 norm first (``use_qk_l2norm_in_kernel``
+            in flash-linear-attention and transformers, also taken by that name).
+        cu_seqlens: ``(N + 1,)`` integer offsets of packed sequences in ``t`` (``b`` must be
+            1): each starts from its own initial state, and nothing crosses a boundary.
+        backend: ``"auto"``, ``"reference"`` or ``"chunked"`` (see
+            [`which_gated_delta_rule`][attnkit.linear.functional.which_gated_delta_rule]).
+
+    Returns:
+        ``(o, final_state)``: ``(b, t, h, d_v)`` in the inputs' dtype, and ``(N, h, d_k, d_v)``
+        in float32 (float64 for float64 inputs), or None without ``output_final_state``. Both
+        are differentiable with respect to ``q``, ``k``, ``v``, ``g``, ``beta`` and
+        ``initial_state``. The state and every sum are float32 for bfloat16 and float16 inputs.
+
+    Raises:
+        TypeError: an input that is not a floating-point tensor, or of another dtype than ``q``.
+        ValueError: shapes that do not match, a positive ``g``, bad ``cu_seqlens``, a batch above
+            1 with ``cu_seqlens``, an ``initial_state`` of the wrong shape, an unknown backend.
+    """
+    if use_qk_l2norm_in_kernel is not None:
+        use_qk_l2norm = use_qk_l2norm or use_qk_l2norm_in_kernel
+    choice = which_gated_delta_rule(q, k, v, g, beta, initial_state=initial_state,
+                                    cu_seqlens=cu_seqlens, backend=backend)  # fmt: skip
+    b, t, h_k, d_k = q.shape
+    h, d_v = v.shape[2:]
+    dtype = torch.float64 if choice.backend == "reference" else _state_dtype(q.dtype)
+    scale = d_k**-0.5 if scale is None else float(scale)
+    q, k = q.to(dtype), k.to(dtype)
+    if use_qk_l2norm:
+        q, k = _l2norm(q), _l2norm(k)
+    q = q * scale
+    spans = _spans(b, t, cu_seqlens)
+    if initial_state is None:
+        initial_state = q.new_zeros(len(spans), h, d_k, d_v)
+    outputs, states = [], []
+    for n, (row, start, end) in enumerate(spans):
+        take = (row, slice(start, end))
+        one = [None if x is None else x[take] for x in (q, k, v, g, beta)]
+        one[2:] = [None if x is None else x.to(dtype) for x in one[2:]]
+        state = initial_state[n].to(dtype)
+        if choice.backend == "reference":
+            q_all, k_all = (x.repeat_interleave(h // h_k, dim=1) for x in one[:2])
+            o, state = delta_rule_loop(q_all, k_all, *one[2:], state)
+        else:
+            o, state = chunked(*one, state)
+        outputs.append(o)
+        states.append(state)
+    o = torch.stack(outputs) if cu_seqlens is None else torch.cat(outputs)[None]  # (b, t, h, d_v)
+    final = torch.stack(states).to(_state_dtype(v.dtype)) if output_final_state else None
+    return o.to(v.dtype), final
+
+
+def which_gated_delta_rule(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor | None = None,
+    beta: Tensor | None = None,
+    *,
+    initial_state: Tensor | None = None,
+    cu_seqlens: Tensor | None = None,
+    backend: str = "auto",
+) -> LinearChoice:
+    """Which form [`gated_delta_rule`][attnkit.linear.functional.gated_delta_rule] runs for these
+    inputs, and why, after checking them as it does (nothing is computed)."""
+    _check(q, k, v, g, beta, initial_state, cu_seqlens)
+    if backend not in ("auto", *BACKENDS):
+        raise ValueError(f"backend must be 'auto' or one of {', '.join(BACKENDS)}, got {backend!r}")
+    if backend != "auto":
+        return LinearChoice(backend, "asked for by name")
+    if q.dtype == torch.float64:
+        return LinearChoice("reference", "float64 inputs: the book's token loop, in float64")
+    return LinearChoice("chunked", "the chunked form in PyTorch (states and sums in float32)")
+
+
+def _state_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The state's and the sums' dtype: float32, float64 for float64 inputs."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _l2norm(x: Tensor) -> Tensor:
+    """Each row ``x[..., :]`` divided by its L2 norm (``L2_EPS`` under the root)."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + L2_EPS)
+
+
+def _spans(b: int, t: int, cu_seqlens: Tensor | None) -> list[tuple[int, int, int]]:
+    """``(batch row, start, end)`` of each sequence: each row whole, or the packed sequences."""
+    if cu_seqlens is None:
+        return [(row, 0, t) for row in range(b)]
+    bounds = cu_seqlens.tolist()
+    return [(0, start, end) for start, end in itertools.pairwise(bounds)]
+
+
+def _check(q, k, v, g, beta, initial_state, cu_seqlens) -> None:
+    """Every input as `gated_delta_rule` takes it, or an error naming it and its values."""
+    for x, name in ((q, "q"), (k, "k"), (v, "v")):
+        _checks.check_tensor(x, name)
+        if not x.is_floating_point() or x.dtype != q.dtype:
+            raise TypeError(
+                f"{name} must be a floating-point tensor of q's dtype ({q.dtype}), got {x.dtype}"
+            )
+        if x.dim() != 4:
+            raise ValueError(f"{name} must be (b, t, heads, head_dim), got shape {tuple(x.shape)}")
+    b, t, h_k, d_k = q.shape
+    h = v.shape[2]
+    if k.shape != q.shape:
+        raise ValueError(f"k must have q's shape {tuple(q.shape)}, got {tuple(k.shape)}")
+    if v.shape[:2] != (b, t):
+        raise ValueError(f"v must be (b={b}, t={t}, heads, head_dim), got shape {tuple(v.shape)}")
+    if h % h_k:
+        raise ValueError(f"v's heads ({h}) must be a multiple of q's and k's heads ({h_k})")
+    for x, name in ((g, "g"), (beta, "beta")):
+        if x is None:
+            continue
+        _checks.check_tensor(x, name)
+        if x.shape != (b, t, h):
+            raise ValueError(f"{name} must be (b={b}, t={t}, h={h}), got shape {tuple(x.shape)}")
+        if not x.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got {x.dtype}")
+    if g is not None and can_branch_on_data(g) and g.numel() and bool((g > 0).any()):
+        raise ValueError(
+            f"g must be <= 0 (the log of a decay in (0, 1]), got a maximum of {g.max().item():g}"
+        )
+    sequences = b
+    if cu_seqlens is not None:
+        sequences = _check_cu_seqlens(cu_seqlens, b, t)
+    if initial_state is not None:
+        _checks.check_tensor(initial_state, "initial_state")
+        want = (sequences, h, d_k, v.shape[3])
+        if tuple(initial_state.shape) != want:
+            raise ValueError(
+                f"initial_state must be (N={sequences}, h={h}, d_k={d_k}, d_v={v.shape[3]}), "
+                f"got shape {tuple(initial_state.shape)}"
+            )
+
+
+def _check_cu_seqlens(cu_seqlens: Tensor, b: int, t: int) -> int:
+    """The number of packed sequences, once ``cu_seqlens`` is a valid set of offsets in ``t``."""
+    _checks.check_tensor(cu_seqlens, "cu_seqlens")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.is_floating_point():
+        raise ValueError(
+            f"cu_seqlens must be 1-D integer offsets (N + 1,), got {cu_seqlens.dtype} of shape "
+            f"{tuple(cu_seqlens.shape)}"
+        )
+    if b != 1:
+        raise ValueError(f"packed sequences (cu_seqlens) take a batch of 1, got b={b}")
+    bounds = cu_seqlens.tolist()
+    if bounds[0] != 0 or bounds[-1] != t:
+        raise ValueError(f"cu_seqlens must start at 0 and end at t={t}, got {bounds}")
+    if any(a >= c for a, c in itertools.pairwise(bounds)):
+        raise ValueError(f"cu_seqlens must be strictly increasing, got {bounds}")
+    return len(bounds) - 1

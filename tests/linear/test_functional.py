@@ -1,0 +1,161 @@
+"""attnkit.linear.functional: `gated_delta_rule` as flash-linear-attention's and transformers'
+callers use it: every result and gradient against the float64 token loop, each dtype, packed
+sequences against each sequence alone (forward and backward, any mix of lengths), a NaN that stays
+in its sequence, the choice of form and its reason, and bad input named."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import attnkit
+from attnkit.linear import gated_delta_rule, which_gated_delta_rule
+
+
+def inputs(b=2, t=19, h_k=2, h=4, d_k=8, d_v=6, dtype=torch.float32):
+    q, k = torch.randn(b, t, h_k, d_k), torch.randn(b, t, h_k, d_k)
+    v = torch.randn(b, t, h, d_v)
+    g = torch.nn.functional.logsigmoid(torch.randn(b, t, h))  # as the models make it: <= 0
+    beta = torch.rand(b, t, h)
+    return [x.to(dtype) for x in (q, k, v, g, beta)]
+
+
+def f64(xs):
+    return [None if x is None else x.detach().double().requires_grad_(x.requires_grad) for x in xs]
+
+
+def test_it_is_attnkits_and_takes_flash_linear_attentions_keyword():
+    q, k, v, g, beta = inputs()
+    out, final = attnkit.gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
+    assert final is None and out.shape == v.shape
+    torch.testing.assert_close(out, gated_delta_rule(q, k, v, g, beta, use_qk_l2norm=True)[0])
+    assert not torch.allclose(out, gated_delta_rule(q, k, v, g, beta)[0])
+
+
+@pytest.mark.parametrize("l2norm", [False, True], ids=["raw q and k", "use_qk_l2norm"])
+def test_float32_results_and_every_gradient_match_the_float64_loop(l2norm):
+    q, k, v, g, beta = inputs()
+    state = torch.randn(2, 4, 8, 6)
+    leaves = [x.requires_grad_() for x in (q, k, v, g, beta, state)]
+    options = {"scale": 0.7, "output_final_state": True, "use_qk_l2norm": l2norm}
+    out, final = gated_delta_rule(*leaves[:5], initial_state=leaves[5], **options)
+    assert final.dtype == torch.float32
+    exact = f64(leaves)
+    want, want_final = gated_delta_rule(*exact[:5], initial_state=exact[5], **options)
+    torch.testing.assert_close(out, want.float())
+    torch.testing.assert_close(final, want_final.float())
+    dout, dfinal = torch.randn_like(out), torch.randn_like(final)
+    got = torch.autograd.grad((out, final), leaves, (dout, dfinal))
+    wanted = torch.autograd.grad((want, want_final), exact, (dout.double(), dfinal.double()))
+    for name, a, b in zip(("q", "k", "v", "g", "beta", "initial_state"), got, wanted):
+        torch.testing.assert_close(a, b.float(), msg=lambda m, name=name: f"d{name}: {m}")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_is_within_twice_the_naive_loops_error(dtype):
+    """The naive path in the same precision: the token loop on the rounded inputs, in that dtype
+    throughout; attnkit keeps its state and sums in float32."""
+    from attnkit.linear.reference import delta_rule_loop
+
+    q, k, v, g, beta = inputs(b=1, t=40, h_k=2, h=2, dtype=dtype)
+    q, k = (torch.nn.functional.normalize(x.float(), dim=-1).to(dtype) for x in (q, k))
+    out, final = gated_delta_rule(q, k, v, g, beta, output_final_state=True)
+    assert out.dtype == dtype and final.dtype == torch.float32
+    want, _ = gated_delta_rule(*f64([q, k, v, g, beta]))
+    scale = 8**-0.5
+    naive, _ = delta_rule_loop(q[0] * scale, k[0], v[0], g[0], beta[0], q.new_zeros(2, 8, 6))
+    naive_error = (naive.double() - want[0]).abs().max()
+    assert (out[0].double() - want[0]).abs().max() <= 2 * naive_error
+
+
+@pytest.mark.parametrize(
+    "lengths",
+    [[1, 18], [5, 1, 13], [19]],
+    ids=["one token first", "a token between", "one sequence"],
+)
+def test_packed_sequences_are_each_sequence_alone_forward_and_backward(lengths):
+    q, k, v, g, beta = inputs(b=1)
+    states = torch.randn(len(lengths), 4, 8, 6)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    leaves = [x.requires_grad_() for x in (q, k, v, g, beta, states)]
+    out, final = gated_delta_rule(
+        *leaves[:5], initial_state=leaves[5], cu_seqlens=cu, output_final_state=True
+    )
+    dout, dfinal = torch.randn_like(out), torch.randn_like(final)
+    got = torch.autograd.grad((out, final), leaves, (dout, dfinal))
+    parts, finals = [], []
+    for n, (start, end) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        one = [x[:, start:end] for x in leaves[:5]]
+        o, f = gated_delta_rule(*one, initial_state=leaves[5][n : n + 1], output_final_state=True)
+        parts.append(o)
+        finals.append(f)
+    alone, alone_final = torch.cat(parts, dim=1), torch.cat(finals)
+    torch.testing.assert_close(out, alone)
+    torch.testing.assert_close(final, alone_final)
+    want = torch.autograd.grad((alone, alone_final), leaves, (dout, dfinal))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("backend", ["reference", "chunked"])
+def test_a_nan_in_one_sequence_never_reaches_another(backend):
+    q, k, v, g, beta = inputs(b=1, dtype=torch.float64 if backend == "reference" else torch.float32)
+    v[0, 7, 1, 2] = math.nan  # in the second of three sequences
+    cu = torch.tensor([0, 5, 11, 19])
+    out, final = gated_delta_rule(
+        q, k, v, g, beta, cu_seqlens=cu, output_final_state=True, backend=backend
+    )
+    assert bool(out[0, :5].isfinite().all()) and bool(out[0, 11:].isfinite().all())
+    assert bool(out[0, 7:11].isnan().any()) and bool(final[1].isnan().any())
+    assert bool(final[0].isfinite().all()) and bool(final[2].isfinite().all())
+
+
+def test_auto_takes_the_loop_for_float64_and_the_chunks_otherwise_and_says_why():
+    q, k, v, g, beta = inputs()
+    assert which_gated_delta_rule(q, k, v, g, beta).backend == "chunked"
+    exact = which_gated_delta_rule(*f64([q, k, v, g, beta]))
+    assert exact.backend == "reference" and "float64" in exact.reason
+    named = which_gated_delta_rule(q, k, v, g, beta, backend="reference")
+    assert named == ("reference", "asked for by name")
+
+
+def bad_cases():
+    q, k, v, g, beta = inputs()
+    yield "positive g", (q, k, v, g.abs() + 0.1, beta), {}, ValueError, r"g must be <= 0"
+    yield "heads", (q, k, v[:, :, :3], g[..., :3], beta[..., :3]), {}, ValueError, r"multiple"
+    yield "k's shape", (q, k[:, :5], v, g, beta), {}, ValueError, r"k must have q's shape"
+    yield "v's length", (q, k, v[:, :5], g, beta), {}, ValueError, r"v must be \(b=2, t=19"
+    yield "beta's shape", (q, k, v, g, beta[..., :2]), {}, ValueError, r"beta must be \(b=2"
+    yield "a dtype", (q, k.double(), v, g, beta), {}, TypeError, r"k must be a floating-point"
+    yield "an int g", (q, k, v, g.long(), beta), {}, TypeError, r"g must be a floating-point"
+    one = [x[:1] for x in (q, k, v, g, beta)]
+    cu = torch.tensor
+    yield (
+        "a batch with cu_seqlens",
+        (q, k, v, g, beta),
+        {"cu_seqlens": cu([0, 19])},
+        ValueError,
+        r"b=2",
+    )
+    yield (
+        "not increasing",
+        one,
+        {"cu_seqlens": cu([0, 9, 9, 19])},
+        ValueError,
+        r"strictly increasing",
+    )
+    yield "not ending at t", one, {"cu_seqlens": cu([0, 9, 18])}, ValueError, r"end at t=19"
+    yield "float offsets", one, {"cu_seqlens": cu([0.0, 19.0])}, ValueError, r"integer offsets"
+    state = {"initial_state": torch.zeros(2, 4, 8, 5)}
+    yield "initial_state", (q, k, v, g, beta), state, ValueError, r"initial_state must be \(N=2"
+    yield "backend", (q, k, v, g, beta), {"backend": "fla"}, ValueError, r"backend must be"
+    yield "not a tensor", (q, k, [1.0], g, beta), {}, TypeError, r"v must be a torch.Tensor"
+
+
+@pytest.mark.parametrize(("why", "args", "options", "error", "message"), list(bad_cases()),
+                         ids=[c[0] for c in bad_cases()])  # fmt: skip
+def test_bad_input_is_named(why, args, options, error, message):
+    with pytest.raises(error, match=message):
+        gated_delta_rule(*args, **options)
