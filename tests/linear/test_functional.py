@@ -99,7 +99,7 @@ def test_packed_sequences_are_each_sequence_alone_forward_and_backward(lengths):
         torch.testing.assert_close(a, b)
 
 
-@pytest.mark.parametrize("backend", ["reference", "chunked"])
+@pytest.mark.parametrize("backend", ["reference", "recurrent", "chunked"])
 def test_a_nan_in_one_sequence_never_reaches_another(backend):
     q, k, v, g, beta = inputs(b=1, dtype=torch.float64 if backend == "reference" else torch.float32)
     v[0, 7, 1, 2] = math.nan  # in the second of three sequences
@@ -119,6 +119,32 @@ def test_auto_takes_the_loop_for_float64_and_the_chunks_otherwise_and_says_why()
     assert exact.backend == "reference" and "float64" in exact.reason
     named = which_gated_delta_rule(q, k, v, g, beta, backend="reference")
     assert named == ("reference", "asked for by name")
+    step = which_gated_delta_rule(*(x[:, :1] for x in (q, k, v, g, beta)))  # a decoding step
+    assert step.backend == "recurrent" and "at most 16 tokens" in step.reason
+    one_row = [x[:1] for x in (q, k, v, g, beta)]
+    short = which_gated_delta_rule(*one_row, cu_seqlens=torch.tensor([0, 9, 19]))
+    long = which_gated_delta_rule(*one_row, cu_seqlens=torch.tensor([0, 2, 19]))
+    assert (short.backend, long.backend) == ("recurrent", "chunked")
+
+
+@pytest.mark.parametrize("t", [1, 16, 17], ids=lambda t: f"t={t}")
+def test_every_form_gives_the_loops_results_and_gradients(t):
+    q, k, v, g, beta = inputs(t=t)
+    state = torch.randn(2, 4, 8, 6)
+    leaves = [x.requires_grad_() for x in (q, k, v, g, beta, state)]
+    exact = f64(leaves)
+    want = gated_delta_rule(*exact[:5], initial_state=exact[5], output_final_state=True)
+    dout, dfinal = torch.randn_like(want[0]).float(), torch.randn_like(want[1]).float()
+    wanted = torch.autograd.grad(want, exact, (dout.double(), dfinal.double()))
+    for backend in ("recurrent", "chunked"):
+        got = gated_delta_rule(
+            *leaves[:5], initial_state=leaves[5], output_final_state=True, backend=backend
+        )
+        torch.testing.assert_close(got[0], want[0].float())
+        torch.testing.assert_close(got[1], want[1].float())
+        grads = torch.autograd.grad(got, leaves, (dout, dfinal))
+        for a, b in zip(grads, wanted):
+            torch.testing.assert_close(a, b.float())
 
 
 def bad_cases():

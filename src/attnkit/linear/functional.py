@@ -4,9 +4,11 @@ of flash-linear-attention's ``chunk_gated_delta_rule`` and transformers' referen
 
 The call is checked once, its queries and keys normalised and scaled, packed sequences cut at
 their boundaries, and then one form runs each sequence: the book's token loop in float64
-(``"reference"``, [`attnkit.linear.reference`][attnkit.linear.reference]) or the chunked form
-(``"chunked"``, [`attnkit.linear.chunked`][attnkit.linear.chunked]); ``"auto"`` takes the loop for
-float64 inputs and the chunks otherwise.
+(``"reference"``, [`attnkit.linear.reference`][attnkit.linear.reference]), the same loop with
+float32 states (``"recurrent"``), or the chunked form (``"chunked"``,
+[`attnkit.linear.chunked`][attnkit.linear.chunked]); ``"auto"`` takes the float64 loop for float64
+inputs, the float32 loop for sequences of at most
+[`RECURRENT_UP_TO`][attnkit.linear.functional.RECURRENT_UP_TO] tokens, the chunks otherwise.
 
 Shapes: ``b`` batch, ``t`` tokens, ``h_k`` query/key heads, ``h`` value heads (a multiple of
 ``h_k``), ``d_k`` and ``d_v`` head dims, ``N`` sequences.
@@ -25,8 +27,13 @@ from attnkit.linear.chunked import chunked
 from attnkit.linear.reference import delta_rule_loop
 from attnkit.rules.nonfinite import can_branch_on_data
 
-BACKENDS = ("reference", "chunked")
+BACKENDS = ("reference", "recurrent", "chunked")
 """The forms that can run a call, beside ``"auto"``."""
+
+RECURRENT_UP_TO = 16
+"""The most tokens a sequence may have for ``auto`` to run it token by token (``"recurrent"``: the
+book's loop in float32, one read and write of the state a token) rather than in chunks, which pad
+every sequence to a whole chunk: a decoding step, a short prompt."""
 
 L2_EPS = 1e-6
 """Added to a row's squared norm before ``use_qk_l2norm`` divides by its root (as
@@ -77,7 +84,7 @@ def gated_delta_rule(
             in flash-linear-attention and transformers, also taken by that name).
         cu_seqlens: ``(N + 1,)`` integer offsets of packed sequences in ``t`` (``b`` must be
             1): each starts from its own initial state, and nothing crosses a boundary.
-        backend: ``"auto"``, ``"reference"`` or ``"chunked"`` (see
+        backend: ``"auto"``, ``"reference"``, ``"recurrent"`` or ``"chunked"`` (see
             [`which_gated_delta_rule`][attnkit.linear.functional.which_gated_delta_rule]).
 
     Returns:
@@ -112,7 +119,7 @@ def gated_delta_rule(
         one = [None if x is None else x[take] for x in (q, k, v, g, beta)]
         one[2:] = [None if x is None else x.to(dtype) for x in one[2:]]
         state = initial_state[n].to(dtype)
-        if choice.backend == "reference":
+        if choice.backend != "chunked":  # the loop, each value head with its query and key head
             q_all, k_all = (x.repeat_interleave(h // h_k, dim=1) for x in one[:2])
             o, state = delta_rule_loop(q_all, k_all, *one[2:], state)
         else:
@@ -144,6 +151,13 @@ def which_gated_delta_rule(
         return LinearChoice(backend, "asked for by name")
     if q.dtype == torch.float64:
         return LinearChoice("reference", "float64 inputs: the book's token loop, in float64")
+    longest = q.shape[1] if cu_seqlens is None else int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    if longest <= RECURRENT_UP_TO:
+        return LinearChoice(
+            "recurrent",
+            f"sequences of at most {RECURRENT_UP_TO} tokens: the token loop with float32 states "
+            "(one read and write of the state a token; chunks would pad each sequence)",
+        )
     return LinearChoice("chunked", "the chunked form in PyTorch (states and sums in float32)")
 
 
