@@ -18,11 +18,13 @@ from attnkit.modules import (
     AdditiveAttention,
     CausalAttention,
     CrossAttention,
+    GatedDeltaNet,
     MultiHeadAttention,
     MultiHeadAttentionWrapper,
     SelfAttention,
 )
 from attnkit.positions import RotaryEmbedding
+from attnkit.state_cache import StateCache
 from attnkit.textbook import AttentionResult, attend, simple_self_attention
 from attnkit.varlen import document_mask, varlen_attention
 
@@ -33,11 +35,13 @@ __all__ = [
     "AttentionResult",
     "CausalAttention",
     "CrossAttention",
+    "GatedDeltaNet",
     "KVCache",
     "MultiHeadAttention",
     "MultiHeadAttentionWrapper",
     "RotaryEmbedding",
     "SelfAttention",
+    "StateCache",
     "__version__",
     "alibi_slopes",
     "attend",
