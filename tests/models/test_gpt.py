@@ -1,5 +1,7 @@
 """The book's GPT on attnkit's modules: shapes, causality, the attention-only variant, its weights
-(those of attnkit's MultiHeadAttention), its bad sizes, and that it can learn."""
+(those of attnkit's MultiHeadAttention), its bad sizes, that it can learn, and the hybrid of
+Gated DeltaNet and softmax blocks: it learns too, and generates through its caches what it would
+generate reading the whole sequence again at every token."""
 
 from __future__ import annotations
 
@@ -58,6 +60,7 @@ def test_the_attention_only_variant_has_no_feed_forward():
         ({"emb_dim": 10, "num_heads": 3}, r"emb_dim \(10\) must be divisible by num_heads \(3\)"),
         ({"num_layers": 0}, r"num_layers must be >= 1, got 0"),
         ({"vocab_size": 0}, r"vocab_size must be >= 1, got 0"),
+        ({"layers": "LLM"}, r"layers must be a pattern of A and L \(e.g. 'LLLA'\), got 'LLM'"),
     ],
 )
 def test_bad_sizes_are_named(kwargs, message):
@@ -72,9 +75,10 @@ def test_a_sequence_longer_than_the_context_is_refused():
         model(torch.zeros(1, 5, dtype=torch.long))
 
 
-def test_it_learns_to_predict_a_fixed_sequence():
+@pytest.mark.parametrize("layers", ["A", "LA"], ids=["softmax blocks", "a hybrid"])
+def test_it_learns_to_predict_a_fixed_sequence(layers):
     torch.manual_seed(0)
-    model = GPTModel(7, 8, 16, 2, 1)
+    model = GPTModel(7, 8, 16, 2, 1 if layers == "A" else 2, layers=layers)
     idx = torch.arange(8).remainder(7)[None]  # 0 1 2 ... 6 0: each next token is fixed
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     first = None
@@ -85,3 +89,28 @@ def test_it_learns_to_predict_a_fixed_sequence():
         loss.backward()
         optimizer.step()
     assert loss.item() < 0.1 * first
+
+
+@pytest.mark.parametrize("layers", ["A", "LLLA"], ids=["softmax blocks", "the 3:1 hybrid"])
+def test_generation_through_the_caches_is_greedy_decoding_of_the_whole_sequence(layers):
+    torch.manual_seed(0)
+    model = GPTModel(50, 24, 32, 4, 4, layers=layers).eval()
+    assert model.layers == layers * (4 // len(layers))
+    kinds = [type(block.att).__name__ for block in model.trf_blocks]
+    assert kinds.count("GatedDeltaNet") == layers.count("L") * (4 // len(layers))
+    prompt = torch.randint(0, 50, (2, 5))
+    out = model.generate(prompt, 12)
+    seq = prompt
+    with torch.no_grad():
+        for _ in range(12):  # every token read again each step, no cache
+            seq = torch.cat([seq, model(seq)[:, -1].argmax(dim=-1, keepdim=True)], dim=1)
+    assert torch.equal(out, seq)
+    with pytest.raises(ValueError, match=r"prompt \+ max_new_tokens has 25 tokens"):
+        model.generate(prompt, 20)
+
+
+def test_the_hybrids_weights_are_those_of_its_softmax_blocks():
+    model = GPTModel(20, 8, 16, 2, 4, layers="LLLA")
+    _, weights = model(torch.randint(0, 20, (3, 8)), need_weights=True)
+    assert weights.shape == (1, 3, 2, 8, 8)  # one softmax block of four
+    torch.testing.assert_close(weights.sum(dim=-1), torch.ones(1, 3, 2, 8))
