@@ -102,7 +102,7 @@ def gated_delta_rule(
         use_qk_l2norm = use_qk_l2norm or use_qk_l2norm_in_kernel
     choice = which_gated_delta_rule(q, k, v, g, beta, initial_state=initial_state,
                                     cu_seqlens=cu_seqlens, backend=backend)  # fmt: skip
-    b, t, h_k, d_k = q.shape
+    b, d_k = q.shape[0], q.shape[3]
     h, d_v = v.shape[2:]
     dtype = torch.float64 if choice.backend == "reference" else _state_dtype(q.dtype)
     scale = d_k**-0.5 if scale is None else float(scale)
@@ -110,23 +110,29 @@ def gated_delta_rule(
     if use_qk_l2norm:
         q, k = _l2norm(q), _l2norm(k)
     q = q * scale
-    spans = _spans(b, t, cu_seqlens)
     if initial_state is None:
-        initial_state = q.new_zeros(len(spans), h, d_k, d_v)
+        initial_state = q.new_zeros(b if cu_seqlens is None else len(cu_seqlens) - 1, h, d_k, d_v)
+    inputs = [q, k, v, g, beta]
+    if cu_seqlens is None:  # the batch rows as heads of one sequence: one run for them all
+        sequences = [[_rows_as_heads(x) for x in inputs]]
+        starting = [initial_state.flatten(0, 1)]
+    else:  # each packed sequence alone: nothing crosses a boundary
+        bounds = cu_seqlens.tolist()
+        sequences = [
+            [_cut(x, start, end) for x in inputs] for start, end in itertools.pairwise(bounds)
+        ]
+        starting = list(initial_state)
     outputs, states = [], []
-    for n, (row, start, end) in enumerate(spans):
-        take = (row, slice(start, end))
-        one = [None if x is None else x[take] for x in (q, k, v, g, beta)]
+    for one, state in zip(sequences, starting):
         one[2:] = [None if x is None else x.to(dtype) for x in one[2:]]
-        state = initial_state[n].to(dtype)
-        if choice.backend != "chunked":  # the loop, each value head with its query and key head
-            q_all, k_all = (x.repeat_interleave(h // h_k, dim=1) for x in one[:2])
-            o, state = delta_rule_loop(q_all, k_all, *one[2:], state)
-        else:
-            o, state = chunked(*one, state)
+        o, state = _run(choice.backend, *one, state.to(dtype))
         outputs.append(o)
         states.append(state)
-    o = torch.stack(outputs) if cu_seqlens is None else torch.cat(outputs)[None]  # (b, t, h, d_v)
+    if cu_seqlens is None:  # (t, b * h, d_v) -> (b, t, h, d_v)
+        o = outputs[0].unflatten(1, (b, h)).transpose(0, 1)
+        states = list(states[0].unflatten(0, (b, h)))
+    else:
+        o = torch.cat(outputs)[None]
     final = torch.stack(states).to(_state_dtype(v.dtype)) if output_final_state else None
     return o.to(v.dtype), final
 
@@ -171,12 +177,25 @@ def _l2norm(x: Tensor) -> Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + L2_EPS)
 
 
-def _spans(b: int, t: int, cu_seqlens: Tensor | None) -> list[tuple[int, int, int]]:
-    """``(batch row, start, end)`` of each sequence: each row whole, or the packed sequences."""
-    if cu_seqlens is None:
-        return [(row, 0, t) for row in range(b)]
-    bounds = cu_seqlens.tolist()
-    return [(0, start, end) for start, end in itertools.pairwise(bounds)]
+def _run(
+    backend: str, q: Tensor, k: Tensor, v: Tensor, g, beta, state: Tensor
+) -> tuple[Tensor, Tensor]:
+    """One sequence ``(t, heads, ...)`` on ``backend``'s form."""
+    if backend == "chunked":
+        return chunked(q, k, v, g, beta, state)
+    r = v.shape[1] // q.shape[1]  # the loop: each value head with its query and key head
+    return delta_rule_loop(q.repeat_interleave(r, 1), k.repeat_interleave(r, 1), v, g, beta, state)
+
+
+def _rows_as_heads(x: Tensor | None) -> Tensor | None:
+    """``(b, t, heads, ...)`` -> ``(t, b * heads, ...)``: value head ``j`` of row ``i`` still reads
+    query and key head ``(i * h + j) // r = i * h_k + j // r``."""
+    return None if x is None else x.transpose(0, 1).flatten(1, 2)
+
+
+def _cut(x: Tensor | None, start: int, end: int) -> Tensor | None:
+    """Tokens ``start:end`` of a packed row, ``(1, t, ...)`` -> ``(end - start, ...)``."""
+    return None if x is None else x[0, start:end]
 
 
 def _check(q, k, v, g, beta, initial_state, cu_seqlens) -> None:
