@@ -8,7 +8,7 @@ transformers' own way to swap them (its kernels hub) downloads them, so
 [`use_gated_delta_rule`][attnkit.hf.linear.use_gated_delta_rule] replaces both in the modeling
 modules instead, in one place, as Liger-Kernel replaces a model's functions, and returns the undo.
 attnkit's takes the same arguments and also runs packed sequences (``cu_seqlens``), which
-transformers' reference ignores; the short convolution before it
+transformers refuses there without flash-linear-attention; the short convolution before it
 (``causal_conv1d_fn``) is replaced too, so that no packed sequence reads another's inputs.
 
 Example:
