@@ -35,6 +35,18 @@ def add(commands) -> None:
     ex.add_argument("--normalize", choices=["softmax", "sum"], default="softmax")
     ex.add_argument("--causal", action="store_true", help="each token sees only earlier ones")
     ex.add_argument(
+        "--delta-rule",
+        action="store_true",
+        help="walk through linear attention with the gated delta rule instead: the memory, its "
+        "prediction, the correction and the write, token by token",
+    )
+    ex.add_argument(
+        "--beta", type=float, default=0.5, help="--delta-rule: how strongly a token writes"
+    )
+    ex.add_argument(
+        "--decay", type=float, default=0.9, help="--delta-rule: what the memory keeps a step"
+    )
+    ex.add_argument(
         "--model",
         choices=["minilm"],
         help="a real model instead: all-MiniLM-L6-v2 (needs the 'models' extra)",
@@ -66,7 +78,21 @@ def _explain_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _explain_delta_rule(args: argparse.Namespace, example) -> int:
+    from attnkit.explain_delta import explain_delta_rule
+
+    for option in ("query", "query_index", "html"):
+        if getattr(args, option) is not None:
+            raise ValueError(f"--{option.replace('_', '-')} does not apply to --delta-rule")
+    if args.causal or args.normalize != "softmax":
+        raise ValueError("--causal and --normalize do not apply to --delta-rule (it is causal)")
+    print(explain_delta_rule(example, beta=args.beta, decay=args.decay), end="")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.model is not None and args.delta_rule:
+        raise ValueError("--delta-rule walks through its own loop; it does not apply to --model")
     if args.model is not None:
         return _explain_model(args)
     for option in ("layer",):
@@ -81,6 +107,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         example = Example.journey()
 
+    if args.delta_rule:
+        return _explain_delta_rule(args, example)
     if args.query is not None:
         query_index = example.index_of(args.query)
     elif args.query_index is not None:
