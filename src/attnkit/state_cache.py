@@ -86,8 +86,10 @@ class StateCache(nn.Module):
         return joined
 
     def advance(self, final_state: Tensor, n: int) -> None:
-        """Keep the layer's state after a chunk of ``n`` tokens."""
-        self.state.copy_(final_state.detach())
+        """Keep the layer's state after a chunk of ``n`` tokens (nothing to copy where the step
+        wrote it into the cache's own state)."""
+        if final_state is not self.state:
+            self.state.copy_(final_state.detach())
         self.position += n
 
     def extra_repr(self) -> str:

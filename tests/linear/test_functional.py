@@ -119,8 +119,8 @@ def test_auto_takes_the_loop_for_float64_and_the_chunks_otherwise_and_says_why()
     assert exact.backend == "reference" and "float64" in exact.reason
     named = which_gated_delta_rule(q, k, v, g, beta, backend="reference")
     assert named == ("reference", "asked for by name")
-    step = which_gated_delta_rule(*(x[:, :1] for x in (q, k, v, g, beta)))  # a decoding step
-    assert step.backend == "recurrent" and "at most 16 tokens" in step.reason
+    short = which_gated_delta_rule(*(x[:, :2] for x in (q, k, v, g, beta)))  # a short prompt
+    assert short.backend == "recurrent" and "at most 16 tokens" in short.reason
     one_row = [x[:1] for x in (q, k, v, g, beta)]
     short = which_gated_delta_rule(*one_row, cu_seqlens=torch.tensor([0, 9, 19]))
     long = which_gated_delta_rule(*one_row, cu_seqlens=torch.tensor([0, 2, 19]))

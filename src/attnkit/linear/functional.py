@@ -23,11 +23,12 @@ import torch
 from torch import Tensor
 
 from attnkit import _checks
+from attnkit.linear import step
 from attnkit.linear.chunked import chunked
 from attnkit.linear.reference import delta_rule_loop
 from attnkit.rules.nonfinite import can_branch_on_data
 
-BACKENDS = ("reference", "recurrent", "chunked")
+BACKENDS = ("reference", "step", "recurrent", "chunked")
 """The forms that can run a call, beside ``"auto"``."""
 
 RECURRENT_UP_TO = 16
@@ -61,6 +62,7 @@ def gated_delta_rule(
     use_qk_l2norm: bool = False,
     cu_seqlens: Tensor | None = None,
     backend: str = "auto",
+    inplace_final_state: bool = False,
     use_qk_l2norm_in_kernel: bool | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Linear attention with the gated delta rule. For each value head, token by token::
@@ -84,7 +86,10 @@ def gated_delta_rule(
             in flash-linear-attention and transformers, also taken by that name).
         cu_seqlens: ``(N + 1,)`` integer offsets of packed sequences in ``t`` (``b`` must be
             1): each starts from its own initial state, and nothing crosses a boundary.
-        backend: ``"auto"``, ``"reference"``, ``"recurrent"`` or ``"chunked"`` (see
+        inplace_final_state: write the final state into ``initial_state`` (a contiguous float32
+            tensor) rather than a new one, where the one-token step runs: a layer's cache read and
+            written once (as flash-linear-attention's recurrent step has it); elsewhere ignored.
+        backend: ``"auto"``, ``"reference"``, ``"step"``, ``"recurrent"`` or ``"chunked"`` (see
             [`which_gated_delta_rule`][attnkit.linear.functional.which_gated_delta_rule]).
 
     Returns:
@@ -110,6 +115,8 @@ def gated_delta_rule(
     if use_qk_l2norm:
         q, k = _l2norm(q), _l2norm(k)
     q = q * scale
+    if choice.backend == "step":
+        return _one_step(q, k, v, g, beta, initial_state, output_final_state, inplace_final_state)
     if initial_state is None:
         initial_state = q.new_zeros(b if cu_seqlens is None else len(cu_seqlens) - 1, h, d_k, d_v)
     inputs = [q, k, v, g, beta]
@@ -153,10 +160,17 @@ def which_gated_delta_rule(
     _check(q, k, v, g, beta, initial_state, cu_seqlens)
     if backend not in ("auto", *BACKENDS):
         raise ValueError(f"backend must be 'auto' or one of {', '.join(BACKENDS)}, got {backend!r}")
+    if backend == "step" and (why := step.refuses(q, k, v, g, beta, cu_seqlens)) is not None:
+        raise ValueError(f"backend 'step' cannot run this call: {why}")
     if backend != "auto":
         return LinearChoice(backend, "asked for by name")
     if q.dtype == torch.float64:
         return LinearChoice("reference", "float64 inputs: the book's token loop, in float64")
+    if step.refuses(q, k, v, g, beta, cu_seqlens) is None:
+        return LinearChoice(
+            "step",
+            "one token a sequence, no gradient: the C++ step reads each state twice, writes it once",
+        )
     longest = q.shape[1] if cu_seqlens is None else int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
     if longest <= RECURRENT_UP_TO:
         return LinearChoice(
@@ -165,6 +179,26 @@ def which_gated_delta_rule(
             "(one read and write of the state a token; chunks would pad each sequence)",
         )
     return LinearChoice("chunked", "the chunked form in PyTorch (states and sums in float32)")
+
+
+def _one_step(
+    q, k, v, g, beta, initial_state, output_final_state, inplace
+) -> tuple[Tensor, Tensor | None]:
+    """One token a sequence on the C++ step, the state written in place where asked and possible."""
+    b, h, d_k, d_v = q.shape[0], v.shape[2], q.shape[3], v.shape[3]
+    fits = (
+        initial_state is not None
+        and initial_state.dtype == torch.float32
+        and initial_state.is_contiguous()
+    )
+    if inplace and fits:
+        state = initial_state
+    elif initial_state is None:
+        state = q.new_zeros(b, h, d_k, d_v, dtype=torch.float32)
+    else:
+        state = initial_state.to(torch.float32, copy=True).contiguous()
+    o = step.step(q, k, v, g, beta, state)
+    return o.to(v.dtype), state if output_final_state else None
 
 
 def _state_dtype(dtype: torch.dtype) -> torch.dtype:

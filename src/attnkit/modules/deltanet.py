@@ -152,6 +152,7 @@ class GatedDeltaNet(nn.Module):
             initial_state=None if cache is None else cache.initial_state(),
             output_final_state=cache is not None,
             use_qk_l2norm=True,
+            inplace_final_state=True,  # a decoding step writes the cache's state where it lies
         )
         if cache is not None:
             cache.advance(final, t)

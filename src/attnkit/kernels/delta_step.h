@@ -1,0 +1,93 @@
+// One decoding step of the gated delta rule: each head's (d_k, d_v) state decayed, read for the
+// token's key and query, corrected and written back, in two passes over it. Bound in the decode
+// kernel's build (decode.cpp), called from attnkit/linear/functional.py.
+//
+// With S the state before the step and e = exp(g):
+//   S^T k  and  S^T q          one pass, reading S (both times e)
+//   delta = (v - e S^T k) beta (or v: no correction)
+//   o = e S^T q + delta (k . q)  (the read after the write, without reading S again)
+//   S = e S + k delta^T        a second pass, writing S in place
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace delta {
+
+// The step of one head: s (dk, dv) updated in place, o (dv) written.
+inline void head_step(float* s, const float* q, const float* k, const float* v, float decay,
+                      float beta, bool correct, float* o, int64_t dk, int64_t dv,
+                      std::vector<float>& scratch) {
+  float* read_k = scratch.data();  // S^T k
+  float* read_q = read_k + dv;     // S^T q
+  std::fill(read_k, read_k + 2 * dv, 0.f);
+  float kq = 0.f;
+  for (int64_t i = 0; i < dk; ++i) {
+    const float* row = s + i * dv;
+    const float ki = k[i], qi = q[i];
+    kq += ki * qi;
+    for (int64_t j = 0; j < dv; ++j) {
+      read_k[j] += row[j] * ki;
+      read_q[j] += row[j] * qi;
+    }
+  }
+  float* delta = read_k;  // in place: S^T k is not needed after it
+  for (int64_t j = 0; j < dv; ++j) {
+    const float predicted = decay * read_k[j];
+    delta[j] = correct ? (v[j] - predicted) * beta : v[j];
+    o[j] = decay * read_q[j] + delta[j] * kq;
+  }
+  for (int64_t i = 0; i < dk; ++i) {
+    float* row = s + i * dv;
+    const float ki = k[i];
+    for (int64_t j = 0; j < dv; ++j) row[j] = decay * row[j] + ki * delta[j];
+  }
+}
+
+}  // namespace delta
+
+// state (b, h, dk, dv) float32, updated in place; q and k (b, h_k, dk), v (b, h, dv) float32 (q
+// and k normalised and scaled by the caller); g and beta (b, h) float32, or empty (no decay, no
+// correction). Value head j reads query and key head j / (h / h_k). Returns o (b, h, dv).
+inline at::Tensor delta_step(at::Tensor state, at::Tensor q, at::Tensor k, at::Tensor v,
+                             at::Tensor g, at::Tensor beta) {
+  TORCH_CHECK(state.dim() == 4 && state.scalar_type() == at::kFloat && state.is_contiguous(),
+              "delta_step: state must be a contiguous float32 (b, h, dk, dv)");
+  const int64_t b = state.size(0), h = state.size(1), dk = state.size(2), dv = state.size(3);
+  TORCH_CHECK(q.dim() == 3 && k.sizes() == q.sizes() && q.size(0) == b && q.size(2) == dk &&
+                  h % q.size(1) == 0,
+              "delta_step: q and k must be (b, h_k, dk), h a multiple of h_k");
+  TORCH_CHECK(v.dim() == 3 && v.size(0) == b && v.size(1) == h && v.size(2) == dv,
+              "delta_step: v must be (b, h, dv)");
+  for (const auto& x : {q, k, v}) {
+    TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(),
+                "delta_step: q, k and v must be contiguous float32");
+  }
+  for (const auto& x : {g, beta}) {
+    TORCH_CHECK(x.numel() == 0 || (x.scalar_type() == at::kFloat && x.is_contiguous() &&
+                                   x.numel() == b * h),
+                "delta_step: g and beta must be empty or contiguous float32 (b, h)");
+  }
+  auto o = at::empty({b, h, dv}, v.options());
+  const int64_t h_k = q.size(1), r = h / h_k;
+  float* sp = state.data_ptr<float>();
+  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  const float* gp = g.numel() ? g.data_ptr<float>() : nullptr;
+  const float* bp = beta.numel() ? beta.data_ptr<float>() : nullptr;
+  float* op = o.data_ptr<float>();
+  at::parallel_for(0, b * h, 1, [&](int64_t first, int64_t last) {
+    std::vector<float> scratch(2 * dv);
+    for (int64_t bh = first; bh < last; ++bh) {
+      const int64_t key_head = (bh / h) * h_k + (bh % h) / r;
+      const float decay = gp ? std::exp(gp[bh]) : 1.f;
+      delta::head_step(sp + bh * dk * dv, qp + key_head * dk, kp + key_head * dk, vp + bh * dv,
+                       decay, bp ? bp[bh] : 1.f, bp != nullptr, op + bh * dv, dk, dv, scratch);
+    }
+  });
+  return o;
+}

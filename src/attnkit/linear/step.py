@@ -1,0 +1,58 @@
+"""A decoding step of the gated delta rule on the C++ kernel (``delta_step.h``, in the decode
+kernel's build): one token per sequence, each head's state read twice and written once, in place
+where the caller asks (``inplace_final_state``: a layer's cache). It keeps no graph: a step of
+generation, not of training.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from attnkit._tracing import traced
+from attnkit.kernels import loader
+
+KERNEL = loader.KERNELS["decode"]
+"""The C++ build that holds the step."""
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def refuses(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, beta: Tensor | None, cu_seqlens
+) -> str | None:
+    """Why the step cannot run this call, or None (never builds or loads the kernel)."""
+    if q.shape[1] != 1 or cu_seqlens is not None:
+        return "more than one token a sequence (the step takes one)"
+    tensors = [x for x in (q, k, v, g, beta) if x is not None]
+    if not all(x.is_cpu for x in tensors) or q.dtype not in _DTYPES:
+        return "not float32, bfloat16 or float16 CPU tensors"
+    if torch.is_grad_enabled() and any(x.requires_grad for x in tensors):
+        return "a gradient is wanted (the step keeps no graph)"
+    if traced() or torch._C._are_functorch_transforms_active():
+        return "inside torch.compile or a torch.func transform"
+    usable, why = KERNEL.usable()
+    return None if usable else f"without its kernel: {why}"
+
+
+def step(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, beta: Tensor | None, state: Tensor
+) -> Tensor:
+    """``o`` ``(b, 1, h, d_v)`` of one token, ``state`` ``(b, h, d_k, d_v)`` (contiguous float32)
+    updated in place; ``q`` and ``k`` ``(b, 1, h_k, d_k)`` normalised and scaled by the caller.
+
+    Raises:
+        attnkit.kernels.loader.KernelUnavailableError: the kernel could not be built or loaded.
+    """
+    kernel = KERNEL.load()
+    if kernel is None:
+        raise loader.KernelUnavailableError(
+            f"the delta rule's step is unavailable: {KERNEL.usable()[1]}"
+        )
+    none = torch.empty(0)
+
+    def flat(x: Tensor | None) -> Tensor:
+        return none if x is None else x[:, 0].float().contiguous()
+
+    o = kernel.delta_step(state, flat(q), flat(k), flat(v), flat(g), flat(beta))
+    return o[:, None]
