@@ -61,3 +61,8 @@ def test_the_command_prints_it_and_refuses_what_does_not_apply(capsys):
     assert "decay exp(g) = 0.5" in capsys.readouterr().out
     assert main(["explain", "--delta-rule", "--causal"]) == 2
     assert "do not apply to --delta-rule" in capsys.readouterr().err
+
+
+def test_the_gates_alone_ask_for_the_delta_rule(capsys):
+    assert main(["explain", "--beta", "0.3"]) == 2
+    assert "add --delta-rule" in capsys.readouterr().err

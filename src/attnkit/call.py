@@ -88,7 +88,9 @@ class Call(NamedTuple):
             backend may take instead of reading ``k``, not an option.
         finite: whether every value of q and of the keys is finite, as the registry found before a
             backend that [keeps the NaN rule by a look][attnkit.backends.base.Backend.looks_at_values]
-            ran; None where it did not look or Python may not (the exact path then runs).
+            ran: True, or False where one is not or Python may not look (the exact path then
+            runs); None where the registry did not look (a float mask or ALiBi: the backend's
+            exact path runs anyway).
         options: the options in use, named as the arguments of ``attention``.
     """
 

@@ -25,10 +25,12 @@ class StateCache(nn.Module):
         head_dim: its value head width.
         conv_channels: the channels of its short convolution (0: none).
         conv_size: the convolution's width ``w``; the cache keeps the last ``w - 1`` inputs.
+        dtype: of the state and the kept inputs: float32 (the default, as the layer computes the
+            state for float32, bfloat16 and float16), float64 for a float64 layer.
         device: of the buffers.
 
-    The state is float32 whatever the layer's dtype (as the layer computes it); the buffers move
-    with ``.to()`` but stay out of ``state_dict()``, and hold no graph: the cache is for inference.
+    The buffers move with ``.to()`` but stay out of ``state_dict()``, and hold no graph: the cache
+    is for inference.
 
     Example:
         >>> cache = StateCache(1, num_heads=4, key_head_dim=16, head_dim=16)
@@ -45,6 +47,7 @@ class StateCache(nn.Module):
         *,
         conv_channels: int = 0,
         conv_size: int = 0,
+        dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
@@ -62,9 +65,11 @@ class StateCache(nn.Module):
         self.key_head_dim, self.head_dim = key_head_dim, head_dim
         self.conv_channels, self.conv_size = conv_channels, conv_size
         shape = (batch_size, num_heads, key_head_dim, head_dim)
-        self.register_buffer("state", torch.zeros(shape, device=device), False)
+        if dtype not in (torch.float32, torch.float64):
+            raise TypeError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
+        self.register_buffer("state", torch.zeros(shape, dtype=dtype, device=device), False)
         conv = (batch_size, conv_channels, max(conv_size - 1, 0))
-        self.register_buffer("conv", torch.zeros(conv, device=device), False)
+        self.register_buffer("conv", torch.zeros(conv, dtype=dtype, device=device), False)
         self.position = 0
 
     def reset(self) -> None:

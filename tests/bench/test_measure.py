@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -54,10 +55,18 @@ def test_one_process_probes_every_case_in_turn_and_reports_each():
     assert all(r.status == "ok" and r.peak_mib is not None and r.first_call_s > 0 for r in results)
 
 
+def test_a_case_that_raises_reports_its_error_and_the_next_one_runs():
+    from attnkit.bench.measure import in_fresh_process
+
+    case = json.dumps(Case("naive", 16, "fp32", False, "fwd", h=1, d=8).to_json())
+    reports = in_fresh_process("attnkit.bench.measure", ["not json", case], timeout_s=120)
+    assert reports[0]["status"].startswith("error: Expecting value")
+    assert reports[1]["status"] == "ok" and reports[1]["peak_mib"] is not None
+
+
 def test_a_process_stopped_early_marks_the_cases_it_did_not_report():
     from attnkit.bench.measure import in_fresh_process
 
-    # the probe's module raises on its first argument: no report, the process's last line given
-    reports = in_fresh_process("attnkit.bench.measure", ["not json", "{}"], timeout_s=120)
-    assert len(reports) == 2 and all(r["status"].startswith("error: ") for r in reports)
-    assert "JSONDecodeError" in reports[0]["status"]
+    case = json.dumps(Case("naive", 16, "fp32", False, "fwd", h=1, d=8).to_json())
+    reports = in_fresh_process("attnkit.bench.measure", [case, case], timeout_s=0.01)
+    assert [r["status"] for r in reports] == ["timeout (> 0 s)"] * 2

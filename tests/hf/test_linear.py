@@ -56,15 +56,24 @@ def twice(fn):
         undo()
 
 
-@pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5"])
-def test_logits_and_every_gradient_match_transformers_reference(name, monkeypatch):
+@pytest.fixture
+def attnkit_calls(monkeypatch) -> list[int]:
+    """The number of tokens of each call that reached attnkit's gated_delta_rule."""
     import attnkit.hf.linear
 
     calls = []
     real = attnkit.hf.linear.gated_delta_rule
-    monkeypatch.setattr(
-        attnkit.hf.linear, "gated_delta_rule", lambda *a, **k: calls.append(1) or real(*a, **k)
-    )
+
+    def counted(q, *args, **kwargs):
+        calls.append(q.shape[1])
+        return real(q, *args, **kwargs)
+
+    monkeypatch.setattr(attnkit.hf.linear, "gated_delta_rule", counted)
+    return calls
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5"])
+def test_logits_and_every_gradient_match_transformers_reference(name, attnkit_calls):
     model = model_of(name).train()
     ids, mask = padded_batch()
 
@@ -76,7 +85,7 @@ def test_logits_and_every_gradient_match_transformers_reference(name, monkeypatc
         return out.logits.detach(), grads
 
     (want, want_grads), (got, got_grads) = twice(step)
-    assert len(calls) == 3  # attnkit ran the three linear layers, transformers the first pass
+    assert attnkit_calls == [21] * 3  # the three linear layers; transformers ran the first pass
     torch.testing.assert_close(got, want)
     assert got_grads.keys() == want_grads.keys() and any("A_log" in n for n in got_grads)
     for n in want_grads:
@@ -84,7 +93,7 @@ def test_logits_and_every_gradient_match_transformers_reference(name, monkeypatc
 
 
 @pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5"])
-def test_greedy_generation_with_the_models_cache_matches(name):
+def test_greedy_generation_with_the_models_cache_matches(name, attnkit_calls):
     model = model_of(name)
     ids, mask = padded_batch()
 
@@ -93,14 +102,16 @@ def test_greedy_generation_with_the_models_cache_matches(name):
                               do_sample=False, pad_token_id=0)  # fmt: skip
 
     want, got = twice(generate)
+    assert attnkit_calls == [21] * 3 + [1] * 3 * 7  # the prompt, then seven decoding steps
     assert torch.equal(got, want)
 
 
-def test_bf16_logits_are_as_close_to_float32_as_transformers():
+def test_bf16_logits_are_as_close_to_float32_as_transformers(attnkit_calls):
     ids, mask = padded_batch()
     exact = model_of("qwen3_next")(ids, attention_mask=mask).logits.detach()
     model = model_of("qwen3_next", torch.bfloat16)
     want, got = twice(lambda: model(ids, attention_mask=mask).logits.detach().float())
+    assert attnkit_calls == [21] * 3
     their_error = (want - exact).abs().max()
     assert (got - exact).abs().max() <= 2 * their_error
 
@@ -143,3 +154,15 @@ def test_a_packed_row_equals_its_sequences_run_alone_forward_and_backward(name):
     torch.testing.assert_close(packed, alone)
     for n, grad in want.items():
         torch.testing.assert_close(grad, dict(model.named_parameters())[n].grad, msg=n)
+
+
+def test_packed_inputs_that_do_not_cover_the_convolutions_inputs_are_refused():
+    from attnkit.hf.linear import transformers_causal_conv1d
+
+    x, weight = torch.randn(1, 6, 10), torch.randn(6, 4)
+    torch.testing.assert_close(  # without packing: transformers' causal convolution
+        transformers_causal_conv1d(x, weight),
+        torch.nn.functional.conv1d(x, weight[:, None], padding=3, groups=6)[..., :10],
+    )
+    with pytest.raises(ValueError, match="run packed sequences with use_cache=False"):
+        transformers_causal_conv1d(x, weight, cu_seq_lens_q=torch.tensor([0, 4, 8]))

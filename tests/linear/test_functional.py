@@ -185,3 +185,33 @@ def bad_cases():
 def test_bad_input_is_named(why, args, options, error, message):
     with pytest.raises(error, match=message):
         gated_delta_rule(*args, **options)
+
+
+@pytest.mark.parametrize(
+    "shape", [(2, 0, 2, 4, 8, 6), (0, 5, 2, 4, 8, 6)], ids=["no token", "no row"]
+)
+def test_an_empty_call_gives_zeros_and_the_states_as_given(shape):
+    b, t, h_k, h, d_k, d_v = shape
+    q, k, v = torch.randn(b, t, h_k, d_k), torch.randn(b, t, h_k, d_k), torch.randn(b, t, h, d_v)
+    state = torch.randn(b, h, d_k, d_v)
+    out, final = gated_delta_rule(q, k, v, initial_state=state, output_final_state=True)
+    assert out.shape == (b, t, h, d_v) and not out.any()
+    torch.testing.assert_close(final, state)
+
+
+@pytest.mark.parametrize("backend", ["recurrent", "chunked"])
+def test_a_decay_of_minus_infinity_wipes_the_memory_in_every_form(backend):
+    q, k, v, g, beta = inputs(b=1, t=20)
+    g[0, 6] = -math.inf  # the memory is wiped before token 6 writes
+    out, final = gated_delta_rule(
+        q, k, v, g, beta, output_final_state=True, use_qk_l2norm=True, backend=backend
+    )
+    exact = f64([q, k, v, g, beta])
+    want, want_final = gated_delta_rule(*exact, output_final_state=True, use_qk_l2norm=True)
+    fresh, fresh_final = gated_delta_rule(
+        *(x[:, 6:] for x in exact), output_final_state=True, use_qk_l2norm=True
+    )
+    torch.testing.assert_close(want[:, 6:], fresh)  # the loop: nothing before token 6 remains
+    torch.testing.assert_close(want_final, fresh_final)
+    torch.testing.assert_close(out, want.float())
+    torch.testing.assert_close(final, want_final.float())

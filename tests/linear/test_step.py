@@ -64,6 +64,9 @@ def test_auto_takes_the_step_for_one_token_without_gradients_and_says_why_not_ot
         ValueError, match="backend 'step' cannot run this call: a gradient is wanted"
     ):
         gated_delta_rule(q, k, v, g, beta, backend="step")
+    state = torch.randn(2, 6, 16, 12, requires_grad=True)  # a gradient for the state alone
+    detached = [x.detach() for x in (q, k, v, g, beta)]
+    assert which_gated_delta_rule(*detached, initial_state=state).backend == "recurrent"
     two = [x.detach().expand(-1, 2, *x.shape[2:]) for x in (q, k, v, g, beta)]
     with pytest.raises(ValueError, match="more than one token a sequence"):
         gated_delta_rule(*two, backend="step")

@@ -114,3 +114,12 @@ def test_the_hybrids_weights_are_those_of_its_softmax_blocks():
     _, weights = model(torch.randint(0, 20, (3, 8)), need_weights=True)
     assert weights.shape == (1, 3, 2, 8, 8)  # one softmax block of four
     torch.testing.assert_close(weights.sum(dim=-1), torch.ones(1, 3, 2, 8))
+
+
+def test_weights_are_refused_with_caches_and_in_a_model_without_softmax_blocks():
+    model = GPTModel(20, 8, 16, 2, 2, layers="LA")
+    idx = torch.randint(0, 20, (1, 4))
+    with pytest.raises(ValueError, match="need_weights cannot be used with caches"):
+        model(idx, need_weights=True, caches=model.new_caches(1))
+    with pytest.raises(ValueError, match="has no softmax-attention block"):
+        GPTModel(20, 8, 16, 2, 2, layers="L")(idx, need_weights=True)

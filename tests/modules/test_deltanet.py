@@ -84,5 +84,30 @@ def test_bad_input_and_a_cache_of_another_shape_are_named():
     layer = GatedDeltaNet(16, 16, num_heads=2)
     with pytest.raises(ValueError, match=r"x must be \(b, t, d_in=16\)"):
         layer(torch.randn(2, 5, 8))
-    with pytest.raises(ValueError, match=r"cache has \(batch_size, num_heads\) = \(1, 2\)"):
+    with pytest.raises(ValueError, match=r"need \(2, 2, 8, 8, 0, 0\)"):
         layer(torch.randn(2, 5, 16), cache=layer.new_cache(1))
+
+
+def test_a_float64_layer_decodes_with_a_float64_state_and_a_cache_must_fit():
+    layer = GatedDeltaNet(8, 8, num_heads=2, conv_size=3, dtype=torch.float64).eval()
+    x = torch.randn(1, 9, 8, dtype=torch.float64)
+    cache = layer.new_cache(1)
+    assert cache.state.dtype == torch.float64
+    with torch.no_grad():
+        steps = [layer(x[:, :4], cache=cache)] + [
+            layer(x[:, i : i + 1], cache=cache) for i in range(4, 9)
+        ]
+        torch.testing.assert_close(torch.cat(steps, dim=1), layer(x), atol=1e-12, rtol=1e-12)
+    other = GatedDeltaNet(8, 8, num_heads=2).new_cache(1)  # no convolution
+    with pytest.raises(ValueError, match=r"cache has \(batch_size, num_heads, key_head_dim"):
+        layer(x, cache=other)
+    with pytest.raises(TypeError, match=r"cache must be an attnkit\.StateCache"):
+        layer(x, cache=object())
+
+
+def test_the_gates_are_computed_in_float32_where_float16_would_overflow():
+    layer = GatedDeltaNet(8, 8, num_heads=2).half()
+    with torch.no_grad():
+        layer.A_log.fill_(12.0)  # exp(12) * softplus(...) beyond float16's range
+    out = layer(torch.randn(1, 20, 8).half())
+    assert bool(out.isfinite().all())

@@ -252,7 +252,9 @@ def _run_on(backend: Backend, plan: Any, call: Call) -> AttentionOutput:
     key_mask = call.masks.key_mask
     if key_mask is not None and backend.reads_padding:
         call = call._replace(k=zero_padding(call.k, key_mask), v=zero_padding(call.v, key_mask))
-    if backend.looks_at_values:  # the NaN rule's one look at the inputs
+    mask = call.masks.attn_mask
+    biased = call.alibi_slopes is not None or (mask is not None and mask.dtype != torch.bool)
+    if backend.looks_at_values and not biased:  # the NaN rule's one look (a bias: the exact path)
         call = call.looked(inputs_finite(call.q, keys=call.k, nonfinite_keys=call.nonfinite_keys))
     return backend.run(call) if plan is None else backend.run(call, plan)
 

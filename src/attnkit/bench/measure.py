@@ -101,9 +101,16 @@ def in_fresh_process(module: str, arguments: Sequence[str], timeout_s: float) ->
 
 def probe_each(probe: Callable[[str], dict], arguments: Sequence[str]) -> None:
     """The probe's side of [`in_fresh_process`][attnkit.bench.measure.in_fresh_process]: one JSON
-    line per argument, printed as soon as it is measured."""
+    line per argument, printed as soon as it is measured; a case that raises reports its error
+    and the next one runs."""
     for argument in arguments:
-        print(json.dumps(probe(argument)), flush=True)
+        try:
+            report = probe(argument)
+        except Exception as err:  # this case's error, and the next cases still run
+            report = {
+                "status": f"error: {(str(err).splitlines() or [type(err).__name__])[0][:120]}"
+            }
+        print(json.dumps(report), flush=True)
 
 
 def probe_memory(

@@ -109,6 +109,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.delta_rule:
         return _explain_delta_rule(args, example)
+    if args.beta != 0.5 or args.decay != 0.9:
+        raise ValueError("--beta and --decay set the gates of --delta-rule; add --delta-rule")
     if args.query is not None:
         query_index = example.index_of(args.query)
     elif args.query_index is not None:

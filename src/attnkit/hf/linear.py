@@ -79,6 +79,11 @@ def transformers_causal_conv1d(
     width = weight.shape[-1]
     x = hidden_states.to(weight.dtype)
     bounds = [0, x.shape[-1]] if cu_seq_lens_q is None else cu_seq_lens_q.tolist()
+    if bounds[-1] != x.shape[-1]:  # a cache's state before the inputs: packing is not for caches
+        raise ValueError(
+            f"packed sequences (cu_seq_lens_q ending at {bounds[-1]}) over {x.shape[-1]} inputs of "
+            "the convolution: run packed sequences with use_cache=False"
+        )
     parts = [
         F.conv1d(F.pad(x[..., start:end], (width - 1, 0)), weight[:, None], bias, groups=x.shape[1])
         for start, end in itertools.pairwise(bounds)

@@ -36,6 +36,12 @@ RECURRENT_UP_TO = 16
 book's loop in float32, one read and write of the state a token) rather than in chunks, which pad
 every sequence to a whole chunk: a decoding step, a short prompt."""
 
+LOG_DECAY_FLOOR = -30.0
+"""The lowest ``g`` a call runs with: ``exp(-30)``, 1e-13, keeps less of the memory than float32
+can tell from nothing, a memory wiped as by ``g = -inf``, whose running sums the chunked form could
+not difference (``-inf - -inf`` is NaN); and a floor near 0 keeps those sums small, each decay
+exact to float32's precision. Lower values, and ``-inf``, are raised to it."""
+
 L2_EPS = 1e-6
 """Added to a row's squared norm before ``use_qk_l2norm`` divides by its root (as
 flash-linear-attention and transformers do)."""
@@ -73,9 +79,11 @@ def gated_delta_rule(
         q: ``(b, t, h_k, d_k)`` queries.
         k: ``(b, t, h_k, d_k)`` keys.
         v: ``(b, t, h, d_v)`` values; value head ``i`` reads query and key head ``i // (h / h_k)``
-            (Qwen3.5's layout), which is never copied.
-        g: ``(b, t, h)`` log decays, ``<= 0`` (the state is multiplied by ``exp(g_t)``); None:
-            no decay (DeltaNet).
+            (Qwen3.5's layout; the chunked form and the step read it where it lies, the token
+            loops copy it).
+        g: ``(b, t, h)`` log decays, ``<= 0`` (the state is multiplied by ``exp(g_t)``; below
+            [`LOG_DECAY_FLOOR`][attnkit.linear.functional.LOG_DECAY_FLOOR], it is raised to it);
+            None: no decay (DeltaNet).
         beta: ``(b, t, h)`` write strengths; None: no correction, the state adds ``k_t v_t^T``
             (gated linear attention).
         scale: multiplies the queries; default ``d_k ** -0.5``.
@@ -99,9 +107,12 @@ def gated_delta_rule(
         ``initial_state``. The state and every sum are float32 for bfloat16 and float16 inputs.
 
     Raises:
-        TypeError: an input that is not a floating-point tensor, or of another dtype than ``q``.
-        ValueError: shapes that do not match, a positive ``g``, bad ``cu_seqlens``, a batch above
-            1 with ``cu_seqlens``, an ``initial_state`` of the wrong shape, an unknown backend.
+        TypeError: an input that is not a tensor; ``q``, ``k`` or ``v`` not of one floating-point
+            dtype; ``g`` or ``beta`` not floating-point.
+        ValueError: shapes that do not match, a positive ``g`` (looked for where Python may look
+            at values: CPU tensors outside ``torch.compile``), bad ``cu_seqlens``, a batch above 1
+            with ``cu_seqlens``, an ``initial_state`` of the wrong shape, an unknown backend or
+            one that cannot run the call.
     """
     if use_qk_l2norm_in_kernel is not None:
         use_qk_l2norm = use_qk_l2norm or use_qk_l2norm_in_kernel
@@ -109,6 +120,10 @@ def gated_delta_rule(
                                     cu_seqlens=cu_seqlens, backend=backend)  # fmt: skip
     b, d_k = q.shape[0], q.shape[3]
     h, d_v = v.shape[2:]
+    if q.numel() == 0 or v.numel() == 0:  # no token, no row or an empty head: nothing to run
+        return _nothing(q, v, initial_state, cu_seqlens, output_final_state)
+    if g is not None:
+        g = g.clamp(min=LOG_DECAY_FLOOR)
     dtype = torch.float64 if choice.backend == "reference" else _state_dtype(q.dtype)
     scale = d_k**-0.5 if scale is None else float(scale)
     q, k = q.to(dtype), k.to(dtype)
@@ -160,13 +175,16 @@ def which_gated_delta_rule(
     _check(q, k, v, g, beta, initial_state, cu_seqlens)
     if backend not in ("auto", *BACKENDS):
         raise ValueError(f"backend must be 'auto' or one of {', '.join(BACKENDS)}, got {backend!r}")
-    if backend == "step" and (why := step.refuses(q, k, v, g, beta, cu_seqlens)) is not None:
+    if (
+        backend == "step"
+        and (why := step.refuses(q, k, v, g, beta, initial_state, cu_seqlens)) is not None
+    ):
         raise ValueError(f"backend 'step' cannot run this call: {why}")
     if backend != "auto":
         return LinearChoice(backend, "asked for by name")
     if q.dtype == torch.float64:
         return LinearChoice("reference", "float64 inputs: the book's token loop, in float64")
-    if step.refuses(q, k, v, g, beta, cu_seqlens) is None:
+    if step.refuses(q, k, v, g, beta, initial_state, cu_seqlens) is None:
         return LinearChoice(
             "step",
             "one token a sequence, no gradient: the C++ step reads each state twice, writes it once",
@@ -199,6 +217,18 @@ def _one_step(
         state = initial_state.to(torch.float32, copy=True).contiguous()
     o = step.step(q, k, v, g, beta, state)
     return o.to(v.dtype), state if output_final_state else None
+
+
+def _nothing(q, v, initial_state, cu_seqlens, output_final_state) -> tuple[Tensor, Tensor | None]:
+    """The results of a call with no token (or no row, or empty heads): zeros, and each state as
+    it was given (zeros if none)."""
+    b, t, h, d_v = v.shape
+    n = b if cu_seqlens is None else len(cu_seqlens) - 1
+    dtype = _state_dtype(v.dtype)
+    if initial_state is None:
+        initial_state = v.new_zeros(n, h, q.shape[3], d_v, dtype=dtype)
+    final = initial_state.to(dtype, copy=True) if output_final_state else None
+    return v.new_zeros(b, t, h, d_v), final
 
 
 def _state_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -248,6 +278,8 @@ def _check(q, k, v, g, beta, initial_state, cu_seqlens) -> None:
         raise ValueError(f"k must have q's shape {tuple(q.shape)}, got {tuple(k.shape)}")
     if v.shape[:2] != (b, t):
         raise ValueError(f"v must be (b={b}, t={t}, heads, head_dim), got shape {tuple(v.shape)}")
+    if h_k < 1 or h < 1:
+        raise ValueError(f"q, k and v must have at least one head, got {h_k} and {h}")
     if h % h_k:
         raise ValueError(f"v's heads ({h}) must be a multiple of q's and k's heads ({h_k})")
     for x, name in ((g, "g"), (beta, "beta")):

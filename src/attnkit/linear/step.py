@@ -19,12 +19,18 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def refuses(
-    q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, beta: Tensor | None, cu_seqlens
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor | None,
+    beta: Tensor | None,
+    initial_state: Tensor | None,
+    cu_seqlens: Tensor | None,
 ) -> str | None:
     """Why the step cannot run this call, or None (never builds or loads the kernel)."""
     if q.shape[1] != 1 or cu_seqlens is not None:
         return "more than one token a sequence (the step takes one)"
-    tensors = [x for x in (q, k, v, g, beta) if x is not None]
+    tensors = [x for x in (q, k, v, g, beta, initial_state) if x is not None]
     if not all(x.is_cpu for x in tensors) or q.dtype not in _DTYPES:
         return "not float32, bfloat16 or float16 CPU tensors"
     if torch.is_grad_enabled() and any(x.requires_grad for x in tensors):

@@ -194,7 +194,20 @@ class GPTModel(nn.Module):
             the logits ``(b, t, V)``, or ``(logits, attn_weights)`` with ``attn_weights``
             ``(L, b, h, t, t)`` for the ``L`` softmax-attention blocks: block ``l``, head ``k``,
             query ``i`` weighs key ``j`` by ``attn_weights[l, :, k, i, j]``.
+
+        Raises:
+            ValueError: a sequence longer than ``context_length`` (with the cached tokens);
+                ``need_weights`` with ``caches``, or in a model without a softmax block.
         """
+        if need_weights and caches is not None:
+            raise ValueError(
+                "need_weights cannot be used with caches (generation returns no weights)"
+            )
+        if need_weights and "A" not in self.layers:
+            raise ValueError(
+                f"need_weights: a model of layers={self.layers!r} has no softmax-attention block "
+                "(Gated DeltaNet has no weights to give)"
+            )
         t = in_idx.shape[1]  # in_idx: (b, t)
         start = 0 if caches is None else caches[0].position
         _checks.check_context_length(start + t, self.context_length)

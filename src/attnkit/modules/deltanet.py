@@ -103,16 +103,18 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(d_out, d_out, **kw)
 
     def new_cache(self, batch_size: int, device: torch.device | str | None = None) -> StateCache:
-        """A [`StateCache`][attnkit.state_cache.StateCache] for decoding with this layer."""
-        channels = 0 if self.conv is None else self.conv.shape[0]
+        """A [`StateCache`][attnkit.state_cache.StateCache] for decoding with this layer (on its
+        parameters' device unless ``device`` is given; a float64 state for a float64 layer)."""
+        weight = self.W_value.weight
         return StateCache(
             batch_size,
             self.num_heads,
             self.key_head_dim,
             self.head_dim,
-            conv_channels=channels,
+            conv_channels=0 if self.conv is None else self.conv.shape[0],
             conv_size=self.conv_size or 0,
-            device=device,
+            dtype=torch.promote_types(weight.dtype, torch.float32),
+            device=weight.device if device is None else device,
         )
 
     def forward(self, x: Tensor, *, cache: StateCache | None = None) -> Tensor:
@@ -132,16 +134,16 @@ class GatedDeltaNet(nn.Module):
                 f"x must be (b, t, d_in={self.W_query.in_features}), got shape {tuple(x.shape)}"
             )
         b, t, _ = x.shape
-        if cache is not None and (cache.batch_size, cache.num_heads) != (b, self.num_heads):
-            raise ValueError(
-                f"cache has (batch_size, num_heads) = ({cache.batch_size}, {cache.num_heads}), "
-                f"but this call needs ({b}, {self.num_heads})"
-            )
+        if cache is not None:
+            self._check_cache(cache, b)
         q, k, v = self.W_query(x), self.W_key(x), self.W_value(x)
         if self.conv is not None:
             q, k, v = self._convolve(q, k, v, cache)
-        beta = torch.sigmoid(self.W_beta(x))  # (b, t, h): how strongly each token writes
-        g = -self.A_log.exp() * F.softplus(self.W_alpha(x) + self.dt_bias)  # (b, t, h), <= 0
+        # the gates in float32 at least (in float16, exp(A_log) * softplus(...) would overflow)
+        wide = torch.promote_types(x.dtype, torch.float32)
+        beta = torch.sigmoid(self.W_beta(x).to(wide))  # (b, t, h): how strongly each token writes
+        alpha = self.W_alpha(x).to(wide) + self.dt_bias.to(wide)
+        g = -self.A_log.to(wide).exp() * F.softplus(alpha)  # (b, t, h), <= 0
         h, h_k = self.num_heads, self.num_key_heads
         o, final = gated_delta_rule(
             q.view(b, t, h_k, self.key_head_dim),
@@ -160,6 +162,25 @@ class GatedDeltaNet(nn.Module):
         context = (self.norm(o) * F.silu(gate)).reshape(b, t, self.d_out)
         context = F.dropout(context, self.dropout, self.training)
         return self.out_proj(context)
+
+    def _check_cache(self, cache: StateCache, b: int) -> None:
+        if not isinstance(cache, StateCache):
+            raise TypeError(f"cache must be an attnkit.StateCache, got {type(cache).__name__}")
+        names = (
+            "batch_size",
+            "num_heads",
+            "key_head_dim",
+            "head_dim",
+            "conv_channels",
+            "conv_size",
+        )
+        got = tuple(getattr(cache, n) for n in names)
+        channels = 0 if self.conv is None else self.conv.shape[0]
+        want = (b, self.num_heads, self.key_head_dim, self.head_dim, channels, self.conv_size or 0)
+        if got != want:
+            raise ValueError(
+                f"cache has ({', '.join(names)}) = {got}, but this layer and call need {want}"
+            )
 
     def _convolve(
         self, q: Tensor, k: Tensor, v: Tensor, cache: StateCache | None
