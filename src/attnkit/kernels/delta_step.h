@@ -2,7 +2,8 @@
 // token's key and query, corrected and written back, in two passes over it. Bound in the decode
 // kernel's build (decode.cpp), called from attnkit/linear/functional.py.
 //
-// With S the state before the step and e = exp(g):
+// q and k are first L2-normalised where asked (x / sqrt(|x|^2 + eps)) and q scaled; g is raised to
+// the floor the caller gives. With S the state before the step and e = exp(g):
 //   S^T k  and  S^T q          one pass, reading S (both times e)
 //   delta = (v - e S^T k) beta (or v: no correction)
 //   o = e S^T q + delta (k . q)  (the read after the write, without reading S again)
@@ -19,7 +20,18 @@
 
 namespace delta {
 
-// The step of one head: s (dk, dv) updated in place, o (dv) written.
+// x (n) normalised (where eps >= 0: x / sqrt(|x|^2 + eps)) and scaled, into out.
+inline void prepared(const float* x, int64_t n, float eps, float scale, float* out) {
+  float norm = 1.f;
+  if (eps >= 0.f) {
+    float sq = 0.f;
+    for (int64_t i = 0; i < n; ++i) sq += x[i] * x[i];
+    norm = 1.f / std::sqrt(sq + eps);
+  }
+  for (int64_t i = 0; i < n; ++i) out[i] = x[i] * norm * scale;
+}
+
+// The step of one head: s (dk, dv) updated in place, o (dv) written; q and k as prepared.
 inline void head_step(float* s, const float* q, const float* k, const float* v, float decay,
                       float beta, bool correct, float* o, int64_t dk, int64_t dv,
                       std::vector<float>& scratch) {
@@ -51,11 +63,13 @@ inline void head_step(float* s, const float* q, const float* k, const float* v, 
 
 }  // namespace delta
 
-// state (b, h, dk, dv) float32, updated in place; q and k (b, h_k, dk), v (b, h, dv) float32 (q
-// and k normalised and scaled by the caller); g and beta (b, h) float32, or empty (no decay, no
-// correction). Value head j reads query and key head j / (h / h_k). Returns o (b, h, dv).
+// state (b, h, dk, dv) float32, updated in place; q and k (b, h_k, dk), v (b, h, dv) float32; g
+// and beta (b, h) float32, or empty (no decay, no correction); eps < 0: q and k as they are, else
+// L2-normalised with it; q then times scale; g raised to g_floor. Value head j reads query and key
+// head j / (h / h_k). Returns o (b, h, dv).
 inline at::Tensor delta_step(at::Tensor state, at::Tensor q, at::Tensor k, at::Tensor v,
-                             at::Tensor g, at::Tensor beta) {
+                             at::Tensor g, at::Tensor beta, double eps, double scale,
+                             double g_floor) {
   TORCH_CHECK(state.dim() == 4 && state.scalar_type() == at::kFloat && state.is_contiguous(),
               "delta_step: state must be a contiguous float32 (b, h, dk, dv)");
   const int64_t b = state.size(0), h = state.size(1), dk = state.size(2), dv = state.size(3);
@@ -81,12 +95,15 @@ inline at::Tensor delta_step(at::Tensor state, at::Tensor q, at::Tensor k, at::T
   const float* bp = beta.numel() ? beta.data_ptr<float>() : nullptr;
   float* op = o.data_ptr<float>();
   at::parallel_for(0, b * h, 1, [&](int64_t first, int64_t last) {
-    std::vector<float> scratch(2 * dv);
+    std::vector<float> scratch(2 * dv + 2 * dk);
+    float* qk = scratch.data() + 2 * dv;  // this head's query and key, prepared
     for (int64_t bh = first; bh < last; ++bh) {
       const int64_t key_head = (bh / h) * h_k + (bh % h) / r;
-      const float decay = gp ? std::exp(gp[bh]) : 1.f;
-      delta::head_step(sp + bh * dk * dv, qp + key_head * dk, kp + key_head * dk, vp + bh * dv,
-                       decay, bp ? bp[bh] : 1.f, bp != nullptr, op + bh * dv, dk, dv, scratch);
+      delta::prepared(qp + key_head * dk, dk, static_cast<float>(eps), static_cast<float>(scale), qk);
+      delta::prepared(kp + key_head * dk, dk, static_cast<float>(eps), 1.f, qk + dk);
+      const float decay = gp ? std::exp(std::max(gp[bh], static_cast<float>(g_floor))) : 1.f;
+      delta::head_step(sp + bh * dk * dv, qk, qk + dk, vp + bh * dv, decay, bp ? bp[bh] : 1.f,
+                       bp != nullptr, op + bh * dv, dk, dv, scratch);
     }
   });
   return o;

@@ -43,9 +43,11 @@ def chunked(
     """One sequence in chunks, in the dtype of ``state`` (float32, or float64).
 
     Args:
-        q, k: ``(t, h_k, d_k)``, normalised and scaled as the call asks.
+        q: ``(t, h_k, d_k)``, normalised and scaled as the call asks.
+        k: ``(t, h_k, d_k)``, normalised as the call asks.
         v: ``(t, h, d_v)``, ``h`` a multiple of ``h_k``.
-        g, beta: ``(t, h)``, or None.
+        g: ``(t, h)`` log decays, or None.
+        beta: ``(t, h)`` write strengths, or None.
         state: ``(h, d_k, d_v)``.
 
     Returns:

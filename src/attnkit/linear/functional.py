@@ -122,16 +122,20 @@ def gated_delta_rule(
     h, d_v = v.shape[2:]
     if q.numel() == 0 or v.numel() == 0:  # no token, no row or an empty head: nothing to run
         return _nothing(q, v, initial_state, cu_seqlens, output_final_state)
+    scale = d_k**-0.5 if scale is None else float(scale)
+    if choice.backend == "step":  # the kernel normalises, scales and raises g itself
+        eps = L2_EPS if use_qk_l2norm else -1.0
+        prepare = {"eps": eps, "scale": scale, "g_floor": LOG_DECAY_FLOOR}
+        state = _step_state(initial_state, inplace_final_state, q, v)
+        o = step.step(q, k, v, g, beta, state, **prepare)
+        return o.to(v.dtype), state if output_final_state else None
     if g is not None:
         g = g.clamp(min=LOG_DECAY_FLOOR)
     dtype = torch.float64 if choice.backend == "reference" else _state_dtype(q.dtype)
-    scale = d_k**-0.5 if scale is None else float(scale)
     q, k = q.to(dtype), k.to(dtype)
     if use_qk_l2norm:
         q, k = _l2norm(q), _l2norm(k)
     q = q * scale
-    if choice.backend == "step":
-        return _one_step(q, k, v, g, beta, initial_state, output_final_state, inplace_final_state)
     if initial_state is None:
         initial_state = q.new_zeros(b if cu_seqlens is None else len(cu_seqlens) - 1, h, d_k, d_v)
     inputs = [q, k, v, g, beta]
@@ -199,24 +203,14 @@ def which_gated_delta_rule(
     return LinearChoice("chunked", "the chunked form in PyTorch (states and sums in float32)")
 
 
-def _one_step(
-    q, k, v, g, beta, initial_state, output_final_state, inplace
-) -> tuple[Tensor, Tensor | None]:
-    """One token a sequence on the C++ step, the state written in place where asked and possible."""
-    b, h, d_k, d_v = q.shape[0], v.shape[2], q.shape[3], v.shape[3]
-    fits = (
-        initial_state is not None
-        and initial_state.dtype == torch.float32
-        and initial_state.is_contiguous()
-    )
-    if inplace and fits:
-        state = initial_state
-    elif initial_state is None:
-        state = q.new_zeros(b, h, d_k, d_v, dtype=torch.float32)
-    else:
-        state = initial_state.to(torch.float32, copy=True).contiguous()
-    o = step.step(q, k, v, g, beta, state)
-    return o.to(v.dtype), state if output_final_state else None
+def _step_state(initial_state, inplace: bool, q: Tensor, v: Tensor) -> Tensor:
+    """The float32 state the C++ step updates: ``initial_state`` itself where asked and it can be
+    written as it lies, else a copy of it (zeros if none)."""
+    if initial_state is None:
+        return q.new_zeros(q.shape[0], v.shape[2], q.shape[3], v.shape[3], dtype=torch.float32)
+    if inplace and initial_state.dtype == torch.float32 and initial_state.is_contiguous():
+        return initial_state
+    return initial_state.to(torch.float32, copy=True).contiguous()
 
 
 def _nothing(q, v, initial_state, cu_seqlens, output_final_state) -> tuple[Tensor, Tensor | None]:

@@ -33,8 +33,9 @@ def delta_rule_loop(
     """One sequence, token by token, in the inputs' dtype (the caller gives float64).
 
     Args:
-        q, k: ``(t, h, d_k)``, already normalised and scaled as the call asks (the same head for
+        q: ``(t, h, d_k)``, already normalised and scaled as the call asks (the same head for
             every value head that reads it: ``h`` here is the value heads' count).
+        k: ``(t, h, d_k)``, likewise normalised.
         v: ``(t, h, d_v)``.
         g: ``(t, h)`` log decays (``<= 0``), or None.
         beta: ``(t, h)`` write strengths, or None.

@@ -42,10 +42,21 @@ def refuses(
 
 
 def step(
-    q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, beta: Tensor | None, state: Tensor
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor | None,
+    beta: Tensor | None,
+    state: Tensor,
+    *,
+    eps: float,
+    scale: float,
+    g_floor: float,
 ) -> Tensor:
     """``o`` ``(b, 1, h, d_v)`` of one token, ``state`` ``(b, h, d_k, d_v)`` (contiguous float32)
-    updated in place; ``q`` and ``k`` ``(b, 1, h_k, d_k)`` normalised and scaled by the caller.
+    updated in place. The kernel L2-normalises ``q`` and ``k`` ``(b, 1, h_k, d_k)`` with ``eps``
+    (none where it is negative), scales ``q`` by ``scale`` and raises ``g`` to ``g_floor``: in its
+    one pass, where torch's operations would each cost more than the state's read.
 
     Raises:
         attnkit.kernels.loader.KernelUnavailableError: the kernel could not be built or loaded.
@@ -60,5 +71,7 @@ def step(
     def flat(x: Tensor | None) -> Tensor:
         return none if x is None else x[:, 0].float().contiguous()
 
-    o = kernel.delta_step(state, flat(q), flat(k), flat(v), flat(g), flat(beta))
+    o = kernel.delta_step(
+        state, flat(q), flat(k), flat(v), flat(g), flat(beta), eps, scale, g_floor
+    )
     return o[:, None]
