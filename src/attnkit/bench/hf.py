@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from attnkit._progress import Progress
-from attnkit.bench.measure import in_fresh_process, peak_mib, probe_each, reset_peak, resident_mib
+from attnkit.bench.measure import peak_mib, probe_each, probe_in_turn, reset_peak, resident_mib
 from attnkit.bench.report import machine, write_record
 
 WARM_UP_TOKENS = 64
@@ -201,15 +201,9 @@ def run_hf(config: HFBenchConfig, progress: Progress | None = None) -> dict:
     progress = progress or Progress(sum(len(c.impls) + 1 for c in cases))
     pairs = [(case, impl) for case in cases for impl in case.impls]
     arguments = [json.dumps([asdict(case), impl]) for case, impl in pairs]
-    if config.one_process:
-        reports = in_fresh_process(__name__, arguments, config.timeout_s)
-        progress.done = len(pairs) - 1
-        progress.step(f"memory of {len(pairs)} runs, in one process")
-    else:
-        reports = []
-        for (case, impl), argument in zip(pairs, arguments):
-            progress.step(f"memory {case.name} {impl}")
-            reports += in_fresh_process(__name__, [argument], config.timeout_s)
+    labels = [f"memory {case.name} {impl}" for case, impl in pairs]
+    reports = probe_in_turn(__name__, arguments, labels, config.timeout_s,
+                            one_process=config.one_process, step=progress.step)  # fmt: skip
     probes = {(case.name, impl): report for (case, impl), report in zip(pairs, reports)}
     rows = []
     for case in cases:

@@ -99,6 +99,31 @@ def in_fresh_process(module: str, arguments: Sequence[str], timeout_s: float) ->
     return reports + [{"status": stopped}] * (len(arguments) - len(reports))
 
 
+def probe_in_turn(
+    module: str,
+    arguments: Sequence[str],
+    labels: Sequence[str],
+    timeout_s: float,
+    *,
+    one_process: bool,
+    step: Callable[[str], None],
+) -> list[dict]:
+    """Each argument's report from ``module``'s probe
+    ([`in_fresh_process`][attnkit.bench.measure.in_fresh_process]): all in one fresh process
+    (``one_process``: the smoke runs), then one ``step`` of progress for each; else a fresh
+    process for each, then ``step`` with its label."""
+    if one_process:
+        reports = in_fresh_process(module, arguments, timeout_s)
+        for _ in arguments:
+            step(f"memory of {len(arguments)} cases, in one process")
+        return reports
+    reports = []
+    for argument, label in zip(arguments, labels):
+        reports += in_fresh_process(module, [argument], timeout_s)
+        step(label)
+    return reports
+
+
 def probe_each(probe: Callable[[str], dict], arguments: Sequence[str]) -> None:
     """The probe's side of [`in_fresh_process`][attnkit.bench.measure.in_fresh_process]: one JSON
     line per argument, printed as soon as it is measured; a case that raises reports its error

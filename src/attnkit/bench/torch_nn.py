@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from attnkit._progress import Progress
-from attnkit.bench.measure import in_fresh_process, peak_mib, probe_each, reset_peak, resident_mib
+from attnkit.bench.measure import peak_mib, probe_each, probe_in_turn, reset_peak, resident_mib
 from attnkit.bench.report import machine, write_record
 
 IMPLS = ("torch", "attnkit")
@@ -154,15 +154,9 @@ def run_torch_nn(config: TorchNNConfig, stream=None) -> dict:
     cases = config.cases()
     progress = Progress(len(cases) * (1 + config.warmups + config.repeats), stream or sys.stderr)
     arguments = [json.dumps(asdict(case)) for case in cases]
-    if config.one_process:
-        reports = in_fresh_process(__name__, arguments, config.timeout_s)
-        progress.done = len(cases) - 1
-        progress.step(f"memory of {len(cases)} cases, in one process")
-    else:
-        reports = []
-        for case, argument in zip(cases, arguments):
-            reports += in_fresh_process(__name__, [argument], config.timeout_s)
-            progress.step(f"memory {case.model} {case.impl} {case.dtype} dropout={case.dropout}")
+    labels = [f"memory {c.model} {c.impl} {c.dtype} dropout={c.dropout}" for c in cases]
+    reports = probe_in_turn(__name__, arguments, labels, config.timeout_s,
+                            one_process=config.one_process, step=progress.step)  # fmt: skip
     rows = [{**asdict(case), **report, "times": []} for case, report in zip(cases, reports)]
     for i in range(0, len(rows), len(IMPLS)):  # torch and attnkit of one dtype and dropout
         pair = rows[i : i + len(IMPLS)]
