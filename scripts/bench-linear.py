@@ -1,8 +1,9 @@
 """The gated delta rule beside transformers' reference (its PyTorch fallback, where
 flash-linear-attention is not installed), in one run, as ratios: a prompt's forward and
-forward+backward (``torch_chunk_gated_delta_rule``), and a decoding step
+forward+backward (``torch_chunk_gated_delta_rule``), a decoding step
 (``torch_recurrent_gated_delta_rule``) beside one ``copy_`` of the state, the bound of a step that
-reads and writes it once. Usage: ``python scripts/bench-linear.py`` (needs transformers)."""
+reads and writes it once, and where linear attention overtakes attnkit's causal softmax attention
+as the sequence grows. Usage: ``python scripts/bench-linear.py`` (needs transformers)."""
 
 from __future__ import annotations
 
@@ -79,9 +80,32 @@ def steps() -> None:
         print(step_row(b, h, d))
 
 
+def crossing() -> None:
+    """Forward+backward of the gated delta rule and of causal softmax attention (attnkit's
+    ``attention``, whichever backend ``auto`` takes), b=1, 4 heads of 128, fp32."""
+    from attnkit import attention
+
+    print("| t | softmax attention s | gated delta rule s | delta rule / softmax |")
+    print("|---:|---:|---:|---:|")
+    for t in (512, 1024, 2048, 4096, 8192):
+        xs = inputs(1, t, 4, 128, grad=True)
+        heads = [x.detach().transpose(1, 2).requires_grad_() for x in xs[:3]]  # (b, h, t, d)
+
+        def softmax(heads=heads):
+            attention(*heads, causal=True).sum().backward()
+
+        def linear(xs=xs):
+            gated_delta_rule(*xs, use_qk_l2norm=True)[0].sum().backward()
+
+        a, b = median_s(softmax, 3, 1), median_s(linear, 3, 1)
+        print(f"| {t} | {a:.3f} | {b:.3f} | {b / a:.2f} |")
+
+
 if __name__ == "__main__":
     m = machine()
     print(f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']} ({m['cpu_features']})\n")
     prompts()
     print()
     steps()
+    print()
+    crossing()
