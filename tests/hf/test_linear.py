@@ -1,4 +1,4 @@
-"""attnkit.hf.linear: the Gated DeltaNet layers of Qwen3-Next and Qwen3.5 on attnkit, against
+"""attnkit.hf.linear: the Gated DeltaNet layers of Qwen3-Next, Qwen3.5 and Qwen3.5-MoE on attnkit, against
 transformers' own reference path with the same weights: logits on a left-padded batch, every
 gradient, greedy generation with the model's cache, bf16; the undo. The models are tiny, random
 and built offline."""
@@ -26,10 +26,13 @@ def model_of(name: str, dtype=torch.float32) -> torch.nn.Module:
     sizes = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4,
              "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
              "layer_types": LAYERS, **LINEAR}  # fmt: skip
+    moe = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+           "shared_expert_intermediate_size": 16}  # fmt: skip
     if name == "qwen3_next":
-        moe = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16}
-        config = transformers.Qwen3NextConfig(**sizes, **moe, shared_expert_intermediate_size=16)
-        model = transformers.Qwen3NextForCausalLM(config)
+        model = transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(**sizes, **moe))
+    elif name == "qwen3_5_moe":
+        config = transformers.Qwen3_5MoeTextConfig(**sizes, **moe)
+        model = transformers.Qwen3_5MoeForCausalLM(config)
     else:
         config = transformers.Qwen3_5TextConfig(**sizes)
         model = transformers.Qwen3_5ForCausalLM(config)
@@ -72,7 +75,7 @@ def attnkit_calls(monkeypatch) -> list[int]:
     return calls
 
 
-@pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5"])
+@pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5", "qwen3_5_moe"])
 def test_logits_and_every_gradient_match_transformers_reference(name, attnkit_calls):
     model = model_of(name).train()
     ids, mask = padded_batch()
@@ -92,7 +95,7 @@ def test_logits_and_every_gradient_match_transformers_reference(name, attnkit_ca
         torch.testing.assert_close(got_grads[n], want_grads[n], msg=lambda m, n=n: f"{n}: {m}")
 
 
-@pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5"])
+@pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5", "qwen3_5_moe"])
 def test_greedy_generation_with_the_models_cache_matches(name, attnkit_calls):
     model = model_of(name)
     ids, mask = padded_batch()
