@@ -1,8 +1,7 @@
 """attnkit.hf.linear: the Gated DeltaNet layers of Qwen3-Next, Qwen3.5 and Qwen3.5-MoE on
 attnkit, against transformers' own reference path with the same weights: logits on a left-padded
 batch, every gradient, greedy generation with the model's cache, bf16; the undo. The models are
-tiny, random
-and built offline."""
+tiny, random and built offline."""
 
 from __future__ import annotations
 
