@@ -11,6 +11,7 @@ that choice is overridden:
 | ``"tiled:half"`` | half-precision block products, as on a CPU with AVX512-BF16 or AMX: bf16 ones in the C++ kernel, with AVX512-BF16 where its build has it, else by the kernel's portable version of the same sums (slow, exact) |
 | ``"tiled:portable"`` | bf16 block products in the C++ kernel, always by its portable version |
 | ``"tiled:half-loop"`` | half-precision block products, in the PyTorch loop |
+| ``"chunked:torch"`` | the gated delta rule's chunked form in PyTorch, never its C++ kernel |
 
 Inside ``blind()``, the calls never look at the data from Python, as on a GPU: the CPU runs the
 GPU's form of attnkit's rule for non-finite values. Inside ``blocks(block_q, block_k)``, the tiled
@@ -34,7 +35,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-PATHS = ("tiled:loop", "tiled:half", "tiled:portable", "tiled:half-loop")
+PATHS = ("tiled:loop", "tiled:half", "tiled:portable", "tiled:half-loop", "chunked:torch")
 """The paths that can be forced."""
 
 _FORCED: list[str] = []  # the innermost forced path last

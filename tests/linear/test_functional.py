@@ -5,17 +5,36 @@ in its sequence, the choice of form and its reason, and bad input named."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
 import torch
 
 import attnkit
-from attnkit.linear import gated_delta_rule, which_gated_delta_rule
+from attnkit.force import forced
+from attnkit.linear import gated_delta_rule, kernel, which_gated_delta_rule
+
+KERNEL_USABLE = kernel.KERNEL.usable()[0]
+
+CHUNKED = [
+    pytest.param("chunked", marks=pytest.mark.skipif(not KERNEL_USABLE, reason="no C++ kernel")),
+    "chunked:torch",
+]
+"""The chunked backend's two forms: on its C++ kernel, and in PyTorch (forced)."""
+
+
+def on(backend: str) -> tuple[str, contextlib.AbstractContextManager]:
+    """The backend's name and the context that runs it (``"chunked:torch"``: forced)."""
+    if backend == "chunked:torch":
+        return "chunked", forced("chunked:torch")
+    return backend, contextlib.nullcontext()
 
 
 def inputs(b=2, t=19, h_k=2, h=4, d_k=8, d_v=6, dtype=torch.float32):
-    q, k = torch.randn(b, t, h_k, d_k), torch.randn(b, t, h_k, d_k)
+    """Keys of norm near 1, as the models' are: a write ``beta |k|^2`` above 2 would make the
+    state grow at every token, and float32's rounding with it."""
+    q, k = torch.randn(b, t, h_k, d_k), torch.randn(b, t, h_k, d_k) * d_k**-0.5
     v = torch.randn(b, t, h, d_v)
     g = torch.nn.functional.logsigmoid(torch.randn(b, t, h))  # as the models make it: <= 0
     beta = torch.rand(b, t, h)
@@ -99,14 +118,16 @@ def test_packed_sequences_are_each_sequence_alone_forward_and_backward(lengths):
         torch.testing.assert_close(a, b)
 
 
-@pytest.mark.parametrize("backend", ["reference", "recurrent", "chunked"])
+@pytest.mark.parametrize("backend", ["reference", "recurrent", *CHUNKED])
 def test_a_nan_in_one_sequence_never_reaches_another(backend):
     q, k, v, g, beta = inputs(b=1, dtype=torch.float64 if backend == "reference" else torch.float32)
     v[0, 7, 1, 2] = math.nan  # in the second of three sequences
     cu = torch.tensor([0, 5, 11, 19])
-    out, final = gated_delta_rule(
-        q, k, v, g, beta, cu_seqlens=cu, output_final_state=True, backend=backend
-    )
+    backend, context = on(backend)
+    with context:
+        out, final = gated_delta_rule(
+            q, k, v, g, beta, cu_seqlens=cu, output_final_state=True, backend=backend
+        )
     assert bool(out[0, :5].isfinite().all()) and bool(out[0, 11:].isfinite().all())
     assert bool(out[0, 7:11].isnan().any()) and bool(final[1].isnan().any())
     assert bool(final[0].isfinite().all()) and bool(final[2].isfinite().all())
@@ -118,7 +139,15 @@ def test_auto_takes_the_loop_for_float64_and_the_chunks_otherwise_and_says_why()
     exact = which_gated_delta_rule(*f64([q, k, v, g, beta]))
     assert exact.backend == "reference" and "float64" in exact.reason
     named = which_gated_delta_rule(q, k, v, g, beta, backend="reference")
-    assert named == ("reference", "asked for by name")
+    assert (named.backend, named.reason) == ("reference", "asked for by name")
+    with forced("chunked:torch"):
+        torch_form = which_gated_delta_rule(q, k, v, g, beta)
+    assert torch_form.path == "torch" and "forced" in torch_form.reason
+    chunked = which_gated_delta_rule(q, k, v, g, beta, backend="chunked")
+    if KERNEL_USABLE:
+        assert chunked.path == "kernel" and "C++" in chunked.reason
+    doubles = which_gated_delta_rule(*f64([q, k, v, g, beta]), backend="chunked")
+    assert doubles.path == "torch" and "float64" in doubles.reason
     short = which_gated_delta_rule(*(x[:, :2] for x in (q, k, v, g, beta)))  # a short prompt
     assert short.backend == "recurrent" and "at most 16 tokens" in short.reason
     one_row = [x[:1] for x in (q, k, v, g, beta)]
@@ -136,10 +165,11 @@ def test_every_form_gives_the_loops_results_and_gradients(t):
     want = gated_delta_rule(*exact[:5], initial_state=exact[5], output_final_state=True)
     dout, dfinal = torch.randn_like(want[0]).float(), torch.randn_like(want[1]).float()
     wanted = torch.autograd.grad(want, exact, (dout.double(), dfinal.double()))
-    for backend in ("recurrent", "chunked"):
-        got = gated_delta_rule(
-            *leaves[:5], initial_state=leaves[5], output_final_state=True, backend=backend
-        )
+    for backend, context in map(on, ("recurrent", "chunked", "chunked:torch")):
+        with context:
+            got = gated_delta_rule(
+                *leaves[:5], initial_state=leaves[5], output_final_state=True, backend=backend
+            )
         torch.testing.assert_close(got[0], want[0].float())
         torch.testing.assert_close(got[1], want[1].float())
         grads = torch.autograd.grad(got, leaves, (dout, dfinal))
@@ -199,13 +229,15 @@ def test_an_empty_call_gives_zeros_and_the_states_as_given(shape):
     torch.testing.assert_close(final, state)
 
 
-@pytest.mark.parametrize("backend", ["recurrent", "chunked"])
+@pytest.mark.parametrize("backend", ["recurrent", *CHUNKED])
 def test_a_decay_of_minus_infinity_wipes_the_memory_in_every_form(backend):
     q, k, v, g, beta = inputs(b=1, t=20)
     g[0, 6] = -math.inf  # the memory is wiped before token 6 writes
-    out, final = gated_delta_rule(
-        q, k, v, g, beta, output_final_state=True, use_qk_l2norm=True, backend=backend
-    )
+    backend, context = on(backend)
+    with context:
+        out, final = gated_delta_rule(
+            q, k, v, g, beta, output_final_state=True, use_qk_l2norm=True, backend=backend
+        )
     exact = f64([q, k, v, g, beta])
     want, want_final = gated_delta_rule(*exact, output_final_state=True, use_qk_l2norm=True)
     fresh, fresh_final = gated_delta_rule(

@@ -75,9 +75,10 @@ run time or PyTorch operations."""
 KERNELS: dict[str, tuple[str, ...]] = {
     "tiled": ("-O3", "-fno-math-errno", "-fno-trapping-math"),
     "decode": ("-O3", "-ffast-math", "-fno-finite-math-only"),
+    "linear": ("-O3", "-ffast-math", "-fno-finite-math-only"),
 }
-"""Each kernel (``backends/<name>.cpp``) and its optimisation flags. decode's sums tolerate
-reassociation (its tests bound the error); tiled's match the PyTorch loop's order."""
+"""Each kernel (``kernels/<name>.cpp``) and its optimisation flags. decode's and linear's sums tolerate
+reassociation (their tests bound the error); tiled's match the PyTorch loop's order."""
 
 MANIFEST = "manifest.json"
 """The file in a wheel's ``attnkit/_prebuilt`` that names its builds and the torch they need."""

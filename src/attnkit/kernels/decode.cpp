@@ -33,7 +33,6 @@
 #include <type_traits>
 #include <vector>
 
-#include "delta_step.h"  // the gated delta rule's decoding step, bound beside decode
 #include "gemv.h"  // the projections' matrix-vector product, bound beside decode
 
 namespace {
@@ -402,6 +401,5 @@ at::Tensor decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode", &decode, "Attention of a few queries over a key/value cache, in one pass");
-  m.def("delta_step", &delta_step, "One token's step of the gated delta rule, the state in place");
   m.def("linear", &linear, "x w_i^T + bias_i for a few rows of x and a few weights, on every thread");
 }

@@ -1,6 +1,6 @@
 // One decoding step of the gated delta rule: each head's (d_k, d_v) state decayed, read for the
-// token's key and query, corrected and written back, in two passes over it. Bound in the decode
-// kernel's build (decode.cpp), called from attnkit/linear/functional.py.
+// token's key and query, corrected and written back, in two passes over it. Bound in the linear
+// kernel's build (linear.cpp), called from attnkit/linear/step.py.
 //
 // q and k are first L2-normalised where asked (x / sqrt(|x|^2 + eps)) and q scaled; g is raised to
 // the floor the caller gives. With S the state before the step and e = exp(g):

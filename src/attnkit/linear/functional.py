@@ -22,8 +22,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from attnkit import _checks
-from attnkit.linear import step
+from attnkit import _checks, force
+from attnkit.linear import kernel, step
 from attnkit.linear.chunked import chunked
 from attnkit.linear.reference import delta_rule_loop
 from attnkit.rules.nonfinite import can_branch_on_data
@@ -53,6 +53,8 @@ class LinearChoice(NamedTuple):
 
     backend: str
     reason: str
+    path: str = ""
+    """The ``"chunked"`` backend's form: ``"kernel"`` (C++) or ``"torch"``; empty for the others."""
 
 
 def gated_delta_rule(
@@ -138,6 +140,13 @@ def gated_delta_rule(
     q = q * scale
     if initial_state is None:
         initial_state = q.new_zeros(b if cu_seqlens is None else len(cu_seqlens) - 1, h, d_k, d_v)
+    if choice.path == "kernel":  # every row a packed sequence: one run of the kernel for them all
+        if cu_seqlens is None:
+            cu_seqlens = torch.arange(0, (b + 1) * q.shape[1], q.shape[1])
+        tokens = [None if x is None else x.flatten(0, 1) for x in (q, k, v, g, beta)]
+        o, final = kernel.chunked(*tokens, initial_state.to(dtype), cu_seqlens)
+        final = final if output_final_state else None
+        return o.unflatten(0, (b, -1)).to(v.dtype), final
     inputs = [q, k, v, g, beta]
     if cu_seqlens is None:  # the batch rows as heads of one sequence: one run for them all
         sequences = [[_rows_as_heads(x) for x in inputs]]
@@ -184,23 +193,43 @@ def which_gated_delta_rule(
         and (why := step.refuses(q, k, v, g, beta, initial_state, cu_seqlens)) is not None
     ):
         raise ValueError(f"backend 'step' cannot run this call: {why}")
-    if backend != "auto":
+    if backend not in ("auto", "chunked"):
         return LinearChoice(backend, "asked for by name")
-    if q.dtype == torch.float64:
+    if backend == "auto" and q.dtype == torch.float64:
         return LinearChoice("reference", "float64 inputs: the book's token loop, in float64")
-    if step.refuses(q, k, v, g, beta, initial_state, cu_seqlens) is None:
+    if backend == "auto" and step.refuses(q, k, v, g, beta, initial_state, cu_seqlens) is None:
         return LinearChoice(
             "step",
             "one token a sequence, no gradient: the C++ step reads each state twice, writes it once",
         )
     longest = q.shape[1] if cu_seqlens is None else int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-    if longest <= RECURRENT_UP_TO:
+    if backend == "auto" and longest <= RECURRENT_UP_TO:
         return LinearChoice(
             "recurrent",
             f"sequences of at most {RECURRENT_UP_TO} tokens: the token loop with float32 states "
             "(one read and write of the state a token; chunks would pad each sequence)",
         )
-    return LinearChoice("chunked", "the chunked form in PyTorch (states and sums in float32)")
+    why = _kernel_refuses([x for x in (q, k, v, g, beta, initial_state) if x is not None])
+    if why is None:
+        return LinearChoice(
+            "chunked",
+            "the chunked form in C++, forward and backward (states and sums in float32)",
+            "kernel",
+        )
+    return LinearChoice(
+        "chunked",
+        f"the chunked form in PyTorch (states and sums in float32); not the C++ kernel: {why}",
+        "torch",
+    )
+
+
+def _kernel_refuses(tensors: list[Tensor]) -> str | None:
+    """Why the ``"chunked"`` backend cannot run these tensors on its C++ kernel, or None."""
+    if force.current() == "chunked:torch":
+        return "forced (attnkit.force)"
+    if tensors[0].dtype == torch.float64:
+        return "float64 inputs (the kernel computes in float32)"
+    return kernel.refuses(tensors)
 
 
 def _step_state(initial_state, inplace: bool, q: Tensor, v: Tensor) -> Tensor:

@@ -1,4 +1,4 @@
-"""A decoding step of the gated delta rule on the C++ kernel (``delta_step.h``, in the decode
+"""A decoding step of the gated delta rule on the C++ kernel (``delta_step.h``, in the linear
 kernel's build): one token per sequence, each head's state read twice and written once, in place
 where the caller asks (``inplace_final_state``: a layer's cache). It keeps no graph: a step of
 generation, not of training.
@@ -12,7 +12,7 @@ from torch import Tensor
 from attnkit._tracing import traced
 from attnkit.kernels import loader
 
-KERNEL = loader.KERNELS["decode"]
+KERNEL = loader.KERNELS["linear"]
 """The C++ build that holds the step."""
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)

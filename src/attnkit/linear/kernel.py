@@ -1,0 +1,108 @@
+"""The chunked form of the gated delta rule on the C++ kernel (``delta_chunks.h`` and
+``delta_chunks_backward.h``, in the linear kernel's build), forward and backward, as an autograd
+function: the path the ``"chunked"`` backend takes on CPU tensors outside ``torch.compile``.
+
+The kernel computes in float32 over packed sequences (every batch row one of them), a work item for
+each (sequence, value head) on every thread. Its backward recomputes each chunk from the state at
+the chunk's start; those states are kept by the forward where a gradient will be wanted
+([`KEEP_STATES`][attnkit.linear.kernel.KEEP_STATES]).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from attnkit._tracing import traced
+from attnkit.kernels import loader
+
+KERNEL = loader.KERNELS["linear"]
+"""The C++ build that holds the chunked kernel."""
+
+KEEP_STATES = True
+"""Whether a forward that will be differentiated keeps every chunk's starting state (one
+``(d_k, d_v)`` float32 state per 64 tokens and value head: two thirds of the size of ``q``, ``k``
+and ``v`` at heads of 128) for the backward, rather than the backward recomputing them with a
+first pass over the chunks. Keeping them makes a training step faster (``docs/bench`` has the
+figures of both)."""
+
+
+def refuses(tensors: list[Tensor]) -> str | None:
+    """Why the kernel cannot run a call on these tensors, or None (never builds or loads it)."""
+    if not all(x.is_cpu for x in tensors):
+        return "not CPU tensors"
+    if traced() or torch._C._are_functorch_transforms_active():
+        return "inside torch.compile or a torch.func transform"
+    usable, why = KERNEL.usable()
+    return None if usable else f"without its kernel: {why}"
+
+
+def chunked(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor | None,
+    beta: Tensor | None,
+    state: Tensor,
+    bounds: Tensor,
+) -> tuple[Tensor, Tensor]:
+    """Packed sequences in chunks, in float32.
+
+    Args:
+        q: ``(tokens, h_k, d_k)``, normalised and scaled as the call asks.
+        k: ``(tokens, h_k, d_k)``, normalised as the call asks.
+        v: ``(tokens, h, d_v)``, ``h`` a multiple of ``h_k``.
+        g: ``(tokens, h)`` log decays (raised to the floor), or None.
+        beta: ``(tokens, h)`` write strengths, or None.
+        state: ``(N, h, d_k, d_v)``, each sequence's state before its first token.
+        bounds: ``(N + 1,)`` offsets of the sequences in ``tokens``.
+
+    Returns:
+        ``(o, final)``: ``(tokens, h, d_v)`` and ``(N, h, d_k, d_v)``, float32, differentiable
+        with respect to every tensor but ``bounds``.
+
+    Raises:
+        attnkit.kernels.loader.KernelUnavailableError: the kernel could not be built or loaded.
+    """
+    kernel = KERNEL.load()
+    if kernel is None:
+        raise loader.KernelUnavailableError(
+            f"the delta rule's chunked kernel is unavailable: {KERNEL.usable()[1]}"
+        )
+    return _Chunked.apply(q, k, v, g, beta, state, bounds.to(torch.int64), kernel)
+
+
+def _float(x: Tensor | None) -> Tensor:
+    """``x`` as the kernel reads it: contiguous float32, or an empty tensor for None."""
+    return torch.empty(0) if x is None else x.detach().float().contiguous()
+
+
+class _Chunked(torch.autograd.Function):
+    """The kernel's forward and backward; the gradients of ``q`` and ``k`` come from the kernel
+    per value head and are summed over each key head's group here."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, state, bounds, kernel):
+        inputs = [_float(x) for x in (q, k, v, g, beta, state)]
+        keep = KEEP_STATES and any(ctx.needs_input_grad[:6])
+        o, final, kept = kernel.delta_chunks_forward(*inputs, bounds, keep)
+        ctx.save_for_backward(*inputs, bounds, kept)
+        ctx.kernel = kernel
+        ctx.given = (g is not None, beta is not None)
+        return o, final
+
+    @staticmethod
+    def backward(ctx, d_o, d_final):
+        q, k, v, g, beta, state, bounds, kept = ctx.saved_tensors
+        empty = torch.empty(0)
+        d_final = empty if d_final is None else d_final.float().contiguous()
+        if d_o is None:
+            d_o = torch.zeros_like(v)
+        dq, dk, dv, dg, dbeta, d_state = ctx.kernel.delta_chunks_backward(
+            q, k, v, g, beta, state, bounds, kept, d_o.float().contiguous(), d_final
+        )
+        h_k, r = q.shape[1], v.shape[1] // q.shape[1]
+        dq = dq.unflatten(1, (h_k, r)).sum(2)
+        dk = dk.unflatten(1, (h_k, r)).sum(2)
+        has_g, has_beta = ctx.given
+        return (dq, dk, dv, dg if has_g else None, dbeta if has_beta else None, d_state, None, None)
