@@ -163,6 +163,34 @@ inline std::vector<Item> items_of(const at::Tensor& bounds, int64_t h, int64_t h
   return items;
 }
 
+// The items split into one share per thread, of about equal work (chunks): the longest first,
+// each to the share with the least so far. at::parallel_for alone would give each thread a run of
+// neighbouring items, and a packed batch's long sequences to one of them.
+inline std::vector<std::vector<int64_t>> shares_of(const std::vector<Item>& items) {
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items.size()));
+  std::vector<int64_t> order(items.size());
+  for (size_t x = 0; x < order.size(); ++x) order[x] = static_cast<int64_t>(x);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    return items[a].length > items[b].length;
+  });
+  std::vector<std::vector<int64_t>> shares(threads);
+  std::vector<int64_t> work(threads, 0);
+  for (const int64_t x : order) {
+    const auto least = std::min_element(work.begin(), work.end()) - work.begin();
+    shares[least].push_back(x);
+    work[least] += chunk_count(items[x].length);
+  }
+  return shares;
+}
+
+// The items of shares begin to end, one after the other.
+inline std::vector<int64_t> flat(const std::vector<std::vector<int64_t>>& shares, int64_t begin,
+                                 int64_t end) {
+  std::vector<int64_t> items;
+  for (int64_t s = begin; s < end; ++s) items.insert(items.end(), shares[s].begin(), shares[s].end());
+  return items;
+}
+
 // Where each sequence's kept states start, in chunks: (N + 1) offsets.
 inline std::vector<int64_t> chunk_offsets(const at::Tensor& bounds) {
   const int64_t* bp = bounds.data_ptr<int64_t>();
@@ -214,9 +242,10 @@ inline std::vector<at::Tensor> delta_chunks_forward(at::Tensor q, at::Tensor k, 
   auto kept = at::empty({keep ? offsets.back() : 0, h, dk, dv}, state.options());
   float *op = o.data_ptr<float>(), *sp = final_state.data_ptr<float>();
   float* kp = keep ? kept.data_ptr<float>() : nullptr;
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+  const auto shares = chunks::shares_of(items);
+  at::parallel_for(0, static_cast<int64_t>(shares.size()), 1, [&](int64_t begin, int64_t end) {
     chunks::Chunk ch(dk, dv);
-    for (int64_t x = begin; x < end; ++x) {
+    for (const int64_t x : chunks::flat(shares, begin, end)) {
       const chunks::Item& item = items[x];
       const int64_t slot = item.sequence * h + item.head, first_kept = offsets[item.sequence] * h;
       chunks::forward_item(in, item, sp + slot * dk * dv,

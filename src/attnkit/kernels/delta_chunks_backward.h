@@ -203,11 +203,12 @@ inline std::vector<at::Tensor> delta_chunks_backward(at::Tensor q, at::Tensor k,
                       beta.numel() ? db.data_ptr<float>() : nullptr, d_o.data_ptr<float>()};
   const float *sp = state.data_ptr<float>(), *kp = kept.numel() ? kept.data_ptr<float>() : nullptr;
   float* dsp = d_state.data_ptr<float>();
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+  const auto shares = chunks::shares_of(items);
+  at::parallel_for(0, static_cast<int64_t>(shares.size()), 1, [&](int64_t begin, int64_t end) {
     chunks::Chunk ch(dk, dv);
     chunks::Grads gr(dk, dv);
     std::vector<float> own;  // the starting states, where the forward kept none
-    for (int64_t x = begin; x < end; ++x) {
+    for (const int64_t x : chunks::flat(shares, begin, end)) {
       const chunks::Item& item = items[x];
       const int64_t size = dk * dv, slot = item.sequence * h + item.head;
       if (kp) {
