@@ -1,8 +1,8 @@
 """attnkit.linear.kernel: the chunked C++ kernel against the book's token loop in float64, outputs,
 final states and every gradient, across its chunks of 64 tokens (one token, one short of a chunk,
 one chunk, one over, several), each form of the family, value heads sharing query and key heads,
-head dims that fit no vector, packed sequences of mixed lengths, and the backward from kept states
-and from recomputed ones alike."""
+head dims that fit no vector, packed sequences of mixed lengths, q and k normalised and scaled in
+the kernel, and the backward from kept states and from recomputed ones alike."""
 
 from __future__ import annotations
 
@@ -47,11 +47,16 @@ def loop(q, k, v, g, beta, states, bounds):
     return torch.cat(outputs), torch.stack(finals)
 
 
-def check(tensors, bounds):
+def check(tensors, bounds, eps=-1.0, scale=1.0):
+    """The kernel against the loop: outputs, final states, and the gradients of every input
+    (through the normalisation and the scale, where asked, as autograd takes them)."""
     leaves = [None if x is None else x.requires_grad_() for x in tensors]
     exact = [None if x is None else x.detach().double().requires_grad_() for x in leaves]
-    out, final = kernel.chunked(*leaves, bounds)
-    want, want_final = loop(*exact, bounds)
+    out, final = kernel.chunked(*leaves, bounds, eps=eps, scale=scale)
+    q, k = exact[:2]
+    if eps >= 0:
+        q, k = (x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps) for x in (q, k))
+    want, want_final = loop(q * scale, k, *exact[2:], bounds)
     torch.testing.assert_close(out, want.float())
     torch.testing.assert_close(final, want_final.float())
     d_out, d_final = torch.randn_like(out), torch.randn_like(final)
@@ -83,6 +88,11 @@ def test_packed_sequences_of_mixed_lengths_restart_at_every_boundary():
     check(*inputs([1, 40, 64, 65, 3], r=3))
 
 
+def test_it_normalises_and_scales_q_and_k_as_it_reads_them():
+    (q, k, *rest), bounds = inputs([100, 30], r=3)
+    check([q * 3.0, k * 0.2, *rest], bounds, eps=1e-6, scale=0.7)  # rows far from norm 1
+
+
 @pytest.mark.parametrize("keep", [True, False], ids=["kept states", "recomputed states"])
 def test_the_backward_from_kept_or_recomputed_states(keep, monkeypatch):
     monkeypatch.setattr(kernel, "KEEP_STATES", keep)
@@ -92,7 +102,7 @@ def test_the_backward_from_kept_or_recomputed_states(keep, monkeypatch):
 def test_only_the_gradients_asked_for_and_the_final_state_alone():
     (q, k, v, g, beta, states), bounds = inputs([70])
     v.requires_grad_()
-    _, final = kernel.chunked(q, k, v, g, beta, states, bounds)
+    _, final = kernel.chunked(q, k, v, g, beta, states, bounds, eps=-1.0, scale=1.0)
     (dv,) = torch.autograd.grad(final.sum(), v)  # no gradient of o reaches the backward
     exact = [x.detach().double() for x in (q, k, v, g, beta, states)]
     exact[2].requires_grad_()

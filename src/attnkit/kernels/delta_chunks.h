@@ -15,6 +15,9 @@
 // W, P and delta from its starting state. The starting states come from the forward, which keeps
 // them when asked (one (dk, dv) state per chunk), or from a first pass over the chunks.
 //
+// q and k are L2-normalised (where asked) and q scaled as each chunk's rows are gathered, so that
+// no normalised copy of them is ever made; the backward takes their gradients back through it.
+//
 // Layout: q, k (tokens, h_k, dk), v (tokens, h, dv), g, beta (tokens, h) or empty, contiguous
 // float32, the tokens of every batch row one after the other; bounds (N + 1) int64 offsets of the
 // N sequences in them; states (N, h, dk, dv). Value head j reads query and key head j / (h / h_k).
@@ -39,7 +42,21 @@ constexpr int64_t kC = kChunk;  // the row stride of every (chunk, chunk) matrix
 struct Inputs {
   const float *q, *k, *v, *g, *beta;
   int64_t h_k, h, dk, dv;
+  float eps, scale;  // q and k L2-normalised with eps (none where it is negative), q scaled
 };
+
+// 1 / sqrt(|x|^2 + eps) for a row of n, or 1 where eps < 0 (no normalisation).
+inline float inverse_norm(const float* x, int64_t n, float eps) {
+  if (eps < 0.f) return 1.f;
+  float sq = 0.f;
+  for (int64_t i = 0; i < n; ++i) sq += x[i] * x[i];
+  return 1.f / std::sqrt(sq + eps);
+}
+
+// out (n) = x * factor.
+inline void scaled(const float* x, int64_t n, float factor, float* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = x[i] * factor;
+}
 
 // One work item: a value head of one sequence, and the chunk being computed.
 struct Item {
@@ -65,8 +82,10 @@ inline void prepare(const Inputs& in, const Item& item, int64_t first, Chunk& ch
   ch.first = first;
   for (int64_t i = 0; i < n; ++i) {
     const int64_t token = first + i, at = token * in.h + item.head;
-    std::copy_n(in.q + (token * in.h_k + item.key_head) * dk, dk, ch.q.data() + i * dk);
-    std::copy_n(in.k + (token * in.h_k + item.key_head) * dk, dk, ch.k.data() + i * dk);
+    const float *q = in.q + (token * in.h_k + item.key_head) * dk,
+                *k = in.k + (token * in.h_k + item.key_head) * dk;
+    scaled(q, dk, in.scale * inverse_norm(q, dk, in.eps), ch.q.data() + i * dk);
+    scaled(k, dk, inverse_norm(k, dk, in.eps), ch.k.data() + i * dk);
     std::copy_n(in.v + at * dv, dv, ch.v.data() + i * dv);
     ch.c[i] = (i ? ch.c[i - 1] : 0.f) + (in.g ? in.g[at] : 0.f);
     ch.beta[i] = in.beta ? in.beta[at] : 1.f;
@@ -202,7 +221,7 @@ inline std::vector<int64_t> chunk_offsets(const at::Tensor& bounds) {
 }
 
 inline Inputs inputs_of(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                        const at::Tensor& g, const at::Tensor& beta) {
+                        const at::Tensor& g, const at::Tensor& beta, double eps, double scale) {
   TORCH_CHECK(q.dim() == 3 && k.sizes() == q.sizes() && v.dim() == 3 && v.size(0) == q.size(0) &&
                   v.size(1) % q.size(1) == 0,
               "delta_chunks: q and k must be (tokens, h_k, dk), v (tokens, h, dv), h a multiple of h_k");
@@ -217,18 +236,20 @@ inline Inputs inputs_of(const at::Tensor& q, const at::Tensor& k, const at::Tens
   }
   return {q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(),
           g.numel() ? g.data_ptr<float>() : nullptr, beta.numel() ? beta.data_ptr<float>() : nullptr,
-          q.size(1), v.size(1), q.size(2), v.size(2)};
+          q.size(1), v.size(1), q.size(2), v.size(2), static_cast<float>(eps),
+          static_cast<float>(scale)};
 }
 
 }  // namespace chunks
 
-// The forward: o (tokens, h, dv) and the final states (N, h, dk, dv), from state (N, h, dk, dv);
-// where keep, also every chunk's starting state (chunks, h, dk, dv), sequence after sequence, for
-// the backward.
+// The forward: o (tokens, h, dv) and the final states (N, h, dk, dv), from state (N, h, dk, dv),
+// q and k normalised with eps (where it is not negative) and q times scale; where keep, also every
+// chunk's starting state (chunks, h, dk, dv), sequence after sequence, for the backward.
 inline std::vector<at::Tensor> delta_chunks_forward(at::Tensor q, at::Tensor k, at::Tensor v,
                                                     at::Tensor g, at::Tensor beta,
-                                                    at::Tensor state, at::Tensor bounds, bool keep) {
-  const chunks::Inputs in = chunks::inputs_of(q, k, v, g, beta);
+                                                    at::Tensor state, at::Tensor bounds,
+                                                    double eps, double scale, bool keep) {
+  const chunks::Inputs in = chunks::inputs_of(q, k, v, g, beta, eps, scale);
   TORCH_CHECK(bounds.dim() == 1 && bounds.scalar_type() == at::kLong && bounds.numel() >= 2,
               "delta_chunks: bounds must be (N + 1,) int64");
   const int64_t sequences = bounds.numel() - 1, dk = in.dk, dv = in.dv, h = in.h;

@@ -170,18 +170,41 @@ inline void backward_item(const Inputs& in, const Item& item, const float* start
   }
 }
 
+// The gradients of the raw q and k rows (tokens, h_k, dk), from those of the prepared rows per
+// value head (tokens, h, dk): each key head's group summed, then back through the scale and the
+// normalisation x / n (n = sqrt(|x|^2 + eps)): dx = (dy - y (y . dy)) / n for y = x / n.
+inline void to_raw_rows(const Inputs& in, int64_t tokens, const float* per_head, const float* x,
+                        float factor, float* out) {
+  const int64_t dk = in.dk, r = in.h / in.h_k;
+  at::parallel_for(0, tokens * in.h_k, 64, [&](int64_t begin, int64_t end) {
+    std::vector<float> y(dk);
+    for (int64_t row = begin; row < end; ++row) {  // row = token * h_k + key head
+      float* dx = out + row * dk;
+      const float* first = per_head + row * r * dk;  // its r value heads are neighbours
+      scaled(first, dk, factor, dx);
+      for (int64_t j = 1; j < r; ++j) {
+        for (int64_t e = 0; e < dk; ++e) dx[e] += factor * first[j * dk + e];
+      }
+      if (in.eps < 0.f) continue;
+      const float inverse = inverse_norm(x + row * dk, dk, in.eps);
+      scaled(x + row * dk, dk, inverse, y.data());
+      const float along = dot(y.data(), dx, dk);
+      for (int64_t e = 0; e < dk; ++e) dx[e] = (dx[e] - y[e] * along) * inverse;
+    }
+  });
+}
+
 }  // namespace chunks
 
-// The gradients of delta_chunks_forward's o and final state (d_final empty: none): dq and dk per
-// value head (tokens, h, dk; the caller sums each key head's group), dv, dg and dbeta (empty where
-// g or beta is), and the initial state's (N, h, dk, dv). kept: the forward's starting states, or
-// empty to recompute them.
+// The gradients of delta_chunks_forward's o and final state (d_final empty: none): of the raw q
+// and k (tokens, h_k, dk), v, g and beta (empty where g or beta is), and the initial state (N, h,
+// dk, dv). kept: the forward's starting states, or empty to recompute them.
 inline std::vector<at::Tensor> delta_chunks_backward(at::Tensor q, at::Tensor k, at::Tensor v,
                                                      at::Tensor g, at::Tensor beta,
                                                      at::Tensor state, at::Tensor bounds,
-                                                     at::Tensor kept, at::Tensor d_o,
-                                                     at::Tensor d_final) {
-  const chunks::Inputs in = chunks::inputs_of(q, k, v, g, beta);
+                                                     double eps, double scale, at::Tensor kept,
+                                                     at::Tensor d_o, at::Tensor d_final) {
+  const chunks::Inputs in = chunks::inputs_of(q, k, v, g, beta, eps, scale);
   const int64_t dk = in.dk, dv = in.dv, h = in.h, tokens = q.size(0);
   TORCH_CHECK(d_o.scalar_type() == at::kFloat && d_o.is_contiguous() && d_o.sizes() == v.sizes(),
               "delta_chunks_backward: d_o must be contiguous float32 of v's shape");
@@ -222,5 +245,10 @@ inline std::vector<at::Tensor> delta_chunks_backward(at::Tensor q, at::Tensor k,
       chunks::backward_item(in, item, own.data(), size, dsp + slot * size, out, ch, gr);
     }
   });
-  return {dq, dk_out, dv_out, dg, db, d_state};
+  auto dq_raw = at::empty_like(q), dk_raw = at::empty_like(k);
+  chunks::to_raw_rows(in, tokens, dq.data_ptr<float>(), q.data_ptr<float>(), in.scale,
+                      dq_raw.data_ptr<float>());
+  chunks::to_raw_rows(in, tokens, dk_out.data_ptr<float>(), k.data_ptr<float>(), 1.f,
+                      dk_raw.data_ptr<float>());
+  return {dq_raw, dk_raw, dv_out, dg, db, d_state};
 }

@@ -134,19 +134,22 @@ def gated_delta_rule(
     if g is not None:
         g = g.clamp(min=LOG_DECAY_FLOOR)
     dtype = torch.float64 if choice.backend == "reference" else _state_dtype(q.dtype)
-    q, k = q.to(dtype), k.to(dtype)
-    if use_qk_l2norm:
-        q, k = _l2norm(q), _l2norm(k)
-    q = q * scale
     if initial_state is None:
-        initial_state = q.new_zeros(b if cu_seqlens is None else len(cu_seqlens) - 1, h, d_k, d_v)
+        initial_state = q.new_zeros(
+            b if cu_seqlens is None else len(cu_seqlens) - 1, h, d_k, d_v, dtype=dtype
+        )
     if choice.path == "kernel":  # every row a packed sequence: one run of the kernel for them all
         if cu_seqlens is None:
             cu_seqlens = torch.arange(0, (b + 1) * q.shape[1], q.shape[1])
         tokens = [None if x is None else x.flatten(0, 1) for x in (q, k, v, g, beta)]
-        o, final = kernel.chunked(*tokens, initial_state.to(dtype), cu_seqlens)
+        eps = L2_EPS if use_qk_l2norm else -1.0
+        o, final = kernel.chunked(*tokens, initial_state, cu_seqlens, eps=eps, scale=scale)
         final = final if output_final_state else None
         return o.unflatten(0, (b, -1)).to(v.dtype), final
+    q, k = q.to(dtype), k.to(dtype)
+    if use_qk_l2norm:
+        q, k = _l2norm(q), _l2norm(k)
+    q = q * scale
     inputs = [q, k, v, g, beta]
     if cu_seqlens is None:  # the batch rows as heads of one sequence: one run for them all
         sequences = [[_rows_as_heads(x) for x in inputs]]

@@ -45,12 +45,17 @@ def chunked(
     beta: Tensor | None,
     state: Tensor,
     bounds: Tensor,
+    *,
+    eps: float,
+    scale: float,
 ) -> tuple[Tensor, Tensor]:
-    """Packed sequences in chunks, in float32.
+    """Packed sequences in chunks, in float32. The kernel L2-normalises ``q`` and ``k`` with
+    ``eps`` (none where it is negative) and scales ``q`` as it reads them, forward and backward:
+    no normalised copy of them is made.
 
     Args:
-        q: ``(tokens, h_k, d_k)``, normalised and scaled as the call asks.
-        k: ``(tokens, h_k, d_k)``, normalised as the call asks.
+        q: ``(tokens, h_k, d_k)``.
+        k: ``(tokens, h_k, d_k)``.
         v: ``(tokens, h, d_v)``, ``h`` a multiple of ``h_k``.
         g: ``(tokens, h)`` log decays (raised to the floor), or None.
         beta: ``(tokens, h)`` write strengths, or None.
@@ -69,7 +74,8 @@ def chunked(
         raise loader.KernelUnavailableError(
             f"the delta rule's chunked kernel is unavailable: {KERNEL.usable()[1]}"
         )
-    return _Chunked.apply(q, k, v, g, beta, state, bounds.to(torch.int64), kernel)
+    prepare = (float(eps), float(scale))
+    return _Chunked.apply(q, k, v, g, beta, state, bounds.to(torch.int64), prepare, kernel)
 
 
 def _float(x: Tensor | None) -> Tensor:
@@ -78,31 +84,26 @@ def _float(x: Tensor | None) -> Tensor:
 
 
 class _Chunked(torch.autograd.Function):
-    """The kernel's forward and backward; the gradients of ``q`` and ``k`` come from the kernel
-    per value head and are summed over each key head's group here."""
+    """The kernel's forward and backward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, state, bounds, kernel):
+    def forward(ctx, q, k, v, g, beta, state, bounds, prepare, kernel):
         inputs = [_float(x) for x in (q, k, v, g, beta, state)]
         keep = KEEP_STATES and any(ctx.needs_input_grad[:6])
-        o, final, kept = kernel.delta_chunks_forward(*inputs, bounds, keep)
+        o, final, kept = kernel.delta_chunks_forward(*inputs, bounds, *prepare, keep)
         ctx.save_for_backward(*inputs, bounds, kept)
-        ctx.kernel = kernel
+        ctx.kernel, ctx.prepare = kernel, prepare
         ctx.given = (g is not None, beta is not None)
         return o, final
 
     @staticmethod
     def backward(ctx, d_o, d_final):
         q, k, v, g, beta, state, bounds, kept = ctx.saved_tensors
-        empty = torch.empty(0)
-        d_final = empty if d_final is None else d_final.float().contiguous()
-        if d_o is None:
-            d_o = torch.zeros_like(v)
+        d_final = torch.empty(0) if d_final is None else d_final.float().contiguous()
+        d_o = torch.zeros_like(v) if d_o is None else d_o.float().contiguous()
         dq, dk, dv, dg, dbeta, d_state = ctx.kernel.delta_chunks_backward(
-            q, k, v, g, beta, state, bounds, kept, d_o.float().contiguous(), d_final
+            q, k, v, g, beta, state, bounds, *ctx.prepare, kept, d_o, d_final
         )
-        h_k, r = q.shape[1], v.shape[1] // q.shape[1]
-        dq = dq.unflatten(1, (h_k, r)).sum(2)
-        dk = dk.unflatten(1, (h_k, r)).sum(2)
         has_g, has_beta = ctx.given
-        return (dq, dk, dv, dg if has_g else None, dbeta if has_beta else None, d_state, None, None)
+        dg, dbeta = (dg if has_g else None), (dbeta if has_beta else None)
+        return dq, dk, dv, dg, dbeta, d_state, None, None, None
