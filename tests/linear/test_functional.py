@@ -247,3 +247,16 @@ def test_a_decay_of_minus_infinity_wipes_the_memory_in_every_form(backend):
     torch.testing.assert_close(want_final, fresh_final)
     torch.testing.assert_close(out, want.float())
     torch.testing.assert_close(final, want_final.float())
+
+
+def test_it_compiles_in_one_graph_and_gives_the_eager_results():
+    """Under torch.compile the chunked form runs in PyTorch operations, traced whole."""
+    q, k, v, g, beta = inputs(b=1, t=40)
+
+    def call(*xs):
+        return gated_delta_rule(*xs, use_qk_l2norm=True, output_final_state=True)
+
+    out, final = torch.compile(call, fullgraph=True)(q, k, v, g, beta)
+    want, want_final = call(q, k, v, g, beta)
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(final, want_final)
