@@ -22,6 +22,7 @@ ANSWERS = {
     "tiled:half": {"loop_only": False, "half_products": True, "portable_pairs": False},
     "tiled:portable": {"loop_only": False, "half_products": True, "portable_pairs": True},
     "tiled:half-loop": {"loop_only": True, "half_products": True, "portable_pairs": False},
+    "chunked:torch": {"loop_only": False, "half_products": False, "torch_chunks": True},
 }
 
 
@@ -29,6 +30,7 @@ def test_every_path_is_listed_and_nothing_is_forced_outside():
     assert set(force.PATHS) == set(ANSWERS)
     assert force.current() is None
     assert not (force.loop_only() or force.half_products() or force.portable_pairs())
+    assert not force.torch_chunks()
 
 
 @pytest.mark.parametrize("path", force.PATHS)

@@ -67,6 +67,11 @@ def loop_only() -> bool:
     return current() in ("tiled:loop", "tiled:half-loop")
 
 
+def torch_chunks() -> bool:
+    """Whether the gated delta rule's chunked backend must run its PyTorch form."""
+    return current() == "chunked:torch"
+
+
 def half_products() -> bool:
     """Whether half-precision block products are forced (whatever the CPU has)."""
     return current() in ("tiled:half", "tiled:half-loop", "tiled:portable")

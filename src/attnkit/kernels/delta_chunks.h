@@ -39,10 +39,28 @@ namespace chunks {
 constexpr int64_t kChunk = 64;  // tokens solved at once, as CHUNK in attnkit/linear/chunked.py
 constexpr int64_t kC = kChunk;  // the row stride of every (chunk, chunk) matrix
 
+// Rows of float32 or bf16 values, read as float32.
+struct Rows {
+  const void* data;
+  bool bf16;
+};
+
+// Row `row` of x (n entries a row) into out, as float32.
+inline void load(const Rows& x, int64_t row, int64_t n, float* out) {
+  if (!x.bf16) {
+    std::copy_n(static_cast<const float*>(x.data) + row * n, n, out);
+    return;
+  }
+  const auto* bits = static_cast<const pairs::Bf16*>(x.data) + row * n;
+  for (int64_t i = 0; i < n; ++i) out[i] = pairs::value(bits[i]);
+}
+
 struct Inputs {
-  const float *q, *k, *v, *g, *beta;
+  Rows q, k, v;
+  const float *g, *beta;
   int64_t h_k, h, dk, dv;
   float eps, scale;  // q and k L2-normalised with eps (none where it is negative), q scaled
+  bool half;         // every product in bf16 pairs (small_gemm.h)
 };
 
 // 1 / sqrt(|x|^2 + eps) for a row of n, or 1 where eps < 0 (no normalisation).
@@ -66,33 +84,53 @@ struct Item {
 // One thread's buffers for one chunk; rows beyond n are never read.
 struct Chunk {
   int64_t n = 0, first = 0;  // tokens in the chunk, and the first one's index
-  std::vector<float> q, k, v, c, beta, p, a, u, w, delta, out;
+  std::vector<float> q, k, v, c, beta, p, a, t, u, w, delta, out;
   Chunk(int64_t dk, int64_t dv)
-      : q(kC * dk), k(kC * dk), v(kC * dv), c(kC), beta(kC), p(kC * kC), a(kC * kC),
+      : q(kC * dk), k(kC * dk), v(kC * dv), c(kC), beta(kC), p(kC * kC), a(kC * kC), t(kC * kC),
         u(kC * dv), w(kC * dk), delta(kC * dv), out(kC * std::max(dk, dv)) {}
 };
 
 inline int64_t chunk_count(int64_t length) { return (length + kChunk - 1) / kChunk; }
 
+// ch.t = T = (I + diag(b) A)^-1, unit lower triangular, row by row: T_i = e_i - b_i sum_l<i A_il T_l.
+// n^3 / 6 multiply-adds, where solving for U and W token by token would take n^2 (dk + dv) / 2 at
+// the speed of a vector update rather than of a product.
+inline void invert(Chunk& ch) {
+  const int64_t n = ch.n;
+  float* t = ch.t.data();
+  for (int64_t i = 0; i < n; ++i) {
+    float* row = t + i * kC;
+    std::fill(row, row + n, 0.f);
+    for (int64_t l = 0; l < i; ++l) {
+      const float a = ch.a[i * kC + l];
+      const float* above = t + l * kC;
+      for (int64_t j = 0; j <= l; ++j) row[j] += a * above[j];
+    }
+    for (int64_t j = 0; j < i; ++j) row[j] *= -ch.beta[i];
+    row[i] = 1.f;
+  }
+}
+
 // The chunk of `item` that starts at token `first`: its rows gathered, its running log decay, and
-// what needs no state: P, A / diag(b) (strictly lower K K^T o D, in ch.a), U and W.
+// what needs no state: P, A / diag(b) (strictly lower K K^T o D, in ch.a), T, U and W.
 inline void prepare(const Inputs& in, const Item& item, int64_t first, Chunk& ch) {
   const int64_t n = ch.n = std::min(kChunk, item.start + item.length - first), dk = in.dk,
                 dv = in.dv;
   ch.first = first;
   for (int64_t i = 0; i < n; ++i) {
     const int64_t token = first + i, at = token * in.h + item.head;
-    const float *q = in.q + (token * in.h_k + item.key_head) * dk,
-                *k = in.k + (token * in.h_k + item.key_head) * dk;
-    scaled(q, dk, in.scale * inverse_norm(q, dk, in.eps), ch.q.data() + i * dk);
-    scaled(k, dk, inverse_norm(k, dk, in.eps), ch.k.data() + i * dk);
-    std::copy_n(in.v + at * dv, dv, ch.v.data() + i * dv);
+    float *q = ch.q.data() + i * dk, *k = ch.k.data() + i * dk;
+    load(in.q, token * in.h_k + item.key_head, dk, q);
+    load(in.k, token * in.h_k + item.key_head, dk, k);
+    scaled(q, dk, in.scale * inverse_norm(q, dk, in.eps), q);
+    scaled(k, dk, inverse_norm(k, dk, in.eps), k);
+    load(in.v, at, dv, ch.v.data() + i * dv);
     ch.c[i] = (i ? ch.c[i - 1] : 0.f) + (in.g ? in.g[at] : 0.f);
     ch.beta[i] = in.beta ? in.beta[at] : 1.f;
   }
   float *p = ch.p.data(), *a = ch.a.data();
-  gemm::nt(n, n, dk, 1.f, ch.q.data(), dk, ch.k.data(), dk, 0.f, p, kC);
-  if (in.beta) gemm::nt(n, n, dk, 1.f, ch.k.data(), dk, ch.k.data(), dk, 0.f, a, kC);
+  gemm::nt(in.half, n, n, dk, 1.f, ch.q.data(), dk, ch.k.data(), dk, 0.f, p, kC);
+  if (in.beta) gemm::nt(in.half, n, n, dk, 1.f, ch.k.data(), dk, ch.k.data(), dk, 0.f, a, kC);
   for (int64_t i = 0; i < n; ++i) {
     for (int64_t j = 0; j <= i; ++j) {
       const float decay = std::exp(ch.c[i] - ch.c[j]);
@@ -102,19 +140,14 @@ inline void prepare(const Inputs& in, const Item& item, int64_t first, Chunk& ch
     std::fill(p + i * kC + i + 1, p + i * kC + n, 0.f);
   }
   if (!in.beta) return;
-  for (int64_t i = 0; i < n; ++i) {  // (I + A) U = diag(b) V, (I + A) W = diag(b e) K
-    float* u = ch.u.data() + i * dv;
-    float* w = ch.w.data() + i * dk;
-    const float b = ch.beta[i], be = b * std::exp(ch.c[i]);
-    for (int64_t x = 0; x < dv; ++x) u[x] = b * ch.v[i * dv + x];
-    for (int64_t x = 0; x < dk; ++x) w[x] = be * ch.k[i * dk + x];
-    for (int64_t j = 0; j < i; ++j) {
-      const float aij = b * a[i * kC + j];
-      const float *uj = ch.u.data() + j * dv, *wj = ch.w.data() + j * dk;
-      for (int64_t x = 0; x < dv; ++x) u[x] -= aij * uj[x];
-      for (int64_t x = 0; x < dk; ++x) w[x] -= aij * wj[x];
-    }
+  invert(ch);  // U = T diag(b) V, W = T diag(b e) K: two products (in float32: T's entries grow)
+  float* scratch = ch.out.data();
+  for (int64_t i = 0; i < n; ++i) scaled(ch.v.data() + i * dv, dv, ch.beta[i], scratch + i * dv);
+  gemm::nn(false, n, dv, n, 1.f, ch.t.data(), kC, scratch, dv, 0.f, ch.u.data(), dv);
+  for (int64_t i = 0; i < n; ++i) {
+    scaled(ch.k.data() + i * dk, dk, ch.beta[i] * std::exp(ch.c[i]), scratch + i * dk);
   }
+  gemm::nn(false, n, dk, n, 1.f, ch.t.data(), kC, scratch, dk, 0.f, ch.w.data(), dk);
 }
 
 // delta = U - W S (V without beta), from the chunk's starting state s.
@@ -125,7 +158,7 @@ inline void corrections(const Inputs& in, const float* s, Chunk& ch) {
     return;
   }
   std::copy_n(ch.u.data(), n * dv, ch.delta.data());
-  gemm::nn(n, dv, in.dk, -1.f, ch.w.data(), in.dk, s, dv, 1.f, ch.delta.data(), dv);
+  gemm::nn(in.half, n, dv, in.dk, -1.f, ch.w.data(), in.dk, s, dv, 1.f, ch.delta.data(), dv);
 }
 
 // rows (n, width): row i times exp(c_i) (toward_end: times exp(c_last - c_i)), into out.
@@ -144,15 +177,15 @@ inline void advance(const Inputs& in, float* s, Chunk& ch) {
   for (int64_t x = 0; x < in.dk * in.dv; ++x) s[x] *= gamma;
   float* kd = ch.out.data();
   decayed(ch, ch.k.data(), in.dk, true, kd);
-  gemm::tn(in.dk, in.dv, ch.n, 1.f, kd, in.dk, ch.delta.data(), in.dv, 1.f, s, in.dv);
+  gemm::tn(in.half, in.dk, in.dv, ch.n, 1.f, kd, in.dk, ch.delta.data(), in.dv, 1.f, s, in.dv);
 }
 
 // O = diag(e) Q S + P delta, into ch.out (n, dv).
 inline void read(const Inputs& in, const float* s, Chunk& ch) {
   float* o = ch.out.data();
-  gemm::nn(ch.n, in.dv, in.dk, 1.f, ch.q.data(), in.dk, s, in.dv, 0.f, o, in.dv);
+  gemm::nn(in.half, ch.n, in.dv, in.dk, 1.f, ch.q.data(), in.dk, s, in.dv, 0.f, o, in.dv);
   decayed(ch, o, in.dv, false, o);
-  gemm::nn(ch.n, in.dv, ch.n, 1.f, ch.p.data(), kC, ch.delta.data(), in.dv, 1.f, o, in.dv);
+  gemm::nn(in.half, ch.n, in.dv, ch.n, 1.f, ch.p.data(), kC, ch.delta.data(), in.dv, 1.f, o, in.dv);
 }
 
 // One work item's chunks in order: its outputs into o (tokens, h, dv), its state s advanced in
@@ -221,35 +254,40 @@ inline std::vector<int64_t> chunk_offsets(const at::Tensor& bounds) {
 }
 
 inline Inputs inputs_of(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                        const at::Tensor& g, const at::Tensor& beta, double eps, double scale) {
+                        const at::Tensor& g, const at::Tensor& beta, double eps, double scale,
+                        bool half) {
   TORCH_CHECK(q.dim() == 3 && k.sizes() == q.sizes() && v.dim() == 3 && v.size(0) == q.size(0) &&
                   v.size(1) % q.size(1) == 0,
               "delta_chunks: q and k must be (tokens, h_k, dk), v (tokens, h, dv), h a multiple of h_k");
+  const bool bf16 = q.scalar_type() == at::kBFloat16;
   for (const auto& x : {q, k, v}) {
-    TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(),
-                "delta_chunks: q, k and v must be contiguous float32");
+    TORCH_CHECK((x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
+                    x.scalar_type() == q.scalar_type() && x.is_contiguous(),
+                "delta_chunks: q, k and v must be contiguous, all float32 or all bfloat16");
   }
   for (const auto& x : {g, beta}) {
     TORCH_CHECK(x.numel() == 0 || (x.scalar_type() == at::kFloat && x.is_contiguous() &&
                                    x.numel() == v.size(0) * v.size(1)),
                 "delta_chunks: g and beta must be empty or contiguous float32 (tokens, h)");
   }
-  return {q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(),
+  return {{q.data_ptr(), bf16}, {k.data_ptr(), bf16}, {v.data_ptr(), bf16},
           g.numel() ? g.data_ptr<float>() : nullptr, beta.numel() ? beta.data_ptr<float>() : nullptr,
           q.size(1), v.size(1), q.size(2), v.size(2), static_cast<float>(eps),
-          static_cast<float>(scale)};
+          static_cast<float>(scale), half && pairs::kHasAvx512Bf16};
 }
 
 }  // namespace chunks
 
 // The forward: o (tokens, h, dv) and the final states (N, h, dk, dv), from state (N, h, dk, dv),
-// q and k normalised with eps (where it is not negative) and q times scale; where keep, also every
-// chunk's starting state (chunks, h, dk, dv), sequence after sequence, for the backward.
+// q and k normalised with eps (where it is not negative) and q times scale, the products in bf16
+// where half (in a build with AVX512-BF16); where keep, also every chunk's starting state (chunks,
+// h, dk, dv), sequence after sequence, for the backward.
 inline std::vector<at::Tensor> delta_chunks_forward(at::Tensor q, at::Tensor k, at::Tensor v,
                                                     at::Tensor g, at::Tensor beta,
                                                     at::Tensor state, at::Tensor bounds,
-                                                    double eps, double scale, bool keep) {
-  const chunks::Inputs in = chunks::inputs_of(q, k, v, g, beta, eps, scale);
+                                                    double eps, double scale, bool half,
+                                                    bool keep) {
+  const chunks::Inputs in = chunks::inputs_of(q, k, v, g, beta, eps, scale, half);
   TORCH_CHECK(bounds.dim() == 1 && bounds.scalar_type() == at::kLong && bounds.numel() >= 2,
               "delta_chunks: bounds must be (N + 1,) int64");
   const int64_t sequences = bounds.numel() - 1, dk = in.dk, dv = in.dv, h = in.h;
@@ -258,7 +296,7 @@ inline std::vector<at::Tensor> delta_chunks_forward(at::Tensor q, at::Tensor k, 
               "delta_chunks: state must be contiguous float32 (N, h, dk, dv)");
   const auto items = chunks::items_of(bounds, h, in.h_k);
   const auto offsets = chunks::chunk_offsets(bounds);
-  auto o = at::empty({q.size(0), h, dv}, v.options());
+  auto o = at::empty({q.size(0), h, dv}, state.options());
   auto final_state = state.clone();
   auto kept = at::empty({keep ? offsets.back() : 0, h, dk, dv}, state.options());
   float *op = o.data_ptr<float>(), *sp = final_state.data_ptr<float>();

@@ -15,12 +15,12 @@ namespace chunks {
 
 // One thread's gradient buffers for one chunk.
 struct Grads {
-  std::vector<float> d_o, qd, kd, dqd, dkd, d_delta, dw, dp, da, dq, dk, db;
+  std::vector<float> d_o, qd, kd, dqd, dkd, d_delta, dw, dp, da, dq, dk, db, scratch;
   std::vector<double> dc;  // the running log decay's: a sum of shares of either sign, in double
   Grads(int64_t dk_, int64_t dv)
       : d_o(kC * dv), qd(kC * dk_), kd(kC * dk_), dqd(kC * dk_), dkd(kC * dk_),
         d_delta(kC * dv), dw(kC * dk_), dp(kC * kC), da(kC * kC), dq(kC * dk_), dk(kC * dk_),
-        dc(kC), db(kC) {}
+        db(kC), scratch(kC * std::max(dk_, dv)), dc(kC) {}
 };
 
 inline float dot(const float* x, const float* y, int64_t n) {
@@ -29,15 +29,10 @@ inline float dot(const float* x, const float* y, int64_t n) {
   return sum;
 }
 
-// X (n, width) = (I + A)^-T X in place, A = diag(b) ch.a: back substitution.
-inline void solve_transposed(const Chunk& ch, float* x, int64_t width) {
-  for (int64_t j = ch.n - 1; j > 0; --j) {  // row j is final: take it out of the rows above
-    const float* xj = x + j * width;
-    for (int64_t i = 0; i < j; ++i) {
-      const float aji = ch.beta[j] * ch.a[j * kC + i];
-      for (int64_t y = 0; y < width; ++y) x[i * width + y] -= aji * xj[y];
-    }
-  }
+// X (n, width) = (I + A)^-T X = T^T X in place, through scratch.
+inline void solve_transposed(const Chunk& ch, float* x, int64_t width, float* scratch) {
+  std::copy_n(x, ch.n * width, scratch);
+  gemm::tn(false, ch.n, width, ch.n, 1.f, ch.t.data(), kC, scratch, width, 0.f, x, width);
 }
 
 // The gradients through the corrections (beta given): of K, beta and c, from d delta (become dVb
@@ -45,11 +40,11 @@ inline void solve_transposed(const Chunk& ch, float* x, int64_t width) {
 inline void through_solve(const Inputs& in, const float* s, const Chunk& ch, Grads& gr) {
   const int64_t n = ch.n, dk = in.dk, dv = in.dv;
   float *dvb = gr.d_delta.data(), *dkbe = gr.dw.data(), *da = gr.da.data();
-  gemm::nt(n, dk, dv, -1.f, dvb, dv, s, dv, 0.f, dkbe, dk);  // dW = -d delta S^T
-  solve_transposed(ch, dvb, dv);
-  solve_transposed(ch, dkbe, dk);
-  gemm::nt(n, n, dv, -1.f, dvb, dv, ch.u.data(), dv, 0.f, da, kC);
-  gemm::nt(n, n, dk, -1.f, dkbe, dk, ch.w.data(), dk, 1.f, da, kC);
+  gemm::nt(in.half, n, dk, dv, -1.f, dvb, dv, s, dv, 0.f, dkbe, dk);  // dW = -d delta S^T
+  solve_transposed(ch, dvb, dv, gr.scratch.data());
+  solve_transposed(ch, dkbe, dk, gr.scratch.data());
+  gemm::nt(in.half, n, n, dv, -1.f, dvb, dv, ch.u.data(), dv, 0.f, da, kC);
+  gemm::nt(in.half, n, n, dk, -1.f, dkbe, dk, ch.w.data(), dk, 1.f, da, kC);
   // A_ij = b_i (K K^T)_ij D_ij below the diagonal: da becomes the symmetric d(K K^T)
   for (int64_t i = 0; i < n; ++i) {
     for (int64_t j = 0; j < i; ++j) {
@@ -65,7 +60,7 @@ inline void through_solve(const Inputs& in, const float* s, const Chunk& ch, Gra
   for (int64_t i = 0; i < n; ++i) {
     for (int64_t j = i + 1; j < n; ++j) da[i * kC + j] = da[j * kC + i];
   }
-  gemm::nn(n, dk, n, 1.f, da, kC, ch.k.data(), dk, 1.f, gr.dk.data(), dk);
+  gemm::nn(in.half, n, dk, n, 1.f, da, kC, ch.k.data(), dk, 1.f, gr.dk.data(), dk);
   for (int64_t i = 0; i < n; ++i) {  // Vb = diag(b) V and Kbe = diag(b e) K
     gr.db[i] += dot(dvb + i * dv, ch.v.data() + i * dv, dv);
     const float e = std::exp(ch.c[i]), t = e * dot(dkbe + i * dk, ch.k.data() + i * dk, dk);
@@ -85,15 +80,15 @@ inline void chunk_backward(const Inputs& in, const float* s, float* ds, const Ch
   float *d_delta = gr.d_delta.data(), *dp = gr.dp.data();
   decayed(ch, ch.k.data(), dk, true, gr.kd.data());
   decayed(ch, ch.q.data(), dk, false, gr.qd.data());
-  gemm::tn(n, dv, n, 1.f, ch.p.data(), kC, d_o, dv, 0.f, d_delta, dv);
-  gemm::nn(n, dv, dk, 1.f, gr.kd.data(), dk, ds, dv, 1.f, d_delta, dv);
-  gemm::nt(n, dk, dv, 1.f, ch.delta.data(), dv, ds, dv, 0.f, gr.dkd.data(), dk);
-  gemm::nt(n, dk, dv, 1.f, d_o, dv, s, dv, 0.f, gr.dqd.data(), dk);
-  gemm::nt(n, n, dv, 1.f, d_o, dv, ch.delta.data(), dv, 0.f, dp, kC);
+  gemm::tn(in.half, n, dv, n, 1.f, ch.p.data(), kC, d_o, dv, 0.f, d_delta, dv);
+  gemm::nn(in.half, n, dv, dk, 1.f, gr.kd.data(), dk, ds, dv, 1.f, d_delta, dv);
+  gemm::nt(in.half, n, dk, dv, 1.f, ch.delta.data(), dv, ds, dv, 0.f, gr.dkd.data(), dk);
+  gemm::nt(in.half, n, dk, dv, 1.f, d_o, dv, s, dv, 0.f, gr.dqd.data(), dk);
+  gemm::nt(in.half, n, n, dv, 1.f, d_o, dv, ch.delta.data(), dv, 0.f, dp, kC);
   const float d_gamma = dot(s, ds, dk * dv);
   for (int64_t x = 0; x < dk * dv; ++x) ds[x] *= gamma;
-  gemm::tn(dk, dv, n, 1.f, gr.qd.data(), dk, d_o, dv, 1.f, ds, dv);
-  if (in.beta) gemm::tn(dk, dv, n, -1.f, ch.w.data(), dk, d_delta, dv, 1.f, ds, dv);
+  gemm::tn(in.half, dk, dv, n, 1.f, gr.qd.data(), dk, d_o, dv, 1.f, ds, dv);
+  if (in.beta) gemm::tn(in.half, dk, dv, n, -1.f, ch.w.data(), dk, d_delta, dv, 1.f, ds, dv);
   std::fill_n(gr.dq.data(), n * dk, 0.f);
   std::fill_n(gr.dk.data(), n * dk, 0.f);
   std::fill_n(gr.dc.data(), n, 0.0);
@@ -108,8 +103,8 @@ inline void chunk_backward(const Inputs& in, const float* s, float* ds, const Ch
     }
     std::fill(dp + i * kC + i + 1, dp + i * kC + n, 0.f);
   }
-  gemm::nn(n, dk, n, 1.f, dp, kC, ch.k.data(), dk, 1.f, gr.dq.data(), dk);
-  gemm::tn(n, dk, n, 1.f, dp, kC, ch.q.data(), dk, 1.f, gr.dk.data(), dk);
+  gemm::nn(in.half, n, dk, n, 1.f, dp, kC, ch.k.data(), dk, 1.f, gr.dq.data(), dk);
+  gemm::tn(in.half, n, dk, n, 1.f, dp, kC, ch.q.data(), dk, 1.f, gr.dk.data(), dk);
   for (int64_t i = 0; i < n; ++i) {  // Qd = diag(e) Q, Kd = diag(e_C / e) K
     const float e = std::exp(ch.c[i]), f = std::exp(last - ch.c[i]);
     const float *dqd = gr.dqd.data() + i * dk, *dkd = gr.dkd.data() + i * dk;
@@ -173,7 +168,7 @@ inline void backward_item(const Inputs& in, const Item& item, const float* start
 // The gradients of the raw q and k rows (tokens, h_k, dk), from those of the prepared rows per
 // value head (tokens, h, dk): each key head's group summed, then back through the scale and the
 // normalisation x / n (n = sqrt(|x|^2 + eps)): dx = (dy - y (y . dy)) / n for y = x / n.
-inline void to_raw_rows(const Inputs& in, int64_t tokens, const float* per_head, const float* x,
+inline void to_raw_rows(const Inputs& in, int64_t tokens, const float* per_head, const Rows& x,
                         float factor, float* out) {
   const int64_t dk = in.dk, r = in.h / in.h_k;
   at::parallel_for(0, tokens * in.h_k, 64, [&](int64_t begin, int64_t end) {
@@ -186,8 +181,9 @@ inline void to_raw_rows(const Inputs& in, int64_t tokens, const float* per_head,
         for (int64_t e = 0; e < dk; ++e) dx[e] += factor * first[j * dk + e];
       }
       if (in.eps < 0.f) continue;
-      const float inverse = inverse_norm(x + row * dk, dk, in.eps);
-      scaled(x + row * dk, dk, inverse, y.data());
+      load(x, row, dk, y.data());
+      const float inverse = inverse_norm(y.data(), dk, in.eps);
+      scaled(y.data(), dk, inverse, y.data());
       const float along = dot(y.data(), dx, dk);
       for (int64_t e = 0; e < dk; ++e) dx[e] = (dx[e] - y[e] * along) * inverse;
     }
@@ -202,9 +198,10 @@ inline void to_raw_rows(const Inputs& in, int64_t tokens, const float* per_head,
 inline std::vector<at::Tensor> delta_chunks_backward(at::Tensor q, at::Tensor k, at::Tensor v,
                                                      at::Tensor g, at::Tensor beta,
                                                      at::Tensor state, at::Tensor bounds,
-                                                     double eps, double scale, at::Tensor kept,
-                                                     at::Tensor d_o, at::Tensor d_final) {
-  const chunks::Inputs in = chunks::inputs_of(q, k, v, g, beta, eps, scale);
+                                                     double eps, double scale, bool half,
+                                                     at::Tensor kept, at::Tensor d_o,
+                                                     at::Tensor d_final) {
+  const chunks::Inputs in = chunks::inputs_of(q, k, v, g, beta, eps, scale, half);
   const int64_t dk = in.dk, dv = in.dv, h = in.h, tokens = q.size(0);
   TORCH_CHECK(d_o.scalar_type() == at::kFloat && d_o.is_contiguous() && d_o.sizes() == v.sizes(),
               "delta_chunks_backward: d_o must be contiguous float32 of v's shape");
@@ -215,11 +212,11 @@ inline std::vector<at::Tensor> delta_chunks_backward(at::Tensor q, at::Tensor k,
   const auto offsets = chunks::chunk_offsets(bounds);
   TORCH_CHECK(kept.numel() == 0 || kept.size(0) == offsets.back(),
               "delta_chunks_backward: kept must hold every chunk's starting state, or nothing");
-  auto dq = at::empty({tokens, h, dk}, q.options());
-  auto dk_out = at::empty({tokens, h, dk}, q.options());
-  auto dv_out = at::empty_like(v);
-  auto dg = at::empty({g.numel() ? tokens : 0, h}, v.options());
-  auto db = at::empty({beta.numel() ? tokens : 0, h}, v.options());
+  const auto f32 = state.options();
+  auto dq = at::empty({tokens, h, dk}, f32), dk_out = at::empty({tokens, h, dk}, f32);
+  auto dv_out = at::empty(v.sizes(), f32);
+  auto dg = at::empty({g.numel() ? tokens : 0, h}, f32);
+  auto db = at::empty({beta.numel() ? tokens : 0, h}, f32);
   auto d_state = d_final.numel() ? d_final.clone() : at::zeros_like(state);
   chunks::Outputs out{dq.data_ptr<float>(), dk_out.data_ptr<float>(), dv_out.data_ptr<float>(),
                       g.numel() ? dg.data_ptr<float>() : nullptr,
@@ -245,10 +242,8 @@ inline std::vector<at::Tensor> delta_chunks_backward(at::Tensor q, at::Tensor k,
       chunks::backward_item(in, item, own.data(), size, dsp + slot * size, out, ch, gr);
     }
   });
-  auto dq_raw = at::empty_like(q), dk_raw = at::empty_like(k);
-  chunks::to_raw_rows(in, tokens, dq.data_ptr<float>(), q.data_ptr<float>(), in.scale,
-                      dq_raw.data_ptr<float>());
-  chunks::to_raw_rows(in, tokens, dk_out.data_ptr<float>(), k.data_ptr<float>(), 1.f,
-                      dk_raw.data_ptr<float>());
+  auto dq_raw = at::empty(q.sizes(), f32), dk_raw = at::empty(k.sizes(), f32);
+  chunks::to_raw_rows(in, tokens, dq.data_ptr<float>(), in.q, in.scale, dq_raw.data_ptr<float>());
+  chunks::to_raw_rows(in, tokens, dk_out.data_ptr<float>(), in.k, 1.f, dk_raw.data_ptr<float>());
   return {dq_raw, dk_raw, dv_out, dg, db, d_state};
 }

@@ -228,7 +228,7 @@ def which_gated_delta_rule(
 
 def _kernel_refuses(tensors: list[Tensor]) -> str | None:
     """Why the ``"chunked"`` backend cannot run these tensors on its C++ kernel, or None."""
-    if force.current() == "chunked:torch":
+    if force.torch_chunks():
         return "forced (attnkit.force)"
     if tensors[0].dtype == torch.float64:
         return "float64 inputs (the kernel computes in float32)"

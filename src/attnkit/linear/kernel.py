@@ -2,8 +2,9 @@
 ``delta_chunks_backward.h``, in the linear kernel's build), forward and backward, as an autograd
 function: the path the ``"chunked"`` backend takes on CPU tensors outside ``torch.compile``.
 
-The kernel computes in float32 over packed sequences (every batch row one of them), a work item for
-each (sequence, value head) on every thread. Its backward recomputes each chunk from the state at
+The kernel sums in float32 over packed sequences (every batch row one of them), a work item for
+each (sequence, value head) on every thread; its products are float32, or bf16 for bf16 inputs on a
+CPU with AVX512-BF16. Its backward recomputes each chunk from the state at
 the chunk's start; those states are kept by the forward where a gradient will be wanted
 ([`KEEP_STATES`][attnkit.linear.kernel.KEEP_STATES]).
 """
@@ -74,7 +75,7 @@ def chunked(
         raise loader.KernelUnavailableError(
             f"the delta rule's chunked kernel is unavailable: {KERNEL.usable()[1]}"
         )
-    prepare = (float(eps), float(scale))
+    prepare = (float(eps), float(scale), q.dtype == torch.bfloat16)
     return _Chunked.apply(q, k, v, g, beta, state, bounds.to(torch.int64), prepare, kernel)
 
 
@@ -83,12 +84,19 @@ def _float(x: Tensor | None) -> Tensor:
     return torch.empty(0) if x is None else x.detach().float().contiguous()
 
 
+def _rows(x: Tensor) -> Tensor:
+    """``q``, ``k`` or ``v`` as the kernel reads it: contiguous, bf16 as it is (the kernel converts
+    each row as it gathers it), any other dtype as float32."""
+    x = x.detach()
+    return x.contiguous() if x.dtype == torch.bfloat16 else x.float().contiguous()
+
+
 class _Chunked(torch.autograd.Function):
     """The kernel's forward and backward."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, state, bounds, prepare, kernel):
-        inputs = [_float(x) for x in (q, k, v, g, beta, state)]
+        inputs = [*map(_rows, (q, k, v)), *map(_float, (g, beta, state))]
         keep = KEEP_STATES and any(ctx.needs_input_grad[:6])
         o, final, kept = kernel.delta_chunks_forward(*inputs, bounds, *prepare, keep)
         ctx.save_for_backward(*inputs, bounds, kept)
@@ -100,7 +108,7 @@ class _Chunked(torch.autograd.Function):
     def backward(ctx, d_o, d_final):
         q, k, v, g, beta, state, bounds, kept = ctx.saved_tensors
         d_final = torch.empty(0) if d_final is None else d_final.float().contiguous()
-        d_o = torch.zeros_like(v) if d_o is None else d_o.float().contiguous()
+        d_o = torch.zeros(v.shape) if d_o is None else d_o.float().contiguous()
         dq, dk, dv, dg, dbeta, d_state = ctx.kernel.delta_chunks_backward(
             q, k, v, g, beta, state, bounds, *ctx.prepare, kept, d_o, d_final
         )

@@ -9,11 +9,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from attnkit._tracing import traced
 from attnkit.kernels import loader
+from attnkit.linear import kernel
 
-KERNEL = loader.KERNELS["linear"]
-"""The C++ build that holds the step."""
+KERNEL = kernel.KERNEL
+"""The C++ build that holds the step (and the chunked kernel)."""
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -31,14 +31,11 @@ def refuses(
     if q.shape[1] != 1 or cu_seqlens is not None:
         return "more than one token a sequence (the step takes one)"
     tensors = [x for x in (q, k, v, g, beta, initial_state) if x is not None]
-    if not all(x.is_cpu for x in tensors) or q.dtype not in _DTYPES:
-        return "not float32, bfloat16 or float16 CPU tensors"
+    if q.dtype not in _DTYPES:
+        return "not float32, bfloat16 or float16 tensors"
     if torch.is_grad_enabled() and any(x.requires_grad for x in tensors):
         return "a gradient is wanted (the step keeps no graph)"
-    if traced() or torch._C._are_functorch_transforms_active():
-        return "inside torch.compile or a torch.func transform"
-    usable, why = KERNEL.usable()
-    return None if usable else f"without its kernel: {why}"
+    return kernel.refuses(tensors)  # the same build as the chunked kernel's
 
 
 def step(
@@ -61,8 +58,8 @@ def step(
     Raises:
         attnkit.kernels.loader.KernelUnavailableError: the kernel could not be built or loaded.
     """
-    kernel = KERNEL.load()
-    if kernel is None:
+    built = KERNEL.load()
+    if built is None:
         raise loader.KernelUnavailableError(
             f"the delta rule's step is unavailable: {KERNEL.usable()[1]}"
         )
@@ -71,7 +68,5 @@ def step(
     def flat(x: Tensor | None) -> Tensor:
         return none if x is None else x[:, 0].float().contiguous()
 
-    o = kernel.delta_step(
-        state, flat(q), flat(k), flat(v), flat(g), flat(beta), eps, scale, g_floor
-    )
+    o = built.delta_step(state, flat(q), flat(k), flat(v), flat(g), flat(beta), eps, scale, g_floor)
     return o[:, None]
