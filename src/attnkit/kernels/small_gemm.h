@@ -29,12 +29,13 @@ namespace gemm {
 inline void pack_along_rows(const float* x, int64_t rows, int64_t cols, int64_t ld,
                             pairs::Pair* out, int64_t ld_out) {
   const int64_t count = (cols + 1) / 2;
-  for (int64_t i = 0; i < rows; ++i) {
-    const float* row = x + i * ld;
-    for (int64_t p = 0; p < count; ++p) {
-      const pairs::Bf16 high = 2 * p + 1 < cols ? pairs::round(row[2 * p + 1]) : 0;
-      out[p * ld_out + i] = pairs::pair(pairs::round(row[2 * p]), high);
-    }
+  thread_local std::vector<pairs::Pair> words;
+  words.resize(count);
+  auto* rounded = reinterpret_cast<pairs::Bf16*>(words.data());
+  for (int64_t i = 0; i < rows; ++i) {  // a row rounded at once, then its words stored apart
+    pairs::round_row(x + i * ld, cols, rounded);
+    if (cols % 2) rounded[cols] = 0;
+    for (int64_t p = 0; p < count; ++p) out[p * ld_out + i] = words[p];
   }
   for (int64_t p = 0; p < count; ++p) std::fill(out + p * ld_out + rows, out + (p + 1) * ld_out, 0);
 }
