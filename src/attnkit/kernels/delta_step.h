@@ -1,13 +1,14 @@
 // One decoding step of the gated delta rule: each head's (d_k, d_v) state decayed, read for the
-// token's key and query, corrected and written back, in two passes over it. Bound in the linear
-// kernel's build (linear.cpp), called from attnkit/linear/step.py.
+// token's key and query, corrected and written back, a block of columns at a time (read, then
+// written while the block is in L1). Bound in the linear kernel's build (linear.cpp), called from
+// attnkit/linear/step.py.
 //
 // q and k are first L2-normalised where asked (x / sqrt(|x|^2 + eps)) and q scaled; g is raised to
 // the floor the caller gives. With S the state before the step and e = exp(g):
-//   S^T k  and  S^T q          one pass, reading S (both times e)
+//   S^T k  and  S^T q          reading a block of S's columns (both times e)
 //   delta = (v - e S^T k) beta (or v: no correction)
 //   o = e S^T q + delta (k . q)  (the read after the write, without reading S again)
-//   S = e S + k delta^T        a second pass, writing S in place
+//   S = e S + k delta^T        writing the block in place, from L1
 #pragma once
 
 #include <ATen/ATen.h>
@@ -31,33 +32,38 @@ inline void prepared(const float* x, int64_t n, float eps, float scale, float* o
   for (int64_t i = 0; i < n; ++i) out[i] = x[i] * norm * scale;
 }
 
-// The step of one head: s (dk, dv) updated in place, o (dv) written; q and k as prepared.
+// Value columns a block of the state holds: 32 columns of float32 by up to 128 rows are 16 KiB,
+// which stay in L1 between the block's read and its write.
+constexpr int64_t kColumns = 32;
+
+// The step of one head, s (dk, dv) updated in place, o (dv) written; q and k as prepared. A block of
+// kColumns value columns at a time: its rows read once for S^T k and S^T q, then, still in L1,
+// decayed and corrected, so that the state crosses the memory bus once each way, as a copy does.
 inline void head_step(float* s, const float* q, const float* k, const float* v, float decay,
-                      float beta, bool correct, float* o, int64_t dk, int64_t dv,
-                      std::vector<float>& scratch) {
-  float* read_k = scratch.data();  // S^T k
-  float* read_q = read_k + dv;     // S^T q
-  std::fill(read_k, read_k + 2 * dv, 0.f);
+                      float beta, bool correct, float* o, int64_t dk, int64_t dv) {
   float kq = 0.f;
-  for (int64_t i = 0; i < dk; ++i) {
-    const float* row = s + i * dv;
-    const float ki = k[i], qi = q[i];
-    kq += ki * qi;
-    for (int64_t j = 0; j < dv; ++j) {
-      read_k[j] += row[j] * ki;
-      read_q[j] += row[j] * qi;
+  for (int64_t i = 0; i < dk; ++i) kq += k[i] * q[i];
+  for (int64_t first = 0; first < dv; first += kColumns) {
+    const int64_t width = std::min(kColumns, dv - first);
+    float read_k[kColumns] = {}, read_q[kColumns] = {}, delta[kColumns];
+    for (int64_t i = 0; i < dk; ++i) {
+      const float* row = s + i * dv + first;
+      const float ki = k[i], qi = q[i];
+      for (int64_t j = 0; j < width; ++j) {
+        read_k[j] += row[j] * ki;
+        read_q[j] += row[j] * qi;
+      }
     }
-  }
-  float* delta = read_k;  // in place: S^T k is not needed after it
-  for (int64_t j = 0; j < dv; ++j) {
-    const float predicted = decay * read_k[j];
-    delta[j] = correct ? (v[j] - predicted) * beta : v[j];
-    o[j] = decay * read_q[j] + delta[j] * kq;
-  }
-  for (int64_t i = 0; i < dk; ++i) {
-    float* row = s + i * dv;
-    const float ki = k[i];
-    for (int64_t j = 0; j < dv; ++j) row[j] = decay * row[j] + ki * delta[j];
+    for (int64_t j = 0; j < width; ++j) {
+      const float predicted = decay * read_k[j];  // (e S)^T k
+      delta[j] = correct ? (v[first + j] - predicted) * beta : v[first + j];
+      o[first + j] = decay * read_q[j] + delta[j] * kq;
+    }
+    for (int64_t i = 0; i < dk; ++i) {
+      float* row = s + i * dv + first;
+      const float ki = k[i];
+      for (int64_t j = 0; j < width; ++j) row[j] = decay * row[j] + ki * delta[j];
+    }
   }
 }
 
@@ -95,15 +101,15 @@ inline at::Tensor delta_step(at::Tensor state, at::Tensor q, at::Tensor k, at::T
   const float* bp = beta.numel() ? beta.data_ptr<float>() : nullptr;
   float* op = o.data_ptr<float>();
   at::parallel_for(0, b * h, 1, [&](int64_t first, int64_t last) {
-    std::vector<float> scratch(2 * dv + 2 * dk);
-    float* qk = scratch.data() + 2 * dv;  // this head's query and key, prepared
+    std::vector<float> qk(2 * dk);  // this head's query and key, prepared
     for (int64_t bh = first; bh < last; ++bh) {
       const int64_t key_head = (bh / h) * h_k + (bh % h) / r;
-      delta::prepared(qp + key_head * dk, dk, static_cast<float>(eps), static_cast<float>(scale), qk);
-      delta::prepared(kp + key_head * dk, dk, static_cast<float>(eps), 1.f, qk + dk);
+      delta::prepared(qp + key_head * dk, dk, static_cast<float>(eps), static_cast<float>(scale),
+                      qk.data());
+      delta::prepared(kp + key_head * dk, dk, static_cast<float>(eps), 1.f, qk.data() + dk);
       const float decay = gp ? std::exp(std::max(gp[bh], static_cast<float>(g_floor))) : 1.f;
-      delta::head_step(sp + bh * dk * dv, qk, qk + dk, vp + bh * dv, decay, bp ? bp[bh] : 1.f,
-                       bp != nullptr, op + bh * dv, dk, dv, scratch);
+      delta::head_step(sp + bh * dk * dv, qk.data(), qk.data() + dk, vp + bh * dv, decay,
+                       bp ? bp[bh] : 1.f, bp != nullptr, op + bh * dv, dk, dv);
     }
   });
   return o;
