@@ -9,7 +9,7 @@
 #     PEERS   a folder holding the peers' checkouts:
 #             PEERS/pytorch       PyTorch's repository at the pinned torch's tag (test/ is enough)
 #             PEERS/transformers  transformers' repository at the pinned version's tag
-#     SUITE   torch, llama, mistral, qwen2, gemma2, gpt_oss (default: all of them)
+#     SUITE   torch, llama, mistral, qwen2, gemma2, gpt_oss, qwen3_next, qwen3_5 (default: all)
 #   env: OUT (default ./peer-suites), PYTHON (default .venv/bin/python),
 #        RUN_SECONDS (limit of one pytest run, default 1800), HF_K (a -k expression for the
 #        transformers runs, e.g. "attention or sdpa or mask or compile"; default: every test)
@@ -21,6 +21,9 @@
 #   <family> tests/models/<family>/test_modeling_<family>.py with transformers' shared testers
 #            baseline | attnkit: AttentionInterface/AttentionMaskInterface "sdpa" are attnkit's
 #            (attnkit_hf.py); for gemma2 and gpt_oss "eager" too, since their tests run eager
+#   qwen3_next, qwen3_5  the same files of the hybrid models
+#            baseline | attnkit: their Gated DeltaNet layers run attnkit.hf.linear's functions
+#            (use_gated_delta_rule, attnkit_linear.py); their softmax layers stay transformers'
 #
 # Getting the peers' files (their code: keep them outside this repository, never commit them):
 #   git clone --depth 1 --branch v2.13.0 --filter=blob:none --sparse \
@@ -36,7 +39,7 @@ peers=${1:?usage: scripts/peer-suites.sh PEERS [SUITE...]}
 peers=$(cd "$peers" && pwd) || exit 2
 shift
 suites=("$@")
-[[ ${#suites[@]} -gt 0 ]] || suites=(torch llama mistral qwen2 gemma2 gpt_oss)
+[[ ${#suites[@]} -gt 0 ]] || suites=(torch llama mistral qwen2 gemma2 gpt_oss qwen3_next qwen3_5)
 PY=${PYTHON:-$here/.venv/bin/python}
 OUT=${OUT:-peer-suites}
 mkdir -p "$OUT"
@@ -81,7 +84,11 @@ for suite in "${suites[@]}"; do
       entries=sdpa
       [[ $suite == gemma2 || $suite == gpt_oss ]] && entries=sdpa,eager
       run "$suite" baseline "$peers/transformers" - "$file"
-      ATTNKIT_HF_ENTRIES=$entries run "$suite" attnkit "$peers/transformers" attnkit_hf "$file"
+      if [[ $suite == qwen3_next || $suite == qwen3_5 ]]; then
+        run "$suite" attnkit "$peers/transformers" attnkit_linear "$file"
+      else
+        ATTNKIT_HF_ENTRIES=$entries run "$suite" attnkit "$peers/transformers" attnkit_hf "$file"
+      fi
       ;;
   esac
 done
