@@ -169,3 +169,22 @@ def test_packed_inputs_that_do_not_cover_the_convolutions_inputs_are_refused():
     )
     with pytest.raises(ValueError, match="run packed sequences with use_cache=False"):
         transformers_causal_conv1d(x, weight, cu_seq_lens_q=torch.tensor([0, 4, 8]))
+
+
+def test_a_model_on_attnkit_compiles_whole_and_matches_transformers_eager():
+    """torch.compile(fullgraph=True) works with attnkit standing in, as it does with transformers'
+    own functions (one linear and one softmax layer: the compile is what costs)."""
+    torch.manual_seed(0)
+    sizes = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+             "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
+             "layer_types": ["linear_attention", "full_attention"], **LINEAR}  # fmt: skip
+    model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**sizes)).eval()
+    ids = torch.randint(0, 64, (2, 21))
+    want = model(input_ids=ids).logits
+    undo = use_gated_delta_rule()
+    try:
+        got = torch.compile(model, fullgraph=True)(input_ids=ids).logits
+    finally:
+        undo()
+        torch._dynamo.reset()
+    torch.testing.assert_close(got, want)
