@@ -14,6 +14,7 @@ import torch
 import attnkit
 from attnkit.force import forced
 from attnkit.linear import gated_delta_rule, kernel, which_gated_delta_rule
+from helpers.devices import CUDA
 
 KERNEL_USABLE = kernel.KERNEL.usable()[0]
 
@@ -260,3 +261,34 @@ def test_it_compiles_in_one_graph_and_gives_the_eager_results():
     want, want_final = call(q, k, v, g, beta)
     torch.testing.assert_close(out, want)
     torch.testing.assert_close(final, want_final)
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_on_any_device_results_and_gradients_match_the_float64_loop(device):
+    """On a GPU the chunked form runs in PyTorch operations (the reason says why); packed
+    sequences and every gradient as on the CPU."""
+    q, k, v, g, beta = inputs(b=1, t=40)
+    states = torch.randn(2, 4, 8, 6)
+    cu = torch.tensor([0, 17, 40])
+    exact = f64([q, k, v, g, beta, states])
+    for x in exact:
+        x.requires_grad_()
+    leaves = [x.detach().float().to(device).requires_grad_() for x in exact]
+    options = {"output_final_state": True, "use_qk_l2norm": True}
+    choice = which_gated_delta_rule(*leaves[:5], initial_state=leaves[5], cu_seqlens=cu.to(device))
+    assert choice.backend == "chunked"
+    if device == "cuda":
+        assert choice.path == "torch" and "not CPU tensors" in choice.reason
+    out, final = gated_delta_rule(
+        *leaves[:5], initial_state=leaves[5], cu_seqlens=cu.to(device), **options
+    )
+    want, want_final = gated_delta_rule(
+        *exact[:5], initial_state=exact[5], cu_seqlens=cu, **options
+    )
+    torch.testing.assert_close(out.cpu(), want.float())
+    torch.testing.assert_close(final.cpu(), want_final.float())
+    d_out, d_final = torch.randn_like(want).float(), torch.randn_like(want_final).float()
+    got = torch.autograd.grad((out, final), leaves, (d_out.to(device), d_final.to(device)))
+    wanted = torch.autograd.grad((want, want_final), exact, (d_out.double(), d_final.double()))
+    for a, b in zip(got, wanted):
+        torch.testing.assert_close(a.cpu(), b.float())
