@@ -1,9 +1,10 @@
 """The ``attnkit`` command: one file per subcommand (``explain``, ``plot``, ``learn``, ``build``,
-``bench``).
+``bench``, ``memory``).
 
 ``attnkit explain`` walks through attention on the chapter's example or on your own text;
 ``attnkit learn`` trains a small GPT and watches its heads specialise;
-``attnkit build`` builds the C++ kernels for this CPU ahead of use. Bad input prints one line,
+``attnkit build`` builds the C++ kernels for this CPU ahead of use;
+``attnkit memory`` says how much a model's cache holds. Bad input prints one line,
 ``attnkit: error: ...``, and exits with status 2.
 """
 
@@ -14,7 +15,7 @@ import sys
 from typing import NoReturn
 
 from attnkit import __version__
-from attnkit.cli import bench, build, explain, learn, plot
+from attnkit.cli import bench, build, explain, learn, memory, plot
 
 
 class _Parser(argparse.ArgumentParser):
@@ -31,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"attnkit {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for command in (explain, plot, learn, build, bench):
+    for command in (explain, plot, learn, build, bench, memory):
         command.add(commands)
     return parser
 

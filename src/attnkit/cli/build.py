@@ -10,7 +10,7 @@ def add(commands) -> None:
         "build",
         help="build the C++ kernels for this CPU now (else the first call that needs one does)",
         description=(
-            "Build attnkit's C++ kernels (tiled.cpp, decode.cpp) for this CPU's level into the "
+            "Build attnkit's C++ kernels (tiled.cpp, decode.cpp, linear.cpp) for this CPU's level into the "
             "extensions folder (TORCH_EXTENSIONS_DIR, else torch's default), unless a wheel "
             "carries them prebuilt, and report what is built, for which CPU features, and where."
         ),
