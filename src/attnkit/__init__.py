@@ -12,6 +12,7 @@ from attnkit.block_mask import create_block_mask
 from attnkit.cache import KVCache
 from attnkit.flex import flex_attention
 from attnkit.functional import attention
+from attnkit.latent_cache import LatentCache
 from attnkit.linear import gated_delta_rule
 from attnkit.masks import alibi_slopes, causal_mask, window_mask
 from attnkit.modules import (
@@ -21,6 +22,7 @@ from attnkit.modules import (
     GatedDeltaNet,
     MultiHeadAttention,
     MultiHeadAttentionWrapper,
+    MultiHeadLatentAttention,
     SelfAttention,
 )
 from attnkit.positions import RotaryEmbedding
@@ -37,8 +39,10 @@ __all__ = [
     "CrossAttention",
     "GatedDeltaNet",
     "KVCache",
+    "LatentCache",
     "MultiHeadAttention",
     "MultiHeadAttentionWrapper",
+    "MultiHeadLatentAttention",
     "RotaryEmbedding",
     "SelfAttention",
     "StateCache",
