@@ -41,6 +41,13 @@ def add(commands) -> None:
         "prediction, the correction and the write, token by token",
     )
     ex.add_argument(
+        "--latent",
+        action="store_true",
+        help="walk through one decoding step of multi-head latent attention (DeepSeek's MLA) "
+        "instead: the cache of latents, the query folded into latent space, the output brought "
+        "back to each head, with shapes",
+    )
+    ex.add_argument(
         "--beta", type=float, default=0.5, help="--delta-rule: how strongly a token writes"
     )
     ex.add_argument(
@@ -90,9 +97,21 @@ def _explain_delta_rule(args: argparse.Namespace, example) -> int:
     return 0
 
 
+def _explain_latent(args: argparse.Namespace, example) -> int:
+    from attnkit.explain_latent import explain_latent_step
+
+    for option in ("query", "query_index", "html"):
+        if getattr(args, option) is not None:
+            raise ValueError(f"--{option.replace('_', '-')} does not apply to --latent")
+    if args.causal or args.normalize != "softmax" or args.delta_rule:
+        raise ValueError("--causal, --normalize and --delta-rule do not apply to --latent")
+    print(explain_latent_step(example, seed=args.seed), end="")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
-    if args.model is not None and args.delta_rule:
-        raise ValueError("--delta-rule walks through its own loop; it does not apply to --model")
+    if args.model is not None and (args.delta_rule or args.latent):
+        raise ValueError("--delta-rule and --latent walk through their own layers, not --model")
     if args.model is not None:
         return _explain_model(args)
     for option in ("layer",):
@@ -107,6 +126,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         example = Example.journey()
 
+    if args.latent:
+        return _explain_latent(args, example)
     if args.delta_rule:
         return _explain_delta_rule(args, example)
     if args.beta != 0.5 or args.decay != 0.9:
