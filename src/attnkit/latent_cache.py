@@ -27,7 +27,8 @@ class LatentCache(nn.Module):
         max_len: the most tokens it will hold, prompt and generated.
         latent_dim: the layer's latent width ``c`` (DeepSeek-V3: 512).
         rope_dim: the width ``r`` of its RoPE key (DeepSeek-V3: 64).
-        dtype, device: of the buffer.
+        dtype: of the buffer.
+        device: of the buffer.
 
     The buffer moves with ``.to()`` but stays out of ``state_dict()``, and holds no graph.
 

@@ -51,7 +51,8 @@ class MultiHeadLatentAttention(nn.Module):
             1536); None: one projection.
         dropout: on the attention weights, in training.
         qkv_bias: biases on the projections into and out of the latents.
-        rope_base, max_len: of the rotary embedding.
+        rope_base: the rotary embedding's wavelength base.
+        max_len: the most positions the rotary embedding covers.
 
     Example:
         >>> mla = MultiHeadLatentAttention(64, 64, num_heads=4, latent_dim=32, rope_dim=8)
