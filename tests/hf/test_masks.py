@@ -119,3 +119,15 @@ def test_the_builder_keeps_a_static_caches_steps_in_tensors_of_one_shape():
     assert [m.padding[:, n + 1 :].any().item() for m, n in zip(masks, (9, 10))] == [False, False]
     assert all(isinstance(m.q_offset, torch.Tensor) for m in masks)
     assert [m.q_start for m in masks] == [9, 10]
+
+
+def test_indexed_as_a_tensor_it_is_the_dense_mask_it_stands_for():
+    """DeepSeek-V3.2's indexer reads ``attention_mask[:, 0, :, :]``; a tuple's own items stay."""
+    padding = torch.ones(2, 6, dtype=torch.bool)
+    padding[1, :2] = False
+    mask = HFMask(2, 4, 6, 2, 0, hf.causal_mask_function, padding)
+    rows = mask[:, 0, :, :]
+    assert rows.dtype == torch.bool and rows.shape == (2, 4, 6)
+    torch.testing.assert_close(rows, mask.allowed(6)[:, 0])
+    assert not rows[1, :, :2].any() and rows[0, 0].tolist() == [True] * 3 + [False] * 3
+    assert mask[1] == 4 and mask[:2] == (2, 4) and mask.q_length == 4

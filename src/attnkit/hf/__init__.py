@@ -141,6 +141,9 @@ def attention_function(
     else:
         masks = _given(attention_mask, is_causal, sliding_window)
     masks = _packed(masks, query, key, kwargs)
+    if kwargs.get("indices") is not None:  # the keys a query's indexer chose (DeepSeek-V3.2)
+        selected = _selected(kwargs["indices"], key.shape[2])
+        masks["attn_mask"] = _both(masks.get("attn_mask"), selected)
     if position_bias is not None:  # an additive bias of the model's (T5-like)
         masks["attn_mask"] = _sum(masks.get("attn_mask"), position_bias.to(query.dtype))
     weights = _wants_weights(module, kwargs)
@@ -159,6 +162,25 @@ def attention_function(
     if attn_weights is not None and attn_weights.shape[-1] < width:  # a static cache's empty slots
         attn_weights = torch.nn.functional.pad(attn_weights, (0, width - attn_weights.shape[-1]))
     return out.transpose(1, 2).contiguous(), attn_weights
+
+
+def _selected(indices: Tensor, s: int) -> Tensor:
+    """``(b, 1, t, s)`` bool, True at the keys ``indices`` ``(b, t, n)`` names for each query
+    (-1: no key; an index past the keys given: none of them)."""
+    b, t, _ = indices.shape
+    spare = s  # a column for -1 and the indices beyond, dropped after
+    where = indices.long().masked_fill((indices < 0) | (indices >= s), spare)
+    chosen = torch.zeros(b, t, s + 1, dtype=torch.bool, device=indices.device)
+    return chosen.scatter_(-1, where, True)[..., :s, None].permute(0, 3, 1, 2)
+
+
+def _both(mask: Tensor | None, selected: Tensor) -> Tensor:
+    """``mask`` (bool, True = may attend, or float, added) where ``selected`` too."""
+    if mask is None:
+        return selected
+    if mask.dtype == torch.bool:
+        return mask & selected
+    return mask.masked_fill(~selected, float("-inf"))
 
 
 def _from_weights(weights: Tensor, value: Tensor) -> Tensor:

@@ -143,6 +143,17 @@ class HFMask(NamedTuple):
     def ndim(self) -> int:
         return 4
 
+    def __getitem__(self, index):
+        """A tuple's item for a whole number or a slice; for a tensor's index (``mask[:, 0]``, as
+        DeepSeek-V3.2's indexer reads its mask), that index of the dense ``(b, 1, t, s)`` bool
+        mask it stands for, made on the device of its padding or its offset."""
+        if not isinstance(index, tuple):
+            return tuple.__getitem__(self, index)
+        device = next(
+            (x.device for x in (self.padding, self.q_offset) if isinstance(x, Tensor)), None
+        )
+        return self.allowed(self.kv_length, device)[index]
+
     def options(self, s: int, device: torch.device | None = None) -> tuple[int, dict[str, Any]]:
         """How many of the ``s`` keys given to attend to, and attnkit's mask options for them.
         Under a causal mask a static cache's empty slots after the last query are cut off;
