@@ -83,6 +83,30 @@ def test_scale_and_strided_views_of_a_cache():
         torch.testing.assert_close(out, expected.float())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("values", ["the first channels of the keys", "their own"])
+def test_values_narrower_than_the_keys(values, dtype, split_size):
+    """Multi-head latent attention's step: keys of a latent and a RoPE key (here 40 + 8 of DeepSeek's
+    512 + 64), values the latent alone, a view of the same rows; or values of their own width."""
+    cache = torch.randn(2, 1, 300, 48, dtype=dtype)
+    k = cache
+    v = (
+        cache[..., :40]
+        if values.startswith("the first")
+        else torch.randn(2, 1, 300, 24, dtype=dtype)
+    )
+    q = torch.randn(2, 16, 1, 48, dtype=dtype)
+    key_mask = torch.rand(2, 300) > 0.3
+    out = attention(q, k, v, key_mask=key_mask, backend="decode")
+    assert out.shape == (2, 16, 1, v.shape[-1]) and out.dtype == dtype
+    expected, _, _ = naive_attention(q.double(), k.double(), v.double(), key_mask=key_mask)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, expected.float())
+    else:
+        naive, _, _ = naive_attention(q, k, v, key_mask=key_mask)
+        assert (out.double() - expected).abs().max() <= 2 * (naive.double() - expected).abs().max()
+
+
 def test_auto_takes_the_decode_kernel_for_a_few_queries_over_a_long_cache():
     def picked(t=1, s=None, h_kv=4, dtype=torch.float32, grad=False, **options):
         s = 1024 if s is None else s

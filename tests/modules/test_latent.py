@@ -80,6 +80,19 @@ def test_every_absorbed_step_after_a_prompt_matches_the_whole_sequence(shape):
     assert cache.position == 11 and cache.keys().shape == (2, 1, 11, 32 + 8)
 
 
+def test_an_absorbed_step_runs_the_decode_kernel_over_the_latent_rows():
+    from attnkit.backends import decode
+    from attnkit.functional import which_backend
+
+    if not decode.KERNEL.usable()[0]:
+        pytest.skip("no decode kernel here")
+    mla = layer("one query projection", torch.float32)
+    cache = mla.new_cache(1, max_len=8)
+    mla(torch.randn(1, 8, 64), cache=cache)
+    query = torch.randn(1, 4, 1, 32 + 8)
+    assert which_backend(query, cache.keys(), cache.latents()).backend == "decode"
+
+
 def test_an_absorbed_step_never_decompresses_the_cache(monkeypatch):
     mla = layer("one query projection")
     x = torch.randn(1, 7, 64, dtype=torch.float64)

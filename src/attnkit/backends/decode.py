@@ -30,7 +30,9 @@ from attnkit.kernels import loader
 
 MAX_ROWS = 16
 """The most query rows per key/value head (GQA group size x queries) the kernel takes."""
-MAX_HEAD_DIM = 256
+MAX_HEAD_DIM = 576
+"""The widest key or value head the kernel takes: multi-head latent attention's decoding step
+attends with keys of the latent and its RoPE key (DeepSeek-V3: 512 + 64)."""
 MIN_KEYS_PER_SPLIT = 1024
 """The shortest split of the keys that a thread streams on its own."""
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -62,10 +64,10 @@ def refuses(call: Call) -> str | None:
         x is not None and x.requires_grad for x in (q, k, v, call.sinks)
     ):
         return "inputs that require grad (the decode kernel has no backward)"
-    if d > MAX_HEAD_DIM or v.shape[-1] != d:
-        return f"head dims {d}/{v.shape[-1]} (the decode kernel takes equal dims up to 256)"
-    if k.stride() != v.stride() or k.stride(-1) != 1 or q.stride(-1) != 1:
-        return "q, k or v with a non-contiguous last dim, or k and v with different strides"
+    if max(d, v.shape[-1]) > MAX_HEAD_DIM:
+        return f"head dims {d}/{v.shape[-1]} (the decode kernel takes up to {MAX_HEAD_DIM})"
+    if k.stride(-1) != 1 or v.stride(-1) != 1 or q.stride(-1) != 1:
+        return "q, k or v with a non-contiguous last dim"
     if not k.dtype == v.dtype == q.dtype:
         return f"dtypes {q.dtype}/{k.dtype}/{v.dtype} (q, k and v must share one)"
     usable, why = KERNEL.usable()
@@ -73,7 +75,8 @@ def refuses(call: Call) -> str | None:
 
 
 def decode(call: Call) -> AttentionOutput:
-    """Shapes ``q (b, h, t, d)``, ``k`` and ``v`` ``(b, h_kv, s, d)``, few query rows (see
+    """Shapes ``q (b, h, t, d)``, ``k`` ``(b, h_kv, s, d)`` and ``v`` ``(b, h_kv, s, d_v)`` (a view
+    of ``k``'s rows too), few query rows (see
     [`refuses`][attnkit.backends.decode.refuses]). The kernel groups the query heads of each key/value head and splits the keys
     so that every thread has work, into no more than ``s //`` [`MIN_KEYS_PER_SPLIT`][attnkit.backends.decode.MIN_KEYS_PER_SPLIT] splits.
 

@@ -39,7 +39,7 @@ namespace {
 
 constexpr int64_t kBlock = 64;     // keys scored together before one softmax update
 constexpr int64_t kMaxRows = 16;   // query rows per key/value head
-constexpr int64_t kMaxDim = 256;
+constexpr int64_t kMaxDim = 576;  // DeepSeek-V3's latent with its RoPE key, 512 + 64
 // How far ahead of its use a row is asked for, and into which cache, chosen per CPU kind
 // (docs/bench/choices.md): into L1 on AVX2 CPUs; on AVX-512 ones the L1's few outstanding misses
 // held the stream back, and further ahead into L2 ran closer to the memory bus's limit.
@@ -197,10 +197,11 @@ inline void update_rows(int64_t rows_given, int64_t dim, int64_t n, float (*scor
 
 // One block of keys [j0, j0 + n) of a work item: its scores, its softmax update, acc += P V.
 template <typename T, int64_t D, int64_t R>
-inline void attend_block(const float* q, int64_t rows, int64_t d, const T* k, const T* v,
-                         int64_t stride_s, const bool* real, int64_t j0, int64_t n,
-                         float (&scores)[kMaxRows][kBlock], float (&acc)[kMaxRows][kMaxDim],
-                         float (&buffer)[4][kMaxDim], float* m, float* l, bool* bad) {
+inline void attend_block(const float* q, int64_t rows, int64_t d, int64_t dv, const T* k,
+                         const T* v, int64_t stride_s, int64_t stride_v, const bool* real,
+                         int64_t j0, int64_t n, float (&scores)[kMaxRows][kBlock],
+                         float (&acc)[kMaxRows][kMaxDim], float (&buffer)[4][kMaxDim], float* m,
+                         float* l, bool* bad) {
   const auto is_real = [](bool r) { return r; };
   if (real != nullptr && std::none_of(real + j0, real + j0 + n, is_real)) {
     return;  // the block adds nothing: neither its keys nor its values are read
@@ -209,7 +210,7 @@ inline void attend_block(const float* q, int64_t rows, int64_t d, const T* k, co
   const bool* block_real = all_real ? nullptr : real + j0;
   score_block<T, D, R>(q, rows, d, k, stride_s, j0, n, buffer, scores);
   mask_block<R>(block_real, rows, n, scores, bad);
-  update_rows<D, R>(rows, d, n, scores, m, l, acc);
+  update_rows<D, R>(rows, dv, n, scores, m, l, acc);
   // acc += P V stays inline with the steps above: decode is built with -ffast-math, and with
   // these loops in a function of their own GCC associates the four-value sum differently (the
   // last bit of some outputs changes) and some builds run slower.
@@ -217,42 +218,43 @@ inline void attend_block(const float* q, int64_t rows, int64_t d, const T* k, co
   if (!all_real) {  // selection, not multiplication: 0 * a padding value's NaN would be NaN
     for (; j < n; ++j) {
       if (!real[j0 + j]) continue;
-      const float* value = as_float<T, D>(v + (j0 + j) * stride_s, buffer[0], d);
+      const float* value = as_float<T, D>(v + (j0 + j) * stride_v, buffer[0], dv);
       for (int64_t r = 0; r < rows; ++r) {
         const float p = scores[r][j];
-        for (int64_t c = 0; c < d; ++c) acc[r][c] += p * value[c];
+        for (int64_t c = 0; c < dv; ++c) acc[r][c] += p * value[c];
       }
     }
   }
   for (; j + 4 <= n; j += 4) {  // four values at a time: one load and store of acc per four
     const float* value[4];
-    four_rows<T, D>(v, j0 + j, stride_s, d, buffer, value);
+    four_rows<T, D>(v, j0 + j, stride_v, dv, buffer, value);
     for (int64_t r = 0; r < rows; ++r) {
       const float p0 = scores[r][j], p1 = scores[r][j + 1];
       const float p2 = scores[r][j + 2], p3 = scores[r][j + 3];
       float* a = acc[r];
-      for (int64_t c = 0; c < d; ++c) {
+      for (int64_t c = 0; c < dv; ++c) {
         a[c] += p0 * value[0][c] + p1 * value[1][c] + p2 * value[2][c] + p3 * value[3][c];
       }
     }
   }
   for (; j < n; ++j) {
-    const float* value = as_float<T, D>(v + (j0 + j) * stride_s, buffer[0], d);
+    const float* value = as_float<T, D>(v + (j0 + j) * stride_v, buffer[0], dv);
     for (int64_t r = 0; r < rows; ++r) {
       const float p = scores[r][j];
-      for (int64_t c = 0; c < d; ++c) acc[r][c] += p * value[c];
+      for (int64_t c = 0; c < dv; ++c) acc[r][c] += p * value[c];
     }
   }
 }
 
 // One work item: keys [begin, end) of one (batch row, key/value head) for `rows` query rows. D is the
-// head dim when known at compile time (the common widths), 0 for any other width `dim`; R is the
-// rows when known (one query of multi-head attention: 1-4% faster, the loops over rows gone), else 0.
+// head dim of keys and values when known at compile time (the common widths, equal), 0 for any
+// other widths `dim` and `dv`; R is the rows when known (one query of multi-head attention: 1-4%
+// faster, the loops over rows gone), else 0.
 template <typename T, int64_t D, int64_t R>
-void attend_split(const float* q, int64_t rows_given, int64_t dim, const T* k, const T* v,
-                  int64_t stride_s, const bool* real, int64_t begin, int64_t end, float* out,
-                  float* max_out, float* sum_out) {
-  const int64_t d = D ? D : dim;
+void attend_split(const float* q, int64_t rows_given, int64_t dim, int64_t dim_v, const T* k,
+                  const T* v, int64_t stride_s, int64_t stride_v, const bool* real, int64_t begin,
+                  int64_t end, float* out, float* max_out, float* sum_out) {
+  const int64_t d = D ? D : dim, dv = D ? D : dim_v;
   const int64_t rows = R ? R : rows_given;
   alignas(64) float scores[kMaxRows][kBlock];
   alignas(64) float acc[kMaxRows][kMaxDim];
@@ -263,16 +265,17 @@ void attend_split(const float* q, int64_t rows_given, int64_t dim, const T* k, c
     m[r] = -FLT_MAX;  // no real key yet
     l[r] = 0.f;
     bad[r] = false;
-    std::fill(acc[r], acc[r] + d, 0.f);
+    std::fill(acc[r], acc[r] + dv, 0.f);
   }
   for (int64_t j0 = begin; j0 < end; j0 += kBlock) {
     const int64_t n = std::min(kBlock, end - j0);
-    attend_block<T, D, R>(q, rows, d, k, v, stride_s, real, j0, n, scores, acc, buffer, m, l, bad);
+    attend_block<T, D, R>(q, rows, d, dv, k, v, stride_s, stride_v, real, j0, n, scores, acc,
+                          buffer, m, l, bad);
   }
   for (int64_t r = 0; r < rows; ++r) {
     max_out[r] = m[r];
     sum_out[r] = bad[r] ? NAN : l[r];  // NaN marks the row for the merge
-    std::copy(acc[r], acc[r] + d, out + r * d);
+    std::copy(acc[r], acc[r] + dv, out + r * dv);
   }
 }
 
@@ -295,10 +298,11 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
          const at::Tensor& key_mask, double scale, int64_t splits, const float* sinks,
          at::Tensor& out) {
   const int64_t b = q.size(0), h_kv = q.size(1), rows = q.size(2), d = q.size(3), s = k.size(2);
+  const int64_t dv = v.size(3);
   const int64_t per_split = (s + splits - 1) / splits;
   const int64_t items = b * h_kv * splits;
   // Each split's unnormalised output, running max and sum, merged below.
-  std::vector<float> part_out(items * rows * d), part_max(items * rows), part_sum(items * rows);
+  std::vector<float> part_out(items * rows * dv), part_max(items * rows), part_sum(items * rows);
   const T* kp = k.data_ptr<T>();
   const T* vp = v.data_ptr<T>();
   const bool* mp = key_mask.numel() ? key_mask.data_ptr<bool>() : nullptr;
@@ -311,10 +315,10 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       const int64_t begin = std::min(s, split * per_split);
       const int64_t end = std::min(s, begin + per_split);
       auto attend = rows == 1 ? attend_split<T, D, 1> : attend_split<T, D, 0>;
-      attend(queries, rows, d, kp + batch * k.stride(0) + head * k.stride(1),
-             vp + batch * v.stride(0) + head * v.stride(1), k.stride(2),
+      attend(queries, rows, d, dv, kp + batch * k.stride(0) + head * k.stride(1),
+             vp + batch * v.stride(0) + head * v.stride(1), k.stride(2), v.stride(2),
              mp ? mp + batch * key_mask.stride(0) : nullptr, begin, end,
-             part_out.data() + item * rows * d, part_max.data() + item * rows,
+             part_out.data() + item * rows * dv, part_max.data() + item * rows,
              part_sum.data() + item * rows);
     }
   });
@@ -337,20 +341,22 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
         if (part_sum[at] == 0.f || bad) continue;
         const float factor = std::exp(part_max[at] - overall);
         total += part_sum[at] * factor;
-        const float* po = part_out.data() + at * d;
-        for (int64_t c = 0; c < d; ++c) merged[c] += po[c] * factor;
+        const float* po = part_out.data() + at * dv;
+        for (int64_t c = 0; c < dv; ++c) merged[c] += po[c] * factor;
       }
       const float inverse = bad ? NAN : total > 0.f ? 1.f / total : 0.f;
-      T* o = op + (bh * rows + r) * d;
-      for (int64_t c = 0; c < d; ++c) o[c] = static_cast<T>(merged[c] * inverse);
+      T* o = op + (bh * rows + r) * dv;
+      for (int64_t c = 0; c < dv; ++c) o[c] = static_cast<T>(merged[c] * inverse);
     }
   }
 }
 
 }  // namespace
 
-// Attention of q (b, h, t, d) over k, v (b, h_kv, s, d), query head i using key/value head
-// i / (h / h_kv); returns (b, h, t, d) in q's dtype. sinks: float32 (h,) or empty (none). The keys
+// Attention of q (b, h, t, d) over k (b, h_kv, s, d) and v (b, h_kv, s, dv), query head i using
+// key/value head i / (h / h_kv); returns (b, h, t, dv) in q's dtype. v may be a view of k's rows
+// (multi-head latent attention's values are the first dv numbers of its keys): each row is then
+// read from memory once. sinks: float32 (h,) or empty (none). The keys
 // are cut into splits so that every thread has work, but into no more than s / min_keys_per_split,
 // so that each split streams.
 at::Tensor decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -358,16 +364,16 @@ at::Tensor decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                   int64_t min_keys_per_split) {
   TORCH_CHECK(q.dim() == 4 && q.stride(3) == 1 && q.scalar_type() == k.scalar_type(),
               "decode: q must be (b, h, t, d) with a contiguous last dim, of k's dtype");
-  TORCH_CHECK(k.dim() == 4 && v.sizes() == k.sizes() && v.strides() == k.strides() &&
-                  k.stride(3) == 1 && k.scalar_type() == v.scalar_type(),
-              "decode: k and v must share shape, strides and dtype, last dim contiguous");
-  const int64_t b = q.size(0), h = q.size(1), t = q.size(2), d = q.size(3);
+  TORCH_CHECK(k.dim() == 4 && v.dim() == 4 && v.sizes().slice(0, 3) == k.sizes().slice(0, 3) &&
+                  k.stride(3) == 1 && v.stride(3) == 1 && k.scalar_type() == v.scalar_type(),
+              "decode: k (b, h_kv, s, d) and v (b, h_kv, s, dv) of one dtype, last dims contiguous");
+  const int64_t b = q.size(0), h = q.size(1), t = q.size(2), d = q.size(3), dv = v.size(3);
   const int64_t h_kv = k.size(1), s = k.size(2);
   TORCH_CHECK(b == k.size(0) && h_kv > 0 && h % h_kv == 0 && d == k.size(3),
               "decode: q (b, h, t, d) and k (b, h_kv, s, d) disagree on b or d, or h % h_kv != 0");
   const int64_t rows = (h / h_kv) * t;  // the query rows of one key/value head, side by side
-  TORCH_CHECK(rows <= kMaxRows && d <= kMaxDim,
-              "decode: at most 16 query rows per key/value head and head_dim 256");
+  TORCH_CHECK(rows <= kMaxRows && d <= kMaxDim && dv <= kMaxDim,
+              "decode: at most 16 query rows per key/value head and head dims of 576");
   TORCH_CHECK(min_keys_per_split >= 1, "decode: min_keys_per_split must be >= 1");
   TORCH_CHECK(key_mask.numel() == 0 || (key_mask.scalar_type() == at::kBool &&
                                         key_mask.dim() == 2 && key_mask.stride(1) == 1),
@@ -383,20 +389,20 @@ at::Tensor decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     }
   }
   const float* sink_ptr = sink_rows.empty() ? nullptr : sink_rows.data();
-  auto out = at::empty({b, h_kv, rows, d},
+  auto out = at::empty({b, h_kv, rows, dv},
                          q.options().memory_format(at::MemoryFormat::Contiguous));
-  if (out.numel() == 0) return out.view({b, h, t, d});  // b, t or d is 0: nothing to compute
+  if (out.numel() == 0) return out.view({b, h, t, dv});  // b, t or dv is 0: nothing to compute
   const auto grouped = q.reshape({b, h_kv, rows, d});
   const int64_t wanted = (2 * at::get_num_threads() + b * h_kv - 1) / (b * h_kv);  // 2 per thread
   const int64_t splits = std::max<int64_t>(1, std::min(wanted, s / min_keys_per_split));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "decode", [&] {
-    switch (d) {
+    switch (d == dv ? d : 0) {
       case 64: run<scalar_t, 64>(grouped, k, v, key_mask, scale, splits, sink_ptr, out); break;
       case 128: run<scalar_t, 128>(grouped, k, v, key_mask, scale, splits, sink_ptr, out); break;
       default: run<scalar_t, 0>(grouped, k, v, key_mask, scale, splits, sink_ptr, out);
     }
   });
-  return out.view({b, h, t, d});
+  return out.view({b, h, t, dv});
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
