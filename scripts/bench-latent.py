@@ -8,12 +8,10 @@ Usage: ``python scripts/bench-latent.py``."""
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import torch
 
 from attnkit import LatentCache, attention
+from attnkit.bench.measure import median_seconds
 from attnkit.bench.report import machine
 from attnkit.functional import which_backend
 
@@ -21,14 +19,7 @@ HEADS, LATENT, ROPE, NOPE, VALUE, TOKENS = 16, 512, 64, 128, 128, 32768
 
 
 def median_s(fn, repeats: int = 30, warmups: int = 5) -> float:
-    for _ in range(warmups):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return median_seconds(fn, repeats, warmups)
 
 
 def main() -> None:

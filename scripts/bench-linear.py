@@ -9,28 +9,20 @@ softmax attention as the sequence grows, and a Qwen3.5-shaped model's training s
 
 from __future__ import annotations
 
-import statistics
 import subprocess
 import sys
-import time
 
 import torch
 from transformers.models.qwen3_next import modeling_qwen3_next as qwen3_next
 
 from attnkit import gated_delta_rule
+from attnkit.bench.measure import median_seconds
 from attnkit.bench.report import machine
 from attnkit.linear import kernel, which_gated_delta_rule
 
 
 def median_s(fn, repeats: int, warmups: int = 3) -> float:
-    for _ in range(warmups):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return median_seconds(fn, repeats, warmups)
 
 
 def inputs(b: int, t: int, h: int, d: int, grad: bool = False) -> list[torch.Tensor]:

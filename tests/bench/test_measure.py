@@ -8,7 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from attnkit.bench.measure import Result, matmul_gflops, probe_memory, time_interleaved
+from attnkit.bench.measure import (
+    Result,
+    matmul_gflops,
+    median_seconds,
+    probe_memory,
+    time_interleaved,
+)
 from attnkit.bench.peers import Case
 
 
@@ -70,3 +76,9 @@ def test_a_process_stopped_early_marks_the_cases_it_did_not_report():
     case = json.dumps(Case("naive", 16, "fp32", False, "fwd", h=1, d=8).to_json())
     reports = in_fresh_process("attnkit.bench.measure", [case, case], timeout_s=0.01)
     assert [r["status"] for r in reports] == ["timeout (> 0 s)"] * 2
+
+
+def test_the_median_time_counts_the_timed_calls_only():
+    calls = []
+    seconds = median_seconds(lambda: calls.append(1), repeats=5, warmups=2)
+    assert len(calls) == 7 and 0 <= seconds < 1

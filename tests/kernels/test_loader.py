@@ -155,6 +155,8 @@ def test_a_failed_build_warns_once_and_falls_back(tmp_path, monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert kernel.load() is None and kernel.available() == (False, kernel._failure)
+        with pytest.raises(_native.KernelUnavailableError, match="the step is unavailable: the C"):
+            kernel.require("the step")
 
 
 def test_a_kernel_is_at_hand_only_where_loading_it_builds_nothing(tmp_path, monkeypatch):

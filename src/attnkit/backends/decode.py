@@ -84,11 +84,7 @@ def decode(call: Call) -> AttentionOutput:
         attnkit.kernels.loader.KernelUnavailableError: the kernel could not be built or loaded now (the
             registry then chooses again).
     """
-    kernel = KERNEL.load()
-    if kernel is None:
-        raise loader.KernelUnavailableError(
-            f"backend 'decode' is unavailable: {KERNEL.usable()[1]}"
-        )
+    kernel = KERNEL.require("backend 'decode'")
     key_mask = call.masks.key_mask
     mask = _NO_MASK if key_mask is None else key_mask.contiguous()
     sinks = _NO_SINKS if call.sinks is None else call.sinks.float().contiguous()

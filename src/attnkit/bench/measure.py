@@ -198,6 +198,19 @@ def _probe_one(case_json: str) -> dict:
         return {"status": status, "peak_mib": None, "seconds": None}
 
 
+def median_seconds(fn: Callable[[], object], repeats: int, warmups: int = 3) -> float:
+    """The median wall time of ``repeats`` calls of ``fn``, after ``warmups`` untimed ones: for
+    the scripts that time one thing at a time."""
+    for _ in range(warmups):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def time_interleaved(
     runs: Sequence[tuple[Result, Callable[[], object]]],
     repeats: int,

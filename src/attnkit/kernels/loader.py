@@ -191,6 +191,18 @@ class Kernel:
             self._failure = f"the C++ kernel {self.source} is unavailable: {error}"
             _warn.warn(f"{self._failure}; attnkit uses PyTorch operations instead")
 
+    def require(self, what: str) -> ModuleType:
+        """The compiled module, as `load` gives it.
+
+        Raises:
+            KernelUnavailableError: it cannot be had; the message names ``what`` needed it, and
+                why not.
+        """
+        module = self.load()
+        if module is None:
+            raise KernelUnavailableError(f"{what} is unavailable: {self.usable()[1]}")
+        return module
+
     def available(self) -> tuple[bool, str | None]:
         """Whether the kernel is usable, building it if need be, and why not."""
         return self.load() is not None, self._failure

@@ -70,11 +70,7 @@ def chunked(
     Raises:
         attnkit.kernels.loader.KernelUnavailableError: the kernel could not be built or loaded.
     """
-    kernel = KERNEL.load()
-    if kernel is None:
-        raise loader.KernelUnavailableError(
-            f"the delta rule's chunked kernel is unavailable: {KERNEL.usable()[1]}"
-        )
+    kernel = KERNEL.require("the delta rule's chunked kernel")
     prepare = (float(eps), float(scale), q.dtype == torch.bfloat16)
     return _Chunked.apply(q, k, v, g, beta, state, bounds.to(torch.int64), prepare, kernel)
 

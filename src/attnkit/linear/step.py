@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from attnkit.kernels import loader
 from attnkit.linear import kernel
 
 KERNEL = kernel.KERNEL
@@ -58,11 +57,7 @@ def step(
     Raises:
         attnkit.kernels.loader.KernelUnavailableError: the kernel could not be built or loaded.
     """
-    built = KERNEL.load()
-    if built is None:
-        raise loader.KernelUnavailableError(
-            f"the delta rule's step is unavailable: {KERNEL.usable()[1]}"
-        )
+    built = KERNEL.require("the delta rule's step")
     none = torch.empty(0)
 
     def flat(x: Tensor | None) -> Tensor:
