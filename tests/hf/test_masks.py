@@ -131,3 +131,5 @@ def test_indexed_as_a_tensor_it_is_the_dense_mask_it_stands_for():
     torch.testing.assert_close(rows, mask.allowed(6)[:, 0])
     assert not rows[1, :, :2].any() and rows[0, 0].tolist() == [True] * 3 + [False] * 3
     assert mask[1] == 4 and mask[:2] == (2, 4) and mask.q_length == 4
+    on_meta = mask_builder(2, 4, 6, 2, 0, hf.causal_mask_function, device=torch.device("meta"))
+    assert on_meta[:, 0].device.type == "meta"  # the model's device, as transformers names it

@@ -117,3 +117,12 @@ def test_it_refuses_where_it_cannot_run():
     refused = []
     torch.func.grad(lambda y: (refused.append(kernel.refuses([y])), y.sum())[1])(x)
     assert refused == ["inside torch.compile or a torch.func transform"]
+
+
+def test_offsets_that_are_a_strided_view_are_read_as_their_values():
+    (q, k, v, g, beta, states), bounds = inputs([40, 90])
+    strided = torch.tensor([0, 99, 40, 99, 130, 99])[::2]  # [0, 40, 130], not contiguous
+    got = kernel.chunked(q, k, v, g, beta, states, strided, eps=-1.0, scale=1.0)
+    want = kernel.chunked(q, k, v, g, beta, states, bounds, eps=-1.0, scale=1.0)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)

@@ -122,6 +122,7 @@ class HFMask(NamedTuple):
             made it, so that its shape stays put from one decoding step to the next.
         q_start: ``q_offset`` as a whole number where the builder ran outside a trace; read
             only outside one (under a trace dynamo would specialise the graph to its value).
+        device: the model's device, as transformers names it to the builder, where it does.
     """
 
     batch_size: int
@@ -132,6 +133,7 @@ class HFMask(NamedTuple):
     mask_function: Callable
     padding: Tensor | None
     q_start: int | None = None
+    device: torch.device | str | None = None
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -146,12 +148,11 @@ class HFMask(NamedTuple):
     def __getitem__(self, index):
         """A tuple's item for a whole number or a slice; for a tensor's index (``mask[:, 0]``, as
         DeepSeek-V3.2's indexer reads its mask), that index of the dense ``(b, 1, t, s)`` bool
-        mask it stands for, made on the device of its padding or its offset."""
+        mask it stands for, made on the model's device (else its padding's or its offset's)."""
         if not isinstance(index, tuple):
             return tuple.__getitem__(self, index)
-        device = next(
-            (x.device for x in (self.padding, self.q_offset) if isinstance(x, Tensor)), None
-        )
+        tensors = (x.device for x in (self.padding, self.q_offset) if isinstance(x, Tensor))
+        device = self.device if self.device is not None else next(tensors, None)
         return self.allowed(self.kv_length, device)[index]
 
     def options(self, s: int, device: torch.device | None = None) -> tuple[int, dict[str, Any]]:
@@ -278,6 +279,5 @@ def mask_builder(
         q_start = int(q_offset)
     if attention_mask is not None and attention_mask.dim() == 2:
         attention_mask = _keys_of(attention_mask, 0, kv_offset + kv_length)
-    return HFMask(
-        batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, q_start
-    )
+    return HFMask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function,
+                  attention_mask, q_start, kwargs.get("device"))  # fmt: skip

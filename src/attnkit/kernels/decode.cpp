@@ -372,6 +372,7 @@ at::Tensor decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   TORCH_CHECK(b == k.size(0) && h_kv > 0 && h % h_kv == 0 && d == k.size(3),
               "decode: q (b, h, t, d) and k (b, h_kv, s, d) disagree on b or d, or h % h_kv != 0");
   const int64_t rows = (h / h_kv) * t;  // the query rows of one key/value head, side by side
+  TORCH_CHECK(d > 0 || q.numel() == 0, "decode: head dim 0 with queries to attend");
   TORCH_CHECK(rows <= kMaxRows && d <= kMaxDim && dv <= kMaxDim,
               "decode: at most 16 query rows per key/value head and head dims of 576");
   TORCH_CHECK(min_keys_per_split >= 1, "decode: min_keys_per_split must be >= 1");

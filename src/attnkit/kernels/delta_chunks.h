@@ -288,8 +288,9 @@ inline std::vector<at::Tensor> delta_chunks_forward(at::Tensor q, at::Tensor k, 
                                                     double eps, double scale, bool half,
                                                     bool keep) {
   const chunks::Inputs in = chunks::inputs_of(q, k, v, g, beta, eps, scale, half);
-  TORCH_CHECK(bounds.dim() == 1 && bounds.scalar_type() == at::kLong && bounds.numel() >= 2,
-              "delta_chunks: bounds must be (N + 1,) int64");
+  TORCH_CHECK(bounds.dim() == 1 && bounds.scalar_type() == at::kLong && bounds.numel() >= 2 &&
+                  bounds.is_cpu() && bounds.is_contiguous(),
+              "delta_chunks: bounds must be a contiguous CPU (N + 1,) int64 tensor");
   const int64_t sequences = bounds.numel() - 1, dk = in.dk, dv = in.dv, h = in.h;
   TORCH_CHECK(state.scalar_type() == at::kFloat && state.is_contiguous() &&
                   state.sizes() == at::IntArrayRef({sequences, h, dk, dv}),

@@ -208,6 +208,10 @@ inline std::vector<at::Tensor> delta_chunks_backward(at::Tensor q, at::Tensor k,
   TORCH_CHECK(d_final.numel() == 0 || (d_final.scalar_type() == at::kFloat &&
                                        d_final.is_contiguous() && d_final.sizes() == state.sizes()),
               "delta_chunks_backward: d_final must be empty or contiguous float32 of state's shape");
+  TORCH_CHECK(bounds.dim() == 1 && bounds.scalar_type() == at::kLong && bounds.numel() >= 2 &&
+                  bounds.is_cpu() && bounds.is_contiguous() &&
+                  state.sizes() == at::IntArrayRef({bounds.numel() - 1, h, dk, dv}),
+              "delta_chunks_backward: bounds (N + 1,) contiguous CPU int64, state (N, h, dk, dv)");
   const auto items = chunks::items_of(bounds, h, in.h_k);
   const auto offsets = chunks::chunk_offsets(bounds);
   TORCH_CHECK(kept.numel() == 0 || kept.size(0) == offsets.back(),

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from attnkit._tracing import traced
 from attnkit.kernels import loader
@@ -72,7 +73,8 @@ def chunked(
     """
     kernel = KERNEL.require("the delta rule's chunked kernel")
     prepare = (float(eps), float(scale), q.dtype == torch.bfloat16)
-    return _Chunked.apply(q, k, v, g, beta, state, bounds.to(torch.int64), prepare, kernel)
+    bounds = bounds.to("cpu", torch.int64).contiguous()  # the kernel reads it as it lies
+    return _Chunked.apply(q, k, v, g, beta, state, bounds, prepare, kernel)
 
 
 def _float(x: Tensor | None) -> Tensor:
@@ -101,6 +103,7 @@ class _Chunked(torch.autograd.Function):
         return o, final
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, d_o, d_final):
         q, k, v, g, beta, state, bounds, kept = ctx.saved_tensors
         d_final = torch.empty(0) if d_final is None else d_final.float().contiguous()

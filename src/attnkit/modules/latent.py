@@ -128,7 +128,9 @@ class MultiHeadLatentAttention(nn.Module):
             cache: this layer's [`LatentCache`][attnkit.latent_cache.LatentCache]
                 ([`new_cache`][attnkit.modules.latent.MultiHeadLatentAttention.new_cache]):
                 ``x`` continues the tokens it holds. A one-token step outside training runs
-                absorbed (it never decompresses the cache); longer chunks decompress it.
+                absorbed (it never decompresses the cache); longer chunks decompress it. The
+                cache is for inference: it keeps no graph, so no gradient reaches the latents
+                it holds.
 
         Returns:
             ``(b, t, d_out)``.
@@ -148,7 +150,7 @@ class MultiHeadLatentAttention(nn.Module):
         rope_key = self.rope(self.W_KR(x)[:, None], positions)  # (b, 1, t, r): every head's
         if cache is not None:
             cache.append(latent, rope_key[:, 0])
-            if t == 1 and not (self.training and self.dropout):
+            if t == 1 and not self.training:
                 return self._absorbed(q_nope, q_rope, cache)
             latent, rope_key = cache.latents()[:, 0], cache.rope_keys()
         s = latent.shape[1]
