@@ -118,3 +118,22 @@ def test_bf16_is_as_close_to_float32_as_eager():
         model, lambda: model(ids, attention_mask=mask).logits.detach().float()[real_tokens]
     )
     assert (got - exact).abs().max() <= 2 * (want - exact).abs().max()
+
+
+@pytest.mark.skipif(
+    tuple(int(x) for x in transformers.__version__.split(".")[:2]) < (5, 24),
+    reason="before transformers 5.24 this model's mixture of experts does not compile, with "
+    "transformers' own attention neither (a data-dependent guard in its grouped matmul)",
+)
+def test_compiled_whole_it_matches_transformers_own_attention():
+    """torch.compile(fullgraph=True) works with attnkit standing in, as with sdpa: the indexer's
+    read of the mask and the selection of keys trace into one graph."""
+    model = model_of()
+    ids = torch.randint(0, 64, (1, 13))
+    want = model(ids).logits  # transformers' own attention (sdpa)
+    attnkit.hf.use(model)
+    try:
+        got = torch.compile(model, fullgraph=True)(ids).logits
+    finally:
+        torch._dynamo.reset()
+    torch.testing.assert_close(got, want)
