@@ -23,6 +23,7 @@ ANSWERS = {
     "tiled:portable": {"loop_only": False, "half_products": True, "portable_pairs": True},
     "tiled:half-loop": {"loop_only": True, "half_products": True, "portable_pairs": False},
     "chunked:torch": {"loop_only": False, "half_products": False, "torch_chunks": True},
+    "sparse:gather": {"loop_only": False, "torch_chunks": False, "gather_only": True},
 }
 
 
@@ -30,7 +31,7 @@ def test_every_path_is_listed_and_nothing_is_forced_outside():
     assert set(force.PATHS) == set(ANSWERS)
     assert force.current() is None
     assert not (force.loop_only() or force.half_products() or force.portable_pairs())
-    assert not force.torch_chunks()
+    assert not (force.torch_chunks() or force.gather_only())
 
 
 @pytest.mark.parametrize("path", force.PATHS)

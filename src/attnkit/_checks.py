@@ -166,6 +166,36 @@ def check_key_mask(key_mask: Tensor, b: int, s: int, device: torch.device | None
         check_same_device(key_mask, "key_mask", device)
 
 
+def check_indices(
+    indices: object, b: int, h_kv: int, t: int, s: int, device: torch.device, *, look: bool = True
+) -> Tensor:
+    """``indices`` of top-k sparse attention: integer (int32 or int64), ``(b, t, n)`` (shared by
+    every head) or ``(b, h_kv, t, n)``, on ``device``, each -1 (an unused slot) or a key in
+    ``0..s-1`` (read where ``look``: not while traced). Returned as ``(b, 1 or h_kv, t, n)``."""
+    check_tensor(indices, "indices")
+    if indices.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"indices must be int32 or int64, got dtype {indices.dtype}")
+    if indices.dim() == 3:
+        indices = indices.unsqueeze(1)
+    shapes = (
+        f"(batch, query_length, n) = ({b}, {t}, n) or "
+        f"(batch, kv_heads, query_length, n) = ({b}, {h_kv}, {t}, n)"
+    )
+    if indices.dim() != 4 or indices.shape[0] != b or indices.shape[1] not in (1, h_kv):
+        raise ValueError(f"indices must have shape {shapes}, got {_shape(indices)}")
+    if indices.shape[2] != t:
+        raise ValueError(f"indices must have shape {shapes}, got {_shape(indices)}")
+    check_same_device(indices, "indices", device)
+    if look and indices.numel():
+        low, high = (int(x) for x in torch.aminmax(indices))
+        if low < -1 or high >= s:
+            raise ValueError(
+                f"indices must be -1 (an unused slot) or a key in 0..{s - 1}, got values from "
+                f"{low} to {high}"
+            )
+    return indices
+
+
 def check_nonfinite_keys(nonfinite_keys: Tensor, shape: tuple[int, ...], device) -> None:
     """``nonfinite_keys`` is bool of ``shape`` = ``(b, h_kv, s)``, on ``device``, the keys'."""
     check_tensor(nonfinite_keys, "nonfinite_keys")

@@ -51,7 +51,15 @@ class Options(NamedTuple):
     backend: str = "auto"
 
 
-TENSOR_KEYWORDS = ("attn_mask", "key_mask", "alibi_slopes", "sinks", "block_mask", "nonfinite_keys")
+TENSOR_KEYWORDS = (
+    "attn_mask",
+    "key_mask",
+    "alibi_slopes",
+    "sinks",
+    "block_mask",
+    "nonfinite_keys",
+    "indices",
+)
 """The keywords of ``attention`` that are tensors (or hold them): they join the ``Call`` itself."""
 
 DEFAULT_OPTIONS = Options()
@@ -80,6 +88,8 @@ class Call(NamedTuple):
             and ALiBi, before the masks (see [`attnkit.mods`][attnkit.mods]).
         block_mask: a torch ``BlockMask`` of ``(t, s)``: the blocks it lists, its ``mask_mod``
             applied in its partial blocks.
+        indices: ``(b, 1 or h_kv, t, n)`` int32 or int64: the keys each query may attend to
+            (top-k sparse attention), -1 for an unused slot; None for every key.
         mod_tensors: the tensors ``score_mod`` reads that require grad (gradients reach them).
         mod_adds: whether ``score_mod`` [adds to the score][attnkit.mods.adds_to_score] (found
             once per function, `attnkit.mods.memo`; False without one).
@@ -107,6 +117,7 @@ class Call(NamedTuple):
     return_weights: bool | str = False
     score_mod: ScoreMod | None = None
     block_mask: BlockMask | None = None
+    indices: Tensor | None = None
     mod_tensors: tuple[Tensor, ...] = ()
     mod_adds: bool = False
     nonfinite_keys: Tensor | None = None
@@ -172,7 +183,7 @@ def _options_in_use(masks: Masks, fields: dict) -> frozenset[str]:
             used.append("causal")
     if masks.shift != 0:
         used.append("shift")
-    for name in ("softcap", "alibi_slopes", "sinks", "score_mod", "block_mask"):
+    for name in ("softcap", "alibi_slopes", "sinks", "score_mod", "block_mask", "indices"):
         if fields.get(name) is not None:
             used.append(name)
     for name in ("dropout_p", "return_lse", "return_weights"):

@@ -12,6 +12,7 @@ that choice is overridden:
 | ``"tiled:portable"`` | bf16 block products in the C++ kernel, always by its portable version |
 | ``"tiled:half-loop"`` | half-precision block products, in the PyTorch loop |
 | ``"chunked:torch"`` | the gated delta rule's chunked form in PyTorch, never its C++ kernel |
+| ``"sparse:gather"`` | top-k sparse attention's PyTorch form, never its C++ kernel |
 
 Inside ``blind()``, the calls never look at the data from Python, as on a GPU: the CPU runs the
 GPU's form of attnkit's rule for non-finite values. Inside ``blocks(block_q, block_k)``, the tiled
@@ -35,7 +36,14 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-PATHS = ("tiled:loop", "tiled:half", "tiled:portable", "tiled:half-loop", "chunked:torch")
+PATHS = (
+    "tiled:loop",
+    "tiled:half",
+    "tiled:portable",
+    "tiled:half-loop",
+    "chunked:torch",
+    "sparse:gather",
+)
 """The paths that can be forced."""
 
 _FORCED: list[str] = []  # the innermost forced path last
@@ -70,6 +78,11 @@ def loop_only() -> bool:
 def torch_chunks() -> bool:
     """Whether the gated delta rule's chunked backend must run its PyTorch form."""
     return current() == "chunked:torch"
+
+
+def gather_only() -> bool:
+    """Whether the sparse backend must run its PyTorch form."""
+    return current() == "sparse:gather"
 
 
 def half_products() -> bool:

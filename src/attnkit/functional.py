@@ -14,6 +14,8 @@ gathered into one [`Masks`][attnkit.masks.Masks], the options), then runs the ba
   ``key_mask`` ``(b, s)``: True = real token;
 - ``causal``: key ``j`` allowed iff ``j <= p(i)``; ``window=(left, right)`` (-1 unbounded):
   ``p(i) - left <= j <= p(i) + right``;
+- ``indices`` ``(b, t, n)`` or ``(b, h_kv, t, n)``: query ``i`` attends to the keys it names
+  alone (top-k sparse attention), intersected with the masks above;
 - a query with no allowed key gets output 0, lse ``-inf`` and zero gradients;
 - non-finite values: a query selects the keys it may see; a score made NaN or infinite by q, k,
   v, a float mask or the slopes is NaN (never a mask) and spreads to what it touches; padding
@@ -65,6 +67,7 @@ def attention(
     block_mask: BlockMask | None = None,
     mask_mod: MaskMod | None = None,
     nonfinite_keys: Tensor | None = None,
+    indices: Tensor | None = None,
     backend: str = "auto",
 ) -> Tensor | tuple[Tensor, ...]:
     """Scaled dot-product attention with every mask and score modifier, on any backend.
@@ -108,6 +111,13 @@ def attention(
             would read ``k`` to find them takes it instead (SDPA, which on a GPU would read a whole
             cache each decoding step). It must be right: attnkit trusts it (and leaves it out
             where autocast casts ``k``).
+        indices: top-k sparse attention (DeepSeek's DSA): ``(b, t, n)`` int32 or int64, the ``n``
+            keys each query may attend to, shared by every head (as DSA's indexer gives them), or
+            ``(b, h_kv, t, n)``, one selection per key/value head; -1 marks an unused slot. Query
+            ``i`` attends to these keys alone, where the other masks allow them too (a key beyond
+            the causal limit is masked, as a dense mask made from the indices would be); a key
+            named twice counts once. The ``sparse`` backend gathers them, in ``O(t * n * d)``;
+            the weights, when asked for, are ``(b, h, t, s)``, zero off the selection.
         backend: ``"auto"`` (the fastest backend that computes exactly this request), or a name in
             [`attnkit.backends.BACKENDS`][attnkit.backends.BACKENDS].
 
@@ -149,6 +159,7 @@ def attention(
         sinks=sinks,
         block_mask=block_mask,
         nonfinite_keys=nonfinite_keys,
+        indices=indices,
     )
     if 0 in (q.shape[2], k.shape[2]):  # no query, or no key: a query with no key gets 0
         out, lse, weights = _empty(call)
@@ -208,6 +219,7 @@ def checked_call(
     sinks: Tensor | None = None,
     block_mask: BlockMask | None = None,
     nonfinite_keys: Tensor | None = None,
+    indices: Tensor | None = None,
     shift: int = 0,
     **keywords: Any,
 ) -> Call:
@@ -285,6 +297,11 @@ def checked_call(
         _checks.check_nonfinite_keys(nonfinite_keys, (b, k.shape[1], s), k.device)
         if k is keys_as_given:  # (autocast's cast may have made a large key infinite)
             extras["nonfinite_keys"] = nonfinite_keys
+    if indices is not None:
+        h_kv = k.shape[1]
+        extras["indices"] = _checks.check_indices(
+            indices, b, h_kv, t, s, q.device, look=not traced()
+        )
     if score_mod is not None:
         extras["score_mod"] = score_mod
         extras["mod_tensors"] = mods.tensors_to_train(score_mod, q)

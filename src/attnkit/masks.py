@@ -139,6 +139,19 @@ def merge_window(
     return None if (left, right) == (-1, -1) else (left, right)
 
 
+def selection_mask(indices: Tensor, heads: int, s: int) -> Tensor:
+    """``(b, 1 or heads, t, s)`` bool, True at the keys that ``indices`` ``(b, 1 or h_kv, t, n)``
+    (top-k sparse attention's) names for each query, -1 naming none and a key named twice once;
+    ``h_kv`` heads of indices are repeated to the ``heads`` query heads that share them. The dense
+    form of a selection, for the reference maths and the weights."""
+    b, given, t, _ = indices.shape
+    spare = s  # a column for the -1s, dropped after
+    where = indices.long().masked_fill(indices < 0, spare)
+    chosen = torch.zeros(b, given, t, s + 1, dtype=torch.bool, device=indices.device)
+    chosen = chosen.scatter_(-1, where, True)[..., :s]
+    return chosen if given == 1 else chosen.repeat_interleave(heads // given, dim=1)
+
+
 def zero_padding(x: Tensor, key_mask: Tensor | None) -> Tensor:
     """``x`` ``(b, h_kv, s, d)`` (keys or values) with the padding that ``key_mask`` ``(b, s)`` marks
     set to 0: padding may hold anything (``torch.empty``, NaN), and a masked key's weight of 0 times

@@ -176,6 +176,21 @@ def selected_attention(
     return out.to(device), lse.to(device), weights.to(device)
 
 
+def selection_of(indices, h, s):
+    """(b, h, t, s) bool from the definition: True at each key a query's indices name."""
+    if indices.dim() == 3:
+        indices = indices[:, None]
+    b, given, t, _ = indices.shape
+    mask = torch.zeros(b, h, t, s, dtype=torch.bool)
+    for bi in range(b):
+        for head in range(h):
+            for i in range(t):
+                for j in indices[bi, head * given // h, i].tolist():
+                    if j >= 0:
+                        mask[bi, head, i, j] = True
+    return mask
+
+
 def max_error(x: Tensor, reference: Tensor) -> float:
     """The largest absolute difference from ``reference``, in float64."""
     return (x.detach().double() - reference.detach().double()).abs().max().item()

@@ -1,25 +1,26 @@
 """The backend registry: the backends by name, and ``auto``, which asks them in order.
 
-| option | reference | sdpa | flex | tiled | decode | notes |
-|---|---|---|---|---|---|---|
-| causal, window | yes | yes | yes | yes | no | sdpa: a bool mask unless causal with t == s; flex, tiled: skip the blocks they empty |
-| attn_mask, key_mask | yes | yes | yes | yes | key_mask | flex: indexed per score in its mask_mod |
-| attn_mask_grad | yes | yes | no | no | no | a float attn_mask that requires grad |
-| alibi_slopes | yes | yes | yes | yes | no | sdpa: a float mask of shape (h, t, s); flex: in its score_mod |
-| softcap | yes | no | yes | yes | no | |
-| score_mod, block_mask | yes | no | yes | yes | no | flex: torch's own FlexAttention; a block mask alone passes through |
-| sinks | yes | fused | yes | yes | yes | sdpa: the flash or cuDNN kernel torch picks, no mask but causal with t == s or one query; flex, tiled: joined to the kernel's output through its lse; decode: in the kernel's merge |
-| dropout_p | yes | yes | no | no | no | |
-| return_lse | yes | no | yes | yes | no | with gradients |
-| return_weights | yes | no | no | yes | no | tiled: recomputed from the lse |
-| double backward | yes | yes | yes | yes | no | sdpa, flex, tiled: through the reference's recomputation (O(t s) memory for it) |
-| vmap | yes | yes | no | yes | no | |
-| func.grad, jacrev | yes | yes | no | no | no | sdpa: one level of gradients |
-| forward-mode AD | yes | no | no | no | no | jvp, jacfwd |
-| torch.jit.trace | yes | yes | no | no | no | tiled's block loop would be frozen |
-| torch.compile | yes | yes | yes | loop | no | dynamo cannot trace C++; flex: masks as -inf scores while traced |
-| devices | any | any | CUDA | any | CPU | flex: torch's FlexAttention has a backward on CUDA only |
-| memory | O(t s) | O(t s) with a mask | O((t + s) d) | O((t + s) d) | O(h d) | flex: plus its block tables |
+| option | reference | sdpa | flex | tiled | decode | sparse | notes |
+|---|---|---|---|---|---|---|---|
+| causal, window | yes | yes | yes | yes | no | yes | sdpa: a bool mask unless causal with t == s; flex, tiled: skip the blocks they empty |
+| indices | yes | no | no | no | no | yes | sparse: the C++ kernel gathers the selected keys on a CPU, PyTorch's gather elsewhere; reference: a dense mask |
+| attn_mask, key_mask | yes | yes | yes | yes | key_mask | key_mask | flex: indexed per score in its mask_mod |
+| attn_mask_grad | yes | yes | no | no | no | no | a float attn_mask that requires grad |
+| alibi_slopes | yes | yes | yes | yes | no | no | sdpa: a float mask of shape (h, t, s); flex: in its score_mod |
+| softcap | yes | no | yes | yes | no | no | |
+| score_mod, block_mask | yes | no | yes | yes | no | no | flex: torch's own FlexAttention; a block mask alone passes through |
+| sinks | yes | fused | yes | yes | yes | yes | sdpa: the flash or cuDNN kernel torch picks, no mask but causal with t == s or one query; flex, tiled: joined to the kernel's output through its lse; decode: in the kernel's merge |
+| dropout_p | yes | yes | no | no | no | no | |
+| return_lse | yes | no | yes | yes | no | yes | with gradients |
+| return_weights | yes | no | no | yes | no | yes | tiled, sparse: recomputed from the lse (sparse: dense, zero off the selection) |
+| double backward | yes | yes | yes | yes | no | yes | sdpa, flex, tiled: through the reference's recomputation (O(t s) memory for it); sparse: through its PyTorch form |
+| vmap | yes | yes | no | yes | no | yes | sparse: its PyTorch form |
+| func.grad, jacrev | yes | yes | no | no | no | yes | sdpa: one level of gradients; sparse: its PyTorch form |
+| forward-mode AD | yes | no | no | no | no | no | jvp, jacfwd |
+| torch.jit.trace | yes | yes | no | no | no | no | tiled's block loop would be frozen |
+| torch.compile | yes | yes | yes | loop | no | gather | dynamo cannot trace C++; flex: masks as -inf scores while traced |
+| devices | any | any | CUDA | any | CPU | any | flex: torch's FlexAttention has a backward on CUDA only |
+| memory | O(t s) | O(t s) with a mask | O((t + s) d) | O((t + s) d) | O(h d) | O(t n d) | flex: plus its block tables |
 
 Each backend ([`Backend`][attnkit.backends.base.Backend]) says which options it supports, why it
 cannot run a call, where it is faster than a backend ``auto`` would take before it, and which path
@@ -46,7 +47,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from attnkit.backends import decode, reference, sdpa, tiled, torch_flex
+from attnkit.backends import decode, reference, sdpa, sparse, tiled, torch_flex
 from attnkit.backends.base import Backend, Route
 from attnkit.call import AttentionOutput, Call
 from attnkit.kernels import loader
@@ -61,14 +62,16 @@ BACKENDS: dict[str, Backend] = {
         torch_flex.BACKEND,
         tiled.BACKEND,
         decode.BACKEND,
+        sparse.BACKEND,
     )
 }
 """The backends by name; ``backend=`` takes one of these names or ``"auto"``."""
 
-AUTO_ORDER: tuple[str, ...] = ("decode", "sdpa", "flex", "tiled", "reference")
+AUTO_ORDER: tuple[str, ...] = ("decode", "sdpa", "flex", "tiled", "sparse", "reference")
 """Fastest first: the one-pass decode kernel for a few queries over a cache, SDPA's fused kernel
 when it can do the call, torch's compiled FlexAttention on CUDA, then the O(N)-memory tiled
-kernel."""
+kernel; top-k sparse attention (a call with ``indices``, which no dense backend takes) on the
+sparse backend."""
 
 
 class BackendChoice(NamedTuple):

@@ -19,7 +19,7 @@ class ReferenceBackend(Backend):
     supports = frozenset(
         {"causal", "window", "attn_mask", "key_mask", "alibi_slopes", "softcap", "return_lse"}
         | {"return_weights", "score_mod", "block_mask", "shift", "dropout_p", "attn_mask_grad"}
-        | {"sinks"}
+        | {"sinks", "indices"}
     )
 
     def path(self, call: Call) -> Route:

@@ -76,8 +76,9 @@ KERNELS: dict[str, tuple[str, ...]] = {
     "tiled": ("-O3", "-fno-math-errno", "-fno-trapping-math"),
     "decode": ("-O3", "-ffast-math", "-fno-finite-math-only"),
     "linear": ("-O3", "-ffast-math", "-fno-finite-math-only"),
+    "sparse": ("-O3", "-ffast-math", "-fno-finite-math-only"),
 }
-"""Each kernel (``kernels/<name>.cpp``) and its optimisation flags. decode's and linear's sums tolerate
+"""Each kernel (``kernels/<name>.cpp``) and its optimisation flags. decode's, linear's and sparse's sums tolerate
 reassociation (their tests bound the error); tiled's match the PyTorch loop's order."""
 
 MANIFEST = "manifest.json"

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from attnkit import block_mask, mods
 from attnkit.call import AttentionOutput, Call
-from attnkit.masks import alibi_bias
+from attnkit.masks import alibi_bias, selection_mask
 from attnkit.rules.nonfinite import NAN, nan_unless_finite
 
 
@@ -108,6 +108,8 @@ def reference(call: Call) -> AttentionOutput:
     if call.block_mask is not None:
         b, h = q.shape[:2]
         allowed = _both(allowed, block_mask.allowed(call.block_mask, b, h))
+    if call.indices is not None:  # top-k sparse attention: the keys each query selects
+        allowed = _both(allowed, selection_mask(call.indices, q.shape[1], s))
     bias = call.masks.bias()
     if bias is not None:
         attn_scores = attn_scores + bias.to(f64)
