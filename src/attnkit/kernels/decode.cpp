@@ -33,6 +33,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "fast_exp.h"
 #include "gemv.h"  // the projections' matrix-vector product, bound beside decode
 
 namespace {
@@ -52,26 +53,6 @@ constexpr int kPrefetchLocality = 3;  // prefetcht0: into L1
 #endif
 
 inline bool finite(float x) { return std::fabs(x) <= FLT_MAX; }
-
-// exp(x) for x <= 0 that the compiler vectorises: 2^n * p(f) with x log2(e) = n + f, |f| <= 1/2 and
-// p of degree 6 (relative error below 2e-7); 0 below -87, where float32 would underflow.
-inline float exp_nonpositive(float x) {
-  const float y = std::max(x, -87.f) * 1.44269504088896341f;
-  const float n = std::nearbyint(y);
-  const float f = y - n;
-  float p = 1.5403530393381606e-4f;
-  p = p * f + 1.3333558146428443e-3f;
-  p = p * f + 9.6181291076284772e-3f;
-  p = p * f + 5.5504108664821580e-2f;
-  p = p * f + 2.4022650695910071e-1f;
-  p = p * f + 6.9314718055994531e-1f;
-  p = p * f + 1.0f;
-  int32_t bits;
-  std::memcpy(&bits, &p, sizeof bits);
-  bits += static_cast<int32_t>(n) << 23;
-  std::memcpy(&p, &bits, sizeof p);
-  return x < -87.f ? 0.f : p;
-}
 
 // Ask for the row kPrefetchBytes of data ahead, every cache line of it: the hardware prefetchers
 // alone left bandwidth unused with two streams per thread.

@@ -5,7 +5,9 @@
 //
 // over those keys alone. dQ belongs to its query; dK and dV gather from every query that selects
 // a key, so each thread adds into float32 sums of its own (one copy of dK and dV per split of the
-// queries of a (batch row, key/value head)), which the caller adds up.
+// queries of a (batch row, key/value head)), which the caller adds up. As in the forward, a block
+// of queries walks its keys tile by tile, so that a tile's rows of K, V, dK and dV stay in cache
+// while every query of the block that selected them uses them.
 
 #pragma once
 
@@ -13,6 +15,8 @@
 
 #include <vector>
 
+#include "fast_exp.h"
+#include "sparse_forward.h"
 #include "sparse_rows.h"
 
 namespace {
@@ -30,80 +34,124 @@ struct Gradients {
 };
 
 struct BackwardScratch {
-  std::vector<uint64_t> seen;
-  std::vector<int64_t> keys;
-  std::vector<float> queries, douts, dq, key, value;
+  BlockKeys selection;
+  std::vector<float> queries, douts, dq, lse, delta;
 
-  BackwardScratch(int64_t s, int64_t n, int64_t g, int64_t d, int64_t dv)
-      : seen((s + 63) / 64, 0), keys(n), queries(g * d), douts(g * dv), dq(g * d), key(d),
-        value(dv) {}
+  BackwardScratch(int64_t s, int64_t n, int64_t block, int64_t g, int64_t d, int64_t dv,
+                  int64_t shift)
+      : selection(s, n, block, shift), queries(block * g * d), douts(block * g * dv),
+        dq(block * g * d), lse(block * g), delta(block * g) {}
 };
 
-// Query i of the g query heads of key/value head `head`, adding into this split's dk and dv rows.
-template <typename T, typename I, int64_t D>
-void backward_query(const Operands<T, I>& x, const Gradients<T>& y, int64_t batch, int64_t head,
-                    int64_t i, float* dk, float* dv, BackwardScratch& w) {
-  const int64_t g = x.groups(), d = D ? D : x.d, dvs = D ? D : x.dv;
-  T* dq_rows = y.dq + ((batch * x.h + head * g) * x.t + i) * d;  // stride t * d between heads
-  const int64_t m = x.visible(batch, head, i, w.seen.data(), w.keys.data());
-  if (m == 0) {
-    for (int64_t r = 0; r < g; ++r) std::fill_n(dq_rows + r * x.t * d, d, static_cast<T>(0.f));
-    return;
-  }
-  float *queries = w.queries.data(), *douts = w.douts.data(), *dq = w.dq.data();
-  float lse[16], delta[16];
+// Four keys of query i (rows q = i * g + r of the scratch): their weights and dS for each of the g
+// heads, dQ's rows, and the four keys' rows of this split's dK and dV.
+template <typename T, int64_t D>
+inline void four_keys(const T* const key[4], const T* const value[4], const int64_t* j,
+                      int64_t i, int64_t g, int64_t d, int64_t dv, BackwardScratch& w, float* dk,
+                      float* dv_sums) {
+  float p[16][4], ds[16][4];  // g <= 16 (checked by sparse.cpp)
   for (int64_t r = 0; r < g; ++r) {
-    const int64_t hr = head * g + r, at = (batch * x.h + hr) * x.t + i;
-    const T* qr = x.query(batch, hr, i);
-    const T* dor = y.dout + batch * y.do_b + hr * y.do_h + i * y.do_t;
-    for (int64_t c = 0; c < d; ++c) queries[r * d + c] = static_cast<float>(qr[c]) * x.scale;
-    for (int64_t c = 0; c < dvs; ++c) douts[r * dvs + c] = static_cast<float>(dor[c]);
-    lse[r] = y.lse[at], delta[r] = y.delta[at];
-  }
-  std::fill(dq, dq + g * d, 0.f);
-  const int64_t* keys = w.keys.data();
-  for (int64_t e = 0; e < m; ++e) {
-    if (e + kAhead < m) {
-      const int64_t ahead = keys[e + kAhead];
-      fetch_row(x.key(batch, head, ahead), d);
-      fetch_row(x.value(batch, head, ahead), dvs);
-      fetch_row(dk + ahead * d, d);
-      fetch_row(dv + ahead * dvs, dvs);
+    const int64_t q = i * g + r;
+    float scores[4], dp[4];
+    dot4<T, D>(w.queries.data() + q * d, key, d, scores);
+    dot4<T, D>(w.douts.data() + q * dv, value, dv, dp);
+    for (int u = 0; u < 4; ++u) {
+      p[r][u] = exp_nonpositive(scores[u] - w.lse[q]);
+      ds[r][u] = p[r][u] * (dp[u] - w.delta[q]);
     }
-    const int64_t j = keys[e];
-    const float* key = as_float<T, D>(x.key(batch, head, j), w.key.data(), d);
-    const float* value = as_float<T, D>(x.value(batch, head, j), w.value.data(), dvs);
-    float* dk_row = dk + j * d;
-    float* dv_row = dv + j * dvs;
-    for (int64_t r = 0; r < g; ++r) {
-      const float p = std::exp(dot<D>(queries + r * d, key, d) - lse[r]);
-      const float ds = p * (dot<D>(douts + r * dvs, value, dvs) - delta[r]);
-      add_scaled<D>(dq + r * d, ds, key, d);
-      add_scaled<D>(dk_row, ds, queries + r * d, d);  // queries hold scale * q
-      add_scaled<D>(dv_row, p, douts + r * dvs, dvs);
-    }
+    add_four<T, D>(w.dq.data() + q * d, ds[r], key, d);
   }
-  for (int64_t r = 0; r < g; ++r) {
-    for (int64_t c = 0; c < d; ++c) dq_rows[r * x.t * d + c] = static_cast<T>(dq[r * d + c] * x.scale);
+  for (int u = 0; u < 4; ++u) {
+    float* dk_row = dk + j[u] * d;
+    float* dv_row = dv_sums + j[u] * dv;
+    for (int64_t r = 0; r < g; ++r) {  // the queries hold scale * q
+      add_scaled<float, D>(dk_row, ds[r][u], w.queries.data() + (i * g + r) * d, d);
+      add_scaled<float, D>(dv_row, p[r][u], w.douts.data() + (i * g + r) * dv, dv);
+    }
   }
 }
 
-// Every query; a work item is one split of the queries of one (batch row, key/value head), adding
-// into the split's own copy of dk and dv.
+// One key of query i, as four_keys does four.
+template <typename T, int64_t D>
+inline void one_key(const T* key, const T* value, int64_t j, int64_t i, int64_t g,
+                    int64_t d, int64_t dv, BackwardScratch& w, float* dk, float* dv_sums) {
+  for (int64_t r = 0; r < g; ++r) {
+    const int64_t q = i * g + r;
+    const float* query = w.queries.data() + q * d;
+    const float* dout = w.douts.data() + q * dv;
+    const float p = exp_nonpositive(dot<T, D>(query, key, d) - w.lse[q]);
+    const float ds = p * (dot<T, D>(dout, value, dv) - w.delta[q]);
+    add_scaled<T, D>(w.dq.data() + q * d, ds, key, d);
+    add_scaled<float, D>(dk + j * d, ds, query, d);
+    add_scaled<float, D>(dv_sums + j * dv, p, dout, dv);
+  }
+}
+
+// Queries i0 .. i0 + rows - 1 of the g query heads of key/value head `head`, adding into this
+// split's dk and dv.
+template <typename T, typename I, int64_t D>
+void backward_block(const Operands<T, I>& x, const Gradients<T>& y, int64_t batch, int64_t head,
+                    int64_t i0, int64_t rows, float* dk, float* dv_sums, BackwardScratch& w) {
+  const int64_t g = x.groups(), d = D ? D : x.d, dv = D ? D : x.dv;
+  BlockKeys& sel = w.selection;
+  sel.select(x, batch, head, i0, rows);
+  for (int64_t i = 0; i < rows; ++i) {
+    for (int64_t r = 0; r < g; ++r) {
+      const int64_t q = i * g + r, hr = head * g + r, at = (batch * x.h + hr) * x.t + i0 + i;
+      const T* qr = x.query(batch, hr, i0 + i);
+      const T* dor = y.dout + batch * y.do_b + hr * y.do_h + (i0 + i) * y.do_t;
+      for (int64_t c = 0; c < d; ++c) w.queries[q * d + c] = static_cast<float>(qr[c]) * x.scale;
+      for (int64_t c = 0; c < dv; ++c) w.douts[q * dv + c] = static_cast<float>(dor[c]);
+      w.lse[q] = y.lse[at], w.delta[q] = y.delta[at];
+    }
+  }
+  std::fill(w.dq.begin(), w.dq.begin() + rows * g * d, 0.f);
+  const auto key_row = [&](int64_t j) { return x.key(batch, head, j); };
+  const auto value_row = [&](int64_t j) { return x.value(batch, head, j); };
+  for (int64_t tile = 0; tile < sel.tiles; ++tile) {
+    for (int64_t i = 0; i < rows; ++i) {
+      const int64_t* keys = sel.row(i);
+      const int64_t end = sel.end(i, tile);
+      int64_t e = sel.begin(i, tile);
+      for (; e + 4 <= end; e += 4) {
+        const T *key[4], *value[4];
+        four_rows<T>(key_row, keys + e, end - e, d, key);
+        four_rows<T>(value_row, keys + e, end - e, dv, value);
+        four_keys<T, D>(key, value, keys + e, i, g, d, dv, w, dk, dv_sums);
+      }
+      for (; e < end; ++e) {
+        one_key<T, D>(key_row(keys[e]), value_row(keys[e]), keys[e], i, g, d, dv, w, dk, dv_sums);
+      }
+    }
+  }
+  for (int64_t i = 0; i < rows; ++i) {
+    for (int64_t r = 0; r < g; ++r) {
+      T* into = y.dq + ((batch * x.h + head * g + r) * x.t + i0 + i) * d;
+      const float* from = w.dq.data() + (i * g + r) * d;
+      for (int64_t c = 0; c < d; ++c) into[c] = static_cast<T>(from[c] * x.scale);
+    }
+  }
+}
+
+// Every query; a work item is one split of the queries of one (batch row, key/value head), walked
+// in blocks, adding into the split's own copy of dk and dv.
 template <typename T, typename I, int64_t D>
 void sparse_backward(const Operands<T, I>& x, const Gradients<T>& y) {
   const int64_t splits = y.splits, per_split = (x.t + splits - 1) / splits;
   const int64_t items = x.b * x.h_kv;
+  const int64_t per_block = block_queries(x.groups(), x.n);
+  const int64_t row_bytes = 2 * std::max(x.d, x.dv) * static_cast<int64_t>(sizeof(T) + 4);
+  const int64_t shift = tile_shift(row_bytes, 2 * kTileBytes);
   at::parallel_for(0, splits * items, 1, [&](int64_t first, int64_t last) {
-    BackwardScratch w(x.s, x.n, x.groups(), x.d, x.dv);
+    BackwardScratch w(x.s, x.n, per_block, x.groups(), x.d, x.dv, shift);
     for (int64_t task = first; task < last; ++task) {
       const int64_t split = task / items, bh = task % items;
       const int64_t batch = bh / x.h_kv, head = bh % x.h_kv;
       float* dk = y.dk + (split * items + bh) * x.s * x.d;
       float* dv = y.dv + (split * items + bh) * x.s * x.dv;
       const int64_t end = std::min(x.t, (split + 1) * per_split);
-      for (int64_t i = split * per_split; i < end; ++i) {
-        backward_query<T, I, D>(x, y, batch, head, i, dk, dv, w);
+      for (int64_t i0 = split * per_split; i0 < end; i0 += per_block) {
+        backward_block<T, I, D>(x, y, batch, head, i0, std::min(per_block, end - i0), dk, dv, w);
       }
     }
   });

@@ -1,10 +1,10 @@
 // The sparse kernel's forward: for each query, softmax attention over the keys its indices select,
-// in two passes over those keys (their scores, then the weighted sum of their values), gathered
-// one row at a time and fetched a few keys ahead.
+// in two passes over those keys (their scores, then the weighted sum of their values).
 //
-// A work item is a block of queries of one (batch row, key/value head); the g query heads that
-// share the key/value head share each gathered row of K and V, and the selection is worked out
-// once for them. Rules (rules/nonfinite.py): a row with no visible key gets 0 and lse -inf; a
+// A work item is a block of queries of one (batch row, key/value head). Its keys are walked tile by
+// tile (BlockKeys): each tile's rows of K, then of V, are read into cache once for the whole block.
+// The g query heads that share the key/value head share each row read, and the selection is worked
+// out once for them. Rules (rules/nonfinite.py): a row with no visible key gets 0 and lse -inf; a
 // visible key whose score is not finite makes its row NaN; a non-finite value makes NaN the
 // columns it is in, of the rows that see its key.
 
@@ -14,95 +14,137 @@
 
 #include <vector>
 
+#include "fast_exp.h"
 #include "sparse_rows.h"
 
 namespace {
 
-constexpr int64_t kQueriesPerItem = 16;
+constexpr int64_t kTileBytes = 1 << 17;      // rows of K (or V) of one tile of keys
+constexpr int64_t kBlockScores = 1 << 18;    // scores a block of queries holds at once
+constexpr int64_t kMaxBlockQueries = 128;
+
+// The queries of one work item: enough for their g heads' scores to stay within kBlockScores.
+inline int64_t block_queries(int64_t g, int64_t n) {
+  return std::max<int64_t>(1, std::min(kMaxBlockQueries, kBlockScores / std::max<int64_t>(1, g * n)));
+}
 
 // Scratch of one thread, sized once for a call.
 struct Scratch {
-  std::vector<uint64_t> seen;
-  std::vector<int64_t> keys;
-  std::vector<float> scores, queries, acc, row;
+  BlockKeys selection;
+  std::vector<float> scores, queries, acc, top, total;
+  std::vector<char> bad;
 
-  Scratch(int64_t s, int64_t n, int64_t g, int64_t d, int64_t dv)
-      : seen((s + 63) / 64, 0), keys(n), scores(g * n), queries(g * d), acc(g * dv),
-        row(std::max(d, dv)) {}
+  Scratch(int64_t s, int64_t n, int64_t block, int64_t g, int64_t d, int64_t dv, int64_t shift)
+      : selection(s, n, block, shift), scores(block * g * n), queries(block * g * d),
+        acc(block * g * dv), top(block * g), total(block * g),
+        bad(block * g) {}
 };
 
-// Query i of query heads head * g .. head * g + g - 1: out (b, t, h, dv) memory, lse (b, h, t).
+// Queries i0 .. i0 + rows - 1 of the g query heads of key/value head `head`: out (b, t, h, dv)
+// memory, lse (b, h, t). Scores, weights and sums are kept per (query, head) row, q = i * g + r.
 template <typename T, typename I, int64_t D>
-void attend_query(const Operands<T, I>& x, int64_t batch, int64_t head, int64_t i, Scratch& w,
-                  T* out, float* lse) {
-  const int64_t g = x.groups(), d = D ? D : x.d, dv = D ? D : x.dv;
-  const int64_t m = x.visible(batch, head, i, w.seen.data(), w.keys.data());
-  const int64_t* keys = w.keys.data();
-  T* out_row = out + ((batch * x.t + i) * x.h + head * g) * dv;  // g heads side by side
-  float* lse_row = lse + (batch * x.h + head * g) * x.t + i;       // stride t between heads
-  if (m == 0) {
-    std::fill(out_row, out_row + g * dv, static_cast<T>(0.f));
-    for (int64_t r = 0; r < g; ++r) lse_row[r * x.t] = -INFINITY;
-    return;
-  }
-  float* queries = w.queries.data();
-  for (int64_t r = 0; r < g; ++r) {
-    const T* qr = x.query(batch, head * g + r, i);
-    for (int64_t c = 0; c < d; ++c) queries[r * d + c] = static_cast<float>(qr[c]) * x.scale;
-  }
-  float* scores = w.scores.data();  // (g, m)
-  for (int64_t e = 0; e < m; ++e) {
-    if (e + kAhead < m) fetch_row(x.key(batch, head, keys[e + kAhead]), d);
-    const float* key = as_float<T, D>(x.key(batch, head, keys[e]), w.row.data(), d);
-    for (int64_t r = 0; r < g; ++r) scores[r * m + e] = dot<D>(queries + r * d, key, d);
-  }
-  float top[16], total[16];  // g <= 16 (checked by sparse.cpp)
-  bool bad[16];
-  for (int64_t r = 0; r < g; ++r) {
-    float* row = scores + r * m;
-    float most = -FLT_MAX;
-    bool all_finite = true;
-    for (int64_t e = 0; e < m; ++e) {
-      most = std::max(most, row[e]);
-      all_finite = all_finite && finite(row[e]);
+void attend_block(const Operands<T, I>& x, int64_t batch, int64_t head, int64_t i0, int64_t rows,
+                  Scratch& w, T* out, float* lse) {
+  const int64_t g = x.groups(), d = D ? D : x.d, dv = D ? D : x.dv, n = x.n;
+  BlockKeys& sel = w.selection;
+  sel.select(x, batch, head, i0, rows);
+  float *queries = w.queries.data(), *scores = w.scores.data(), *acc = w.acc.data();
+  for (int64_t i = 0; i < rows; ++i) {
+    for (int64_t r = 0; r < g; ++r) {
+      const T* qr = x.query(batch, head * g + r, i0 + i);
+      float* into = queries + (i * g + r) * d;
+      for (int64_t c = 0; c < d; ++c) into[c] = static_cast<float>(qr[c]) * x.scale;
     }
+  }
+  const auto key_row = [&](int64_t j) { return x.key(batch, head, j); };
+  const auto value_row = [&](int64_t j) { return x.value(batch, head, j); };
+  for (int64_t tile = 0; tile < sel.tiles; ++tile) {  // scores, a tile of keys at a time
+    for (int64_t i = 0; i < rows; ++i) {
+      const int64_t* keys = sel.row(i);
+      const int64_t end = sel.end(i, tile);
+      int64_t e = sel.begin(i, tile);
+      for (; e + 4 <= end; e += 4) {
+        const T* key[4];
+        four_rows<T>(key_row, keys + e, end - e, d, key);
+        for (int64_t r = 0; r < g; ++r) {
+          dot4<T, D>(queries + (i * g + r) * d, key, d, scores + (i * g + r) * n + e);
+        }
+      }
+      for (; e < end; ++e) {
+        const T* key = key_row(keys[e]);
+        for (int64_t r = 0; r < g; ++r) {
+          scores[(i * g + r) * n + e] = dot<T, D>(queries + (i * g + r) * d, key, d);
+        }
+      }
+    }
+  }
+  for (int64_t q = 0; q < rows * g; ++q) {  // each row's softmax
+    float* row = scores + q * n;
+    const int64_t m = sel.count(q / g);
+    bool nonfinite;
+    const float most = max_and_finite(row, m, &nonfinite);
     float sum = 0.f;
     for (int64_t e = 0; e < m; ++e) {
-      row[e] = std::exp(row[e] - most);
+      row[e] = exp_nonpositive(row[e] - most);
       sum += row[e];
     }
-    top[r] = most, total[r] = sum, bad[r] = !all_finite;
+    w.top[q] = most, w.total[q] = sum, w.bad[q] = nonfinite;
   }
-  float* acc = w.acc.data();  // (g, dv)
-  std::fill(acc, acc + g * dv, 0.f);
-  for (int64_t e = 0; e < m; ++e) {
-    if (e + kAhead < m) fetch_row(x.value(batch, head, keys[e + kAhead]), dv);
-    const float* value = as_float<T, D>(x.value(batch, head, keys[e]), w.row.data(), dv);
-    for (int64_t r = 0; r < g; ++r) add_scaled<D>(acc + r * dv, scores[r * m + e], value, dv);
-  }
-  for (int64_t r = 0; r < g; ++r) {
-    const float inverse = 1.f / total[r];
-    for (int64_t c = 0; c < dv; ++c) {
-      const float a = acc[r * dv + c];  // inf or NaN only from a non-finite value
-      out_row[r * dv + c] = static_cast<T>(bad[r] || !finite(a) ? NAN : a * inverse);
+  std::fill(acc, acc + rows * g * dv, 0.f);
+  for (int64_t tile = 0; tile < sel.tiles; ++tile) {  // the weighted values, likewise
+    for (int64_t i = 0; i < rows; ++i) {
+      const int64_t* keys = sel.row(i);
+      const int64_t end = sel.end(i, tile);
+      int64_t e = sel.begin(i, tile);
+      for (; e + 4 <= end; e += 4) {
+        const T* value[4];
+        four_rows<T>(value_row, keys + e, end - e, dv, value);
+        for (int64_t r = 0; r < g; ++r) {
+          add_four<T, D>(acc + (i * g + r) * dv, scores + (i * g + r) * n + e, value, dv);
+        }
+      }
+      for (; e < end; ++e) {
+        const T* value = value_row(keys[e]);
+        for (int64_t r = 0; r < g; ++r) {
+          add_scaled<T, D>(acc + (i * g + r) * dv, scores[(i * g + r) * n + e], value, dv);
+        }
+      }
     }
-    lse_row[r * x.t] = bad[r] ? NAN : top[r] + std::log(total[r]);
+  }
+  for (int64_t i = 0; i < rows; ++i) {
+    T* out_row = out + ((batch * x.t + i0 + i) * x.h + head * g) * dv;  // g heads side by side
+    float* lse_row = lse + (batch * x.h + head * g) * x.t + i0 + i;    // stride t between heads
+    for (int64_t r = 0; r < g; ++r) {
+      const int64_t q = i * g + r;
+      if (sel.count(i) == 0) {  // no visible key: 0, lse -inf
+        std::fill_n(out_row + r * dv, dv, static_cast<T>(0.f));
+        lse_row[r * x.t] = -INFINITY;
+        continue;
+      }
+      const float inverse = 1.f / w.total[q];
+      for (int64_t c = 0; c < dv; ++c) {
+        const float a = acc[q * dv + c];  // inf or NaN only from a non-finite value
+        out_row[r * dv + c] = static_cast<T>(w.bad[q] || !finite(a) ? NAN : a * inverse);
+      }
+      lse_row[r * x.t] = w.bad[q] ? NAN : w.top[q] + std::log(w.total[q]);
+    }
   }
 }
 
 // Every query: out (b, t, h, dv) memory, lse (b, h, t) float32.
 template <typename T, typename I, int64_t D>
 void sparse_forward(const Operands<T, I>& x, T* out, float* lse) {
-  const int64_t blocks = (x.t + kQueriesPerItem - 1) / kQueriesPerItem;
+  const int64_t per_block = block_queries(x.groups(), x.n);
+  const int64_t blocks = (x.t + per_block - 1) / per_block;
+  const int64_t row_bytes = std::max(x.d, x.dv) * static_cast<int64_t>(sizeof(T));
+  const int64_t shift = tile_shift(row_bytes, kTileBytes);
   at::parallel_for(0, x.b * x.h_kv * blocks, 1, [&](int64_t first, int64_t last) {
-    Scratch w(x.s, x.n, x.groups(), x.d, x.dv);
+    Scratch w(x.s, x.n, per_block, x.groups(), x.d, x.dv, shift);
     for (int64_t item = first; item < last; ++item) {
       const int64_t block = item % blocks, bh = item / blocks;
       const int64_t batch = bh / x.h_kv, head = bh % x.h_kv;
-      const int64_t end = std::min(x.t, (block + 1) * kQueriesPerItem);
-      for (int64_t i = block * kQueriesPerItem; i < end; ++i) {
-        attend_query<T, I, D>(x, batch, head, i, w, out, lse);
-      }
+      const int64_t i0 = block * per_block;
+      attend_block<T, I, D>(x, batch, head, i0, std::min(per_block, x.t - i0), w, out, lse);
     }
   });
 }

@@ -26,8 +26,8 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // exp(x) for x <= 0 (and -inf), in a form the compiler vectorises: 2^n * p(f), x log2(e) = n + f,
 // |f| <= 1/2, p of degree 6 (below 2e-7 relative error; with the rounding of x log2(e), below 4e-6
-// near -87); 0 below -87, where float32 turns denormal. decode.cpp keeps its own copy on purpose:
-// built with -ffast-math, which may fold (y + c) - c into y, it rounds with nearbyint instead.
+// near -87); 0 below -87, where float32 turns denormal. The kernels built with -ffast-math, which
+// may fold (y + c) - c into y, take fast_exp.h's instead, which rounds with nearbyint.
 inline float exp_nonpositive(float x) {
   const float y = std::max(x, -87.f) * 1.44269504088896341f;
   const float n = (y + 12582912.f) - 12582912.f;  // round to nearest: 1.5 * 2^23
