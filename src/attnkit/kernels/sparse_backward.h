@@ -33,28 +33,32 @@ struct Gradients {
   int64_t splits;
 };
 
+template <typename T>
 struct BackwardScratch {
   BlockKeys selection;
   std::vector<float> queries, douts, dq, lse, delta;
+  std::vector<const T*> query_rows, dout_rows;  // each (query, head)'s rows as given
 
   BackwardScratch(int64_t s, int64_t n, int64_t block, int64_t g, int64_t d, int64_t dv,
                   int64_t shift)
       : selection(s, n, block, shift), queries(block * g * d), douts(block * g * dv),
-        dq(block * g * d), lse(block * g), delta(block * g) {}
+        dq(block * g * d), lse(block * g), delta(block * g), query_rows(block * g),
+        dout_rows(block * g) {}
 };
 
 // Four keys of query i (rows q = i * g + r of the scratch): their weights and dS for each of the g
 // heads, dQ's rows, and the four keys' rows of this split's dK and dV.
 template <typename T, int64_t D>
 inline void four_keys(const T* const key[4], const T* const value[4], const int64_t* j,
-                      int64_t i, int64_t g, int64_t d, int64_t dv, BackwardScratch& w, float* dk,
-                      float* dv_sums) {
+                      int64_t i, int64_t g, int64_t d, int64_t dv, BackwardScratch<T>& w, float* dk,
+                      float* dv_sums, const T* const* query_rows, const T* const* dout_rows,
+                      float scale) {
   float p[16][4], ds[16][4];  // g <= 16 (checked by sparse.cpp)
   for (int64_t r = 0; r < g; ++r) {
     const int64_t q = i * g + r;
     float scores[4], dp[4];
-    dot4<T, D>(w.queries.data() + q * d, key, d, scores);
-    dot4<T, D>(w.douts.data() + q * dv, value, dv, dp);
+    score4<T, D>(w.queries.data() + q * d, query_rows[r], key, scale, d, scores);
+    score4<T, D>(w.douts.data() + q * dv, dout_rows[r], value, 1.f, dv, dp);
     for (int u = 0; u < 4; ++u) {
       p[r][u] = exp_nonpositive(scores[u] - w.lse[q]);
       ds[r][u] = p[r][u] * (dp[u] - w.delta[q]);
@@ -74,7 +78,7 @@ inline void four_keys(const T* const key[4], const T* const value[4], const int6
 // One key of query i, as four_keys does four.
 template <typename T, int64_t D>
 inline void one_key(const T* key, const T* value, int64_t j, int64_t i, int64_t g,
-                    int64_t d, int64_t dv, BackwardScratch& w, float* dk, float* dv_sums) {
+                    int64_t d, int64_t dv, BackwardScratch<T>& w, float* dk, float* dv_sums) {
   for (int64_t r = 0; r < g; ++r) {
     const int64_t q = i * g + r;
     const float* query = w.queries.data() + q * d;
@@ -91,7 +95,7 @@ inline void one_key(const T* key, const T* value, int64_t j, int64_t i, int64_t 
 // split's dk and dv.
 template <typename T, typename I, int64_t D>
 void backward_block(const Operands<T, I>& x, const Gradients<T>& y, int64_t batch, int64_t head,
-                    int64_t i0, int64_t rows, float* dk, float* dv_sums, BackwardScratch& w) {
+                    int64_t i0, int64_t rows, float* dk, float* dv_sums, BackwardScratch<T>& w) {
   const int64_t g = x.groups(), d = D ? D : x.d, dv = D ? D : x.dv;
   BlockKeys& sel = w.selection;
   sel.select(x, batch, head, i0, rows);
@@ -106,10 +110,28 @@ void backward_block(const Operands<T, I>& x, const Gradients<T>& y, int64_t batc
     }
   }
   std::fill(w.dq.begin(), w.dq.begin() + rows * g * d, 0.f);
+  const T** query_rows = w.query_rows.data();
+  const T** dout_rows = w.dout_rows.data();
+  for (int64_t i = 0; i < rows; ++i) {
+    for (int64_t r = 0; r < g; ++r) {
+      const int64_t hr = head * g + r;
+      query_rows[i * g + r] = x.query(batch, hr, i0 + i);
+      dout_rows[i * g + r] = y.dout + batch * y.do_b + hr * y.do_h + (i0 + i) * y.do_t;
+    }
+  }
   const auto key_row = [&](int64_t j) { return x.key(batch, head, j); };
   const auto value_row = [&](int64_t j) { return x.value(batch, head, j); };
+  const auto dk_row = [&](int64_t j) { return dk + j * d; };
+  const auto dv_row = [&](int64_t j) { return dv_sums + j * dv; };
+  const int64_t key_bytes = d * static_cast<int64_t>(sizeof(T));
+  const int64_t value_bytes = dv * static_cast<int64_t>(sizeof(T));
   for (int64_t tile = 0; tile < sel.tiles; ++tile) {
+    const bool dense = next_tile_dense(sel, tile, rows);
     for (int64_t i = 0; i < rows; ++i) {
+      fetch_next_tile(key_row, key_bytes, sel, tile, i, rows, x.s, dense);
+      fetch_next_tile(value_row, value_bytes, sel, tile, i, rows, x.s, dense);
+      fetch_next_tile(dk_row, 4 * d, sel, tile, i, rows, x.s, dense);
+      fetch_next_tile(dv_row, 4 * dv, sel, tile, i, rows, x.s, dense);
       const int64_t* keys = sel.row(i);
       const int64_t end = sel.end(i, tile);
       int64_t e = sel.begin(i, tile);
@@ -117,7 +139,8 @@ void backward_block(const Operands<T, I>& x, const Gradients<T>& y, int64_t batc
         const T *key[4], *value[4];
         four_rows<T>(key_row, keys + e, end - e, d, key);
         four_rows<T>(value_row, keys + e, end - e, dv, value);
-        four_keys<T, D>(key, value, keys + e, i, g, d, dv, w, dk, dv_sums);
+        four_keys<T, D>(key, value, keys + e, i, g, d, dv, w, dk, dv_sums, query_rows + i * g,
+                        dout_rows + i * g, x.scale);
       }
       for (; e < end; ++e) {
         one_key<T, D>(key_row(keys[e]), value_row(keys[e]), keys[e], i, g, d, dv, w, dk, dv_sums);
@@ -143,7 +166,7 @@ void sparse_backward(const Operands<T, I>& x, const Gradients<T>& y) {
   const int64_t row_bytes = 2 * std::max(x.d, x.dv) * static_cast<int64_t>(sizeof(T) + 4);
   const int64_t shift = tile_shift(row_bytes, 2 * kTileBytes);
   at::parallel_for(0, splits * items, 1, [&](int64_t first, int64_t last) {
-    BackwardScratch w(x.s, x.n, per_block, x.groups(), x.d, x.dv, shift);
+    BackwardScratch<T> w(x.s, x.n, per_block, x.groups(), x.d, x.dv, shift);
     for (int64_t task = first; task < last; ++task) {
       const int64_t split = task / items, bh = task % items;
       const int64_t batch = bh / x.h_kv, head = bh % x.h_kv;

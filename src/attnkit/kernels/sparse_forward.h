@@ -58,8 +58,12 @@ void attend_block(const Operands<T, I>& x, int64_t batch, int64_t head, int64_t 
   }
   const auto key_row = [&](int64_t j) { return x.key(batch, head, j); };
   const auto value_row = [&](int64_t j) { return x.value(batch, head, j); };
+  const int64_t key_bytes = d * static_cast<int64_t>(sizeof(T));
+  const int64_t value_bytes = dv * static_cast<int64_t>(sizeof(T));
   for (int64_t tile = 0; tile < sel.tiles; ++tile) {  // scores, a tile of keys at a time
+    const bool dense = next_tile_dense(sel, tile, rows);
     for (int64_t i = 0; i < rows; ++i) {
+      fetch_next_tile(key_row, key_bytes, sel, tile, i, rows, x.s, dense);
       const int64_t* keys = sel.row(i);
       const int64_t end = sel.end(i, tile);
       int64_t e = sel.begin(i, tile);
@@ -67,7 +71,8 @@ void attend_block(const Operands<T, I>& x, int64_t batch, int64_t head, int64_t 
         const T* key[4];
         four_rows<T>(key_row, keys + e, end - e, d, key);
         for (int64_t r = 0; r < g; ++r) {
-          dot4<T, D>(queries + (i * g + r) * d, key, d, scores + (i * g + r) * n + e);
+          const T* query = x.query(batch, head * g + r, i0 + i);  // as given, for pair products
+          score4<T, D>(queries + (i * g + r) * d, query, key, x.scale, d, scores + (i * g + r) * n + e);
         }
       }
       for (; e < end; ++e) {
@@ -92,7 +97,9 @@ void attend_block(const Operands<T, I>& x, int64_t batch, int64_t head, int64_t 
   }
   std::fill(acc, acc + rows * g * dv, 0.f);
   for (int64_t tile = 0; tile < sel.tiles; ++tile) {  // the weighted values, likewise
+    const bool dense = next_tile_dense(sel, tile, rows);
     for (int64_t i = 0; i < rows; ++i) {
+      fetch_next_tile(value_row, value_bytes, sel, tile, i, rows, x.s, dense);
       const int64_t* keys = sel.row(i);
       const int64_t end = sel.end(i, tile);
       int64_t e = sel.begin(i, tile);

@@ -65,10 +65,14 @@ struct Operands {
     const int64_t p = i + diagonal;
     const int64_t lo = left >= 0 ? std::max<int64_t>(0, p - left) : 0;
     const int64_t hi = right >= 0 ? std::min<int64_t>(s - 1, p + right) : s - 1;
+    if (hi < lo) return {lo, hi};  // the query sees no key at all
     const bool* real = key_mask ? key_mask + batch * key_mask_b : nullptr;
-    for (int64_t e = 0; e < n; ++e) {
+    const uint64_t span = static_cast<uint64_t>(hi - lo);
+    const int64_t slots_of_query = n;  // a local: stores to `seen` may not alias it
+    for (int64_t e = 0; e < slots_of_query; ++e) {
       const int64_t j = static_cast<int64_t>(slot[e]);
-      if (j < lo || j > hi || (real && !real[j])) continue;  // -1 too: lo >= 0
+      // lo <= j <= hi in one comparison; -1 is out too, as lo >= 0
+      if (static_cast<uint64_t>(j - lo) > span || (real && !real[j])) continue;
       seen[j >> 6] |= uint64_t{1} << (j & 63);
     }
     return {lo, hi};
@@ -99,20 +103,17 @@ struct BlockKeys {
     for (int64_t r = 0; r < rows; ++r) {
       const auto [lo, hi] = x.mark(batch, head, i0 + r, seen.data());
       int64_t* row = keys.data() + r * n;
-      int64_t m = 0;
+      int64_t* start = starts.data() + r * (tiles + 1);
+      int64_t m = 0, tile = 0;  // start[t]: the first of the row's keys at or beyond tile t
+      const int64_t words_per_tile = int64_t{1} << (shift - 6);  // shift >= 6
       for (int64_t word = lo >> 6; word <= (hi >> 6) && hi >= lo; ++word) {
+        for (; tile <= word / words_per_tile; ++tile) start[tile] = m;
         for (uint64_t bits = seen[word]; bits != 0; bits &= bits - 1) {
           row[m++] = (word << 6) + __builtin_ctzll(bits);
         }
         seen[word] = 0;
       }
-      int64_t* start = starts.data() + r * (tiles + 1);
-      int64_t e = 0;
-      for (int64_t t = 0; t <= tiles; ++t) {  // start[t]: the first key at or beyond tile t
-        while (e < m && (row[e] >> shift) < t) ++e;
-        start[t] = e;
-      }
-      start[tiles] = m;
+      for (; tile <= tiles; ++tile) start[tile] = m;
     }
   }
   int64_t count(int64_t r) const { return starts[r * (tiles + 1) + tiles]; }
@@ -122,9 +123,34 @@ struct BlockKeys {
   const int64_t* row(int64_t r) const { return keys.data() + r * n; }
 };
 
-// The tile of keys whose rows of K and V take about `bytes` (a power of two of keys, at least 16).
+// The rows of the tile after `tile` that query i of a block of `rows` fetches into L2 while the
+// block works on this tile (`row_of(j)` gives row j, of `row_bytes`), where the block selects at
+// least half as many keys there as the tile holds: then nearly every row is read, and fetched in
+// memory order they stream at the bus's speed instead of missing one by one. None otherwise.
+template <typename RowOf>
+inline void fetch_next_tile(RowOf row_of, int64_t row_bytes, const BlockKeys& sel, int64_t tile,
+                            int64_t i, int64_t rows, int64_t s, bool dense) {
+  if (!dense) return;
+  const int64_t size = int64_t{1} << sel.shift, first = (tile + 1) * size;
+  const int64_t count = std::min(size, s - first);
+  const int64_t from = first + count * i / rows, to = first + count * (i + 1) / rows;
+  for (int64_t j = from; j < to; ++j) {
+    const char* at = reinterpret_cast<const char*>(row_of(j));
+    for (int64_t offset = 0; offset < row_bytes; offset += 64) __builtin_prefetch(at + offset, 0, 2);
+  }
+}
+
+// Whether the block selects at least half as many keys in the tile after `tile` as it holds.
+inline bool next_tile_dense(const BlockKeys& sel, int64_t tile, int64_t rows) {
+  if (tile + 1 >= sel.tiles) return false;
+  int64_t selected = 0;
+  for (int64_t i = 0; i < rows; ++i) selected += sel.end(i, tile + 1) - sel.begin(i, tile + 1);
+  return 2 * selected >= (int64_t{1} << sel.shift);
+}
+
+// The tile of keys whose rows take about `bytes` (a power of two of keys, at least 64).
 inline int64_t tile_shift(int64_t row_bytes, int64_t bytes) {
-  int64_t shift = 4;
+  int64_t shift = 6;  // a word of BlockKeys' bitmap
   while ((int64_t{2} << shift) * row_bytes <= bytes) ++shift;
   return shift;
 }
@@ -211,6 +237,46 @@ inline void dot4(const float* a, const T* const rows[4], int64_t dim, float* out
     s3 += a[c] * static_cast<float>(rows[3][c]);
   }
   out[0] = s0, out[1] = s1, out[2] = s2, out[3] = s3;
+}
+
+// Whether scores of T rows are bf16 pair products (vdpbf16ps: products exact, sums in float32):
+// bf16 rows of a width that is a multiple of 32, in a build with AVX512-BF16.
+template <typename T, int64_t D>
+constexpr bool kPairs =
+#if defined(__AVX512BF16__)
+    std::is_same_v<T, c10::BFloat16> && D > 0 && D % 32 == 0;
+#else
+    false;
+#endif
+
+// Four dot products of a bf16 row `a` with bf16 rows[0..3], 32 numbers per product, times `scale`.
+template <typename T, int64_t D>
+inline void dot4_pairs(const T* a, const T* const rows[4], float scale, float* out) {
+#if defined(__AVX512BF16__)
+  if constexpr (kPairs<T, D>) {
+    __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+    for (int64_t c = 0; c < D; c += 32) {
+      const __m512bh x = (__m512bh)_mm512_loadu_si512(a + c);
+      s0 = _mm512_dpbf16_ps(s0, x, (__m512bh)_mm512_loadu_si512(rows[0] + c));
+      s1 = _mm512_dpbf16_ps(s1, x, (__m512bh)_mm512_loadu_si512(rows[1] + c));
+      s2 = _mm512_dpbf16_ps(s2, x, (__m512bh)_mm512_loadu_si512(rows[2] + c));
+      s3 = _mm512_dpbf16_ps(s3, x, (__m512bh)_mm512_loadu_si512(rows[3] + c));
+    }
+    _mm_storeu_ps(out, _mm_mul_ps(sum_lanes4(s0, s1, s2, s3), _mm_set1_ps(scale)));
+  }
+#endif
+}
+
+// Four scores: those of a row `a` of T as given, scaled after (pair products), or of its float32
+// copy `a_float`, scaled before.
+template <typename T, int64_t D>
+inline void score4(const float* a_float, const T* a, const T* const rows[4], float scale,
+                   int64_t dim, float* out) {
+  if constexpr (kPairs<T, D>) {
+    dot4_pairs<T, D>(a, rows, scale, out);
+  } else {
+    dot4<T, D>(a_float, rows, dim, out);
+  }
 }
 
 // into += f[0] rows[0] + ... + f[3] rows[3]: one load and store of `into` per four rows (adding
