@@ -65,16 +65,17 @@ def test_logits_on_the_real_tokens_match_eager_and_the_selection_is_used(name, m
     real = attnkit.hf.attention
 
     def counted(*args, **kwargs):
-        seen.append(kwargs.get("attn_mask"))
+        seen.append((kwargs.get("indices"), kwargs.get("attn_mask")))
         return real(*args, **kwargs)
 
     monkeypatch.setattr(attnkit.hf, "attention", counted)
     want, got = eager_then_attnkit(model, lambda: model(ids, attention_mask=mask).logits)
     real_tokens = mask.bool()
     torch.testing.assert_close(got[real_tokens], want[real_tokens])
-    selections = [m for m in seen if m is not None and m.dtype == torch.bool]
-    # 4 keys chosen of up to 13 for the last query: the indexer's choice reached attention
-    assert selections and all(int(m[0, 0, -1].sum()) == 4 for m in selections)
+    selections = [indices for indices, _ in seen if indices is not None]
+    # 4 keys chosen for each query: the indexer's choice reached attention as indices, no mask
+    assert selections and all(x.shape == (2, 13, 4) for x in selections)
+    assert all(m is None for indices, m in seen if indices is not None)
 
 
 @pytest.mark.parametrize("name", NAMES)

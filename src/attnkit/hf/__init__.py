@@ -142,8 +142,7 @@ def attention_function(
         masks = _given(attention_mask, is_causal, sliding_window)
     masks = _packed(masks, query, key, kwargs)
     if kwargs.get("indices") is not None:  # the keys a query's indexer chose (DeepSeek-V3.2)
-        selected = _selected(kwargs["indices"], key.shape[2])
-        masks["attn_mask"] = _both(masks.get("attn_mask"), selected)
+        masks = _with_selection(masks, kwargs["indices"], key.shape[2], dropout)
     if position_bias is not None:  # an additive bias of the model's (T5-like)
         masks["attn_mask"] = _sum(masks.get("attn_mask"), position_bias.to(query.dtype))
     weights = _wants_weights(module, kwargs)
@@ -162,6 +161,19 @@ def attention_function(
     if attn_weights is not None and attn_weights.shape[-1] < width:  # a static cache's empty slots
         attn_weights = torch.nn.functional.pad(attn_weights, (0, width - attn_weights.shape[-1]))
     return out.transpose(1, 2).contiguous(), attn_weights
+
+
+_DENSE_ONLY = ("attn_mask", "block_mask", "mask_mod", "score_mod")
+"""Masks the sparse backend does not take: with one of them, the selection joins it as a mask."""
+
+
+def _with_selection(masks: dict[str, Any], indices: Tensor, s: int, dropout: float) -> dict:
+    """``masks`` with the keys ``indices`` ``(b, t, n)`` selects for each query: as ``indices``
+    (the sparse backend, ``O(t n d)``), those past the keys given unused (a static cache's empty
+    slots); as a dense mask where another mask or dropout needs a dense backend."""
+    if dropout or any(masks.get(name) is not None for name in _DENSE_ONLY):
+        return {**masks, "attn_mask": _both(masks.get("attn_mask"), _selected(indices, s))}
+    return {**masks, "indices": indices.masked_fill(indices >= s, -1)}
 
 
 def _selected(indices: Tensor, s: int) -> Tensor:
