@@ -110,3 +110,17 @@ def test_under_vmap_and_func_grad_it_gives_the_reference_results():
     leaf = q[0].clone().requires_grad_()
     f(leaf, k[0], v[0], "reference").sum().backward()
     torch.testing.assert_close(grad, leaf.grad)
+
+
+def test_bf16_scores_are_pair_products_where_the_kernel_has_them():
+    from attnkit.kernels import cpu
+    from attnkit.sparse import native
+
+    *tensors, indices = inputs(d=64)
+    choice = which_backend(*(x.bfloat16() for x in tensors), indices=indices)
+    if choice.path != "native":
+        pytest.skip("no C++ kernel here")
+    pairs = native.KERNEL.has_avx512_bf16() and cpu.has("avx512_bf16")
+    assert choice.products == ("bf16-avx512_bf16" if pairs else "float32")
+    odd = [torch.randn(2, 4, 9, 40, dtype=torch.bfloat16), *torch.randn(2, 2, 2, 12, 40).bfloat16()]
+    assert which_backend(*odd, indices=indices).products == "float32"

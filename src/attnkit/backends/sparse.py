@@ -44,10 +44,12 @@ class SparseBackend(Backend):
 
     def path(self, call: Call) -> Route:
         """``native`` (the C++ kernel) or ``gather`` (PyTorch operations), and the dtype of the
-        products (float32, or float64 for float64 inputs)."""
-        stats = torch.promote_types(call.q.dtype, torch.float32)
-        name = "float64" if stats == torch.float64 else "float32"
-        return Route("gather" if native.refuses(call) else "native", name)
+        scores' products: ``"bf16-avx512_bf16"`` where the kernel multiplies bf16 pairs, else
+        float32 (float64 for float64 inputs)."""
+        if native.refuses(call):
+            stats = torch.promote_types(call.q.dtype, torch.float32)
+            return Route("gather", "float64" if stats == torch.float64 else "float32")
+        return Route("native", "bf16-avx512_bf16" if native.pair_products(call) else "float32")
 
     def run(self, call: Call) -> AttentionOutput:
         with torch.autocast(call.q.device.type, enabled=False):

@@ -165,4 +165,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("v"), py::arg("indices"), py::arg("options"));
   m.def("backward", &backward, "Its gradients: (dq, dk per split, dv per split)", py::arg("q"),
         py::arg("k"), py::arg("v"), py::arg("indices"), py::arg("options"));
+  m.def("has_avx512_bf16", [] { return kPairs<c10::BFloat16, 64>; },
+        "Whether this build multiplies bf16 scores in pairs with AVX512-BF16");
 }

@@ -46,6 +46,19 @@ def refuses(call: Call) -> str | None:
     return None if usable else f"without its kernel: {why}"
 
 
+PAIR_WIDTHS = (64, 128)
+"""The head dims (of keys and values alike) at which the kernel multiplies bf16 scores in pairs."""
+
+
+def pair_products(call: Call) -> bool:
+    """Whether the kernel's scores for ``call`` are bf16 pair products (vdpbf16ps, sums in
+    float32): bf16 inputs, head dims of `PAIR_WIDTHS`, a build with AVX512-BF16."""
+    d, dv = call.q.shape[-1], call.v.shape[-1]
+    if call.q.dtype != torch.bfloat16 or d != dv or d not in PAIR_WIDTHS:
+        return False
+    return KERNEL.has_avx512_bf16()
+
+
 def attend(call: Call) -> tuple[Tensor, Tensor]:
     """``(out (b, h, t, d_v), lse (b, h, t) float32)`` of ``call`` on the kernel, differentiable."""
     masks = call.masks
