@@ -45,24 +45,32 @@ def training_pass(q, k, v, **options) -> None:
 
 
 def speed(t: int = 32768, n: int = 2048, h: int = 4, d: int = 64) -> None:
-    """Forward+backward of sparse attention against attnkit's dense causal attention."""
-    print(f"b=1, t=s={t}, n={n}, {h} heads of {d}, forward+backward, medians of 5 after 2 warm-ups")
+    """Forward+backward of sparse attention against attnkit's dense causal attention, with a
+    key/value head per query head, and with one shared by all (multi-query, as DeepSeek-V3.2
+    runs its sparse attention on the latent)."""
+    print(f"b=1, t=s={t}, n={n}, {h} query heads of {d}, forward+backward, medians of 5 after 2 "
+          "warm-ups")  # fmt: skip
     print()
-    print("| dtype | dense causal s | sparse s | sparse / dense | pairs sparse / dense |")
-    print("|---|---:|---:|---:|---:|")
+    print(
+        "| dtype | key/value heads | dense causal s | sparse s | sparse / dense | pairs sparse / dense |"
+    )
+    print("|---|---:|---:|---:|---:|---:|")
     indices = selection(t, n)
     pairs = float((indices >= 0).sum()) / (t * (t + 1) / 2)
     for dtype in (torch.float32, torch.bfloat16):
-        xs = leaves(1, h, t, d, dtype)
-        dense, sparse = Result("dense"), Result("sparse")
-        time_interleaved(
-            [(dense, lambda xs=xs: training_pass(*xs)),
-             (sparse, lambda xs=xs: training_pass(*xs, indices=indices))],
-            repeats=5, warmups=2,
-        )  # fmt: skip
-        a, o = statistics.median(dense.times), statistics.median(sparse.times)
-        name = str(dtype).removeprefix("torch.")
-        print(f"| {name} | {a:.2f} | {o:.2f} | {o / a:.3f} | {pairs:.3f} |")
+        for h_kv in (h, 1):
+            q = torch.randn(1, h, t, d, dtype=dtype, requires_grad=True)
+            k, v = leaves(1, h_kv, t, d, dtype)[:2]
+            xs = (q, k, v)
+            dense, sparse = Result("dense"), Result("sparse")
+            time_interleaved(
+                [(dense, lambda xs=xs: training_pass(*xs)),
+                 (sparse, lambda xs=xs: training_pass(*xs, indices=indices))],
+                repeats=5, warmups=2,
+            )  # fmt: skip
+            a, o = statistics.median(dense.times), statistics.median(sparse.times)
+            name = str(dtype).removeprefix("torch.")
+            print(f"| {name} | {h_kv} | {a:.2f} | {o:.2f} | {o / a:.3f} | {pairs:.3f} |")
 
 
 MEMORY_PROBE = """
