@@ -72,6 +72,43 @@ def test_half_caches_within_twice_the_naive_error(dtype, masked, split_size):
     assert err(out) <= 2 * err(naive) + 1e-6
 
 
+# (b, h, h_kv, t, s, d, d_v): from 8 query rows a key/value head, bf16 on AVX512-BF16 runs the rows
+# as the lanes of its pair products; multi-head latent attention's absorbed step among them
+MANY_ROWS = {
+    "16 rows, latent 576 / 512": (1, 16, 1, 1, 300, 576, 512),
+    "8 rows, d=128": (2, 8, 1, 1, 129, 128, 128),
+    "2 x 8 rows, 4 queries": (1, 4, 2, 4, 77, 64, 64),
+    "12 rows, d=96, d_v=32": (1, 12, 1, 1, 33, 96, 32),
+}
+
+
+@pytest.mark.parametrize("shape", MANY_ROWS.values(), ids=MANY_ROWS.keys())
+@pytest.mark.parametrize("masked", [False, True])
+def test_many_query_rows_over_a_bf16_cache_within_twice_the_naive_error(shape, masked, split_size):
+    b, h, h_kv, t, s, d, d_v = shape
+    q, k, _, key_mask = inputs((b, h, h_kv, t, s, d), torch.bfloat16, masked)
+    v = k[..., :d_v]  # the latent's first numbers, as the absorbed step reads them
+    if key_mask is not None:  # padding holds anything
+        k = k.masked_fill(~key_mask[:, None, :, None], float("nan"))
+        v = k[..., :d_v]
+    out = attention(q, k, v, key_mask=key_mask, backend="decode")
+    exact_k = k.double().nan_to_num(0.0)
+    expected, _, _ = naive_attention(q.double(), exact_k, exact_k[..., :d_v], key_mask=key_mask)
+    naive, _, _ = naive_attention(
+        q, k.nan_to_num(0.0), k.nan_to_num(0.0)[..., :d_v], key_mask=key_mask
+    )
+    assert not out.isnan().any()
+    error, naive_error = ((x.double() - expected).abs().max().item() for x in (out, naive))
+    assert error <= 2 * naive_error + 1e-6
+
+
+def test_a_real_keys_nan_makes_every_row_that_sees_it_nan_with_many_rows():
+    q, k, v, _ = inputs((1, 16, 1, 1, 70, 64), torch.bfloat16)
+    k[0, 0, 40, 3] = float("nan")
+    out = attention(q, k, v, backend="decode")
+    assert out.isnan().all()
+
+
 def test_scale_and_strided_views_of_a_cache():
     cache = KVCache(2, 2, 300, 16)
     keys, values = cache.update(torch.randn(2, 2, 150, 16), torch.randn(2, 2, 150, 16))

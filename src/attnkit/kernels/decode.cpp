@@ -33,6 +33,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "decode_pairs.h"  // many query rows over a bf16 cache, on AVX512-BF16
 #include "fast_exp.h"
 #include "gemv.h"  // the projections' matrix-vector product, bound beside decode
 
@@ -41,6 +42,9 @@ namespace {
 constexpr int64_t kBlock = 64;     // keys scored together before one softmax update
 constexpr int64_t kMaxRows = 16;   // query rows per key/value head
 constexpr int64_t kMaxDim = 576;  // DeepSeek-V3's latent with its RoPE key, 512 + 64
+#if defined(__AVX512BF16__)
+static_assert(kMaxDim == kPairMaxDim);
+#endif
 // How far ahead of its use a row is asked for, and into which cache, chosen per CPU kind
 // (docs/bench/choices.md): into L1 on AVX2 CPUs; on AVX-512 ones the L1's few outstanding misses
 // held the stream back, and further ahead into L2 ran closer to the memory bus's limit.
@@ -292,9 +296,23 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     for (int64_t item = first; item < last; ++item) {
       const int64_t split = item % splits, bh = item / splits;
       const int64_t batch = bh / h_kv, head = bh % h_kv;
-      scaled_queries<T>(q, batch, head, rows, d, scale, queries);
       const int64_t begin = std::min(s, split * per_split);
       const int64_t end = std::min(s, begin + per_split);
+#if defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        if (rows >= kPairsFrom && d % 32 == 0 && dv % 32 == 0) {
+          attend_split_pairs(q.data_ptr<T>() + batch * q.stride(0) + head * q.stride(1),
+                             q.stride(2), rows, d, dv, static_cast<float>(scale),
+                             kp + batch * k.stride(0) + head * k.stride(1),
+                             vp + batch * v.stride(0) + head * v.stride(1), k.stride(2),
+                             v.stride(2), mp ? mp + batch * key_mask.stride(0) : nullptr, begin,
+                             end, part_out.data() + item * rows * dv,
+                             part_max.data() + item * rows, part_sum.data() + item * rows);
+          continue;
+        }
+      }
+#endif
+      scaled_queries<T>(q, batch, head, rows, d, scale, queries);
       auto attend = rows == 1 ? attend_split<T, D, 1> : attend_split<T, D, 0>;
       attend(queries, rows, d, dv, kp + batch * k.stride(0) + head * k.stride(1),
              vp + batch * v.stride(0) + head * v.stride(1), k.stride(2), v.stride(2),
