@@ -171,7 +171,7 @@ def check_indices(
 ) -> Tensor:
     """``indices`` of top-k sparse attention: integer (int32 or int64), ``(b, t, n)`` (shared by
     every head) or ``(b, h_kv, t, n)``, on ``device``, each -1 (an unused slot) or a key in
-    ``0..s-1`` (read where ``look``: not while traced). Returned as ``(b, 1 or h_kv, t, n)``."""
+    ``0..s-1`` (their values read only where ``look``). Returned as ``(b, 1 or h_kv, t, n)``."""
     check_tensor(indices, "indices")
     if indices.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"indices must be int32 or int64, got dtype {indices.dtype}")

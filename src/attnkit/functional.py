@@ -44,6 +44,7 @@ from attnkit.block_mask import create_block_mask, window_of
 from attnkit.call import DEFAULT_OPTIONS, TENSOR_KEYWORDS, AttentionOutput, Call, Options, call_of
 from attnkit.masks import Masks, both_windows, merge_window
 from attnkit.mods import MaskMod, ScoreMod
+from attnkit.rules.nonfinite import can_branch_on_data
 from attnkit.rules.sinks import join as join_sinks
 
 
@@ -116,7 +117,9 @@ def attention(
             ``(b, h_kv, t, n)``, one selection per key/value head; -1 marks an unused slot. Query
             ``i`` attends to these keys alone, where the other masks allow them too (a key beyond
             the causal limit is masked, as a dense mask made from the indices would be); a key
-            named twice counts once. The ``sparse`` backend gathers them, in ``O(t * n * d)``;
+            named twice counts once. An index outside ``-1..s-1`` is an error where its values
+            can be read without a synchronisation (CPU tensors, eagerly); elsewhere (CUDA,
+            ``torch.compile``) it selects no key. The ``sparse`` backend gathers them, in ``O(t * n * d)``;
             the weights, when asked for, are ``(b, h, t, s)``, zero off the selection.
         backend: ``"auto"`` (the fastest backend that computes exactly this request), or a name in
             [`attnkit.backends.BACKENDS`][attnkit.backends.BACKENDS].
@@ -299,9 +302,9 @@ def checked_call(
             extras["nonfinite_keys"] = nonfinite_keys
     if indices is not None:
         h_kv = k.shape[1]
-        extras["indices"] = _checks.check_indices(
-            indices, b, h_kv, t, s, q.device, look=not traced()
-        )
+        # the values are read where a look costs no synchronisation (CPU tensors, eagerly)
+        look = isinstance(indices, Tensor) and can_branch_on_data(indices)
+        extras["indices"] = _checks.check_indices(indices, b, h_kv, t, s, q.device, look=look)
     if score_mod is not None:
         extras["score_mod"] = score_mod
         extras["mod_tensors"] = mods.tensors_to_train(score_mod, q)

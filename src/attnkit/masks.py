@@ -141,12 +141,13 @@ def merge_window(
 
 def selection_mask(indices: Tensor, heads: int, s: int) -> Tensor:
     """``(b, 1 or heads, t, s)`` bool, True at the keys that ``indices`` ``(b, 1 or h_kv, t, n)``
-    (top-k sparse attention's) names for each query, -1 naming none and a key named twice once;
+    (top-k sparse attention's) names for each query, -1 (or any index outside ``0..s-1``) naming
+    none and a key named twice once;
     ``h_kv`` heads of indices are repeated to the ``heads`` query heads that share them. The dense
     form of a selection, for the reference maths and the weights."""
     b, given, t, _ = indices.shape
-    spare = s  # a column for the -1s, dropped after
-    where = indices.long().masked_fill(indices < 0, spare)
+    spare = s  # a column for the -1s (and any index outside 0..s-1), dropped after
+    where = indices.long().masked_fill((indices < 0) | (indices >= s), spare)
     chosen = torch.zeros(b, given, t, s + 1, dtype=torch.bool, device=indices.device)
     chosen = chosen.scatter_(-1, where, True)[..., :s]
     return chosen if given == 1 else chosen.repeat_interleave(heads // given, dim=1)

@@ -138,3 +138,19 @@ def test_compiled_whole_it_matches_transformers_own_attention():
     finally:
         torch._dynamo.reset()
     torch.testing.assert_close(got, want)
+
+
+def test_the_selection_travels_as_indices_or_as_a_mask_where_a_dense_backend_runs():
+    from attnkit.hf import _with_selection
+
+    indices = torch.tensor([[[0, 5], [1, 9]]])  # keys 5 and 9: a static cache's empty slots
+    sparse = _with_selection({"causal": True}, indices, 4, dropout=0.0)
+    assert sparse["indices"].tolist() == [[[0, -1], [1, -1]]] and "attn_mask" not in sparse
+    for masks, dropout in (
+        ({"attn_mask": torch.ones(1, 1, 2, 4, dtype=torch.bool)}, 0.0),
+        ({}, 0.1),
+    ):
+        dense = _with_selection(masks, indices, 4, dropout)
+        assert "indices" not in dense
+        assert dense["attn_mask"][0, 0].tolist() == [[True, False, False, False],
+                                                     [False, True, False, False]]  # fmt: skip

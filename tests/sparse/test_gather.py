@@ -4,6 +4,8 @@ gradients by gradcheck; a block of queries at a time; on CUDA where there is one
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import pytest
 import torch
 
@@ -74,3 +76,44 @@ def test_on_cuda_against_the_oracle(device):
     out = attention(q, k, v, indices=indices, causal=True)
     want = attention(*(x.cpu() for x in (q, k, v)), indices=indices.cpu(), causal=True)
     torch.testing.assert_close(out.cpu(), want)
+
+
+def test_no_slot_at_all_gives_zeros_and_an_lse_of_minus_infinity():
+    q, k, v, _ = inputs()
+    empty = torch.zeros(2, 13, 0, dtype=torch.long)
+    for path in ("sparse:gather", None):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        with force.forced(path) if path else nullcontext():
+            out, lse = attention(*leaves, indices=empty, return_lse=True)
+        assert (out == 0).all() and (lse == float("-inf")).all()
+        out.sum().backward()
+        assert all((x.grad == 0).all() for x in leaves)
+
+
+def test_a_nan_key_reaches_only_the_queries_that_select_it():
+    q, k, v, indices = inputs(b=1, h=2, h_kv=1)
+    k[0, 0, 5] = float("nan")
+    indices[indices == 5] = -1
+    indices[0, 3, 0] = 5
+    with force.forced("sparse:gather"):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        out = attention(*leaves, indices=indices)
+        out.sum().backward()
+    assert out[0, :, 3].isnan().all()
+    assert not out[0, :, torch.arange(13) != 3].isnan().any()
+    assert not leaves[0].grad[0, :, torch.arange(13) != 3].isnan().any()
+
+
+def test_an_index_outside_the_keys_selects_nothing_where_it_is_not_read():
+    q, k, v, indices = inputs()
+    outside = indices.clone()
+    outside[0, 2, 1] = 21  # past the 21 keys
+    outside[1, 5, 0] = -7
+    unused = outside.masked_fill((outside < 0) | (outside >= 21), -1)
+    compiled = torch.compile(
+        lambda q, k, v, i: attention(q, k, v, indices=i, causal=True),
+        backend="eager",
+        fullgraph=True,
+    )
+    out = compiled(q, k, v, outside)  # traced: the values are not read
+    torch.testing.assert_close(out, attention(q, k, v, indices=unused, causal=True))

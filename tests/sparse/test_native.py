@@ -145,3 +145,70 @@ def test_a_second_derivative_matches_the_reference():
         results.append(torch.autograd.grad(dq.pow(2).sum(), leaves))
     for got, want in zip(*results):
         torch.testing.assert_close(got, want)
+
+
+def test_many_tiles_and_blocks_of_queries_against_the_oracle():
+    """Keys over several of the kernel's tiles, queries over several of its blocks, a split of dK
+    and dV per thread (one key/value head, more threads than heads)."""
+    q, k, v, indices = inputs(b=1, h=2, h_kv=1, t=150, s=1300, d=64, n=48)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        check(q, k, v, indices, causal=True)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_the_lse_and_the_weights_carry_gradients():
+    q, k, v, _ = inputs(t=9, s=11, d=16)
+    indices = torch.randint(0, 11, (2, 9, 5))  # every query keeps a key: no row is empty
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    exact = [x.double().requires_grad_() for x in (q, k, v)]
+    _, lse, weights = attention(*leaves, indices=indices, return_lse=True, return_weights=True)
+    _, want_lse, want_weights = naive_attention(*exact, attn_mask=selection_of(indices, 4, 11))
+    dlse, dweights = torch.randn_like(lse), torch.randn_like(weights)
+    # neither depends on v: the gradients of q and k
+    grads = torch.autograd.grad((lse * dlse).sum() + (weights * dweights).sum(), leaves[:2])
+    wanted = torch.autograd.grad(
+        (want_lse * dlse.double()).sum() + (want_weights * dweights.double()).sum(), exact[:2]
+    )
+    for got, want in zip(grads, wanted):
+        torch.testing.assert_close(got, want.float())
+
+
+def test_int32_indices_views_of_projections_and_a_strided_gradient_train_alike():
+    q, k, v, indices = inputs()
+    results = []
+    for layout in ("contiguous", "views"):
+        if layout == "views":  # k and v laid out (b, s, h_kv, d) as projections make them
+            kv = [x.transpose(1, 2).contiguous().transpose(1, 2) for x in (k, v)]
+            chosen = indices.int()
+        else:
+            kv, chosen = [k, v], indices
+        leaves = [x.clone().requires_grad_() for x in (q, *kv)]
+        out = attention(*leaves, indices=chosen, causal=True)
+        dout = torch.ones(2, 13, 4, 40).transpose(1, 2)  # a gradient that is a view, too
+        results.append(torch.autograd.grad(out, leaves, dout))
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want)
+
+
+def test_padding_with_the_causal_limit():
+    q, k, v, indices = inputs()
+    key_mask = torch.rand(2, 21) > 0.3
+    check(q, k, v, indices, key_mask=key_mask, causal=True)
+
+
+@pytest.mark.parametrize("d", [96, 192])
+def test_bf16_pair_products_at_other_widths_within_twice_the_naive_error(d):
+    q, k, v, indices = inputs(d=d, t=20, s=40, n=12, dtype=torch.bfloat16)
+    v = v[..., :64]  # keys wider than values, as MLA's 192 and 128
+    mask = selection_of(indices, 4, 40)
+    leaves = [[x.clone().requires_grad_() for x in (q, k, v)] for _ in range(2)]
+    exact = [x.double().requires_grad_() for x in (q, k, v)]
+    outputs = (
+        attention(*leaves[0], indices=indices, causal=True),
+        naive_attention(*leaves[1], attn_mask=mask, causal=True)[0],
+        naive_attention(*exact, attn_mask=mask, causal=True)[0],
+    )
+    assert_within_the_naive_error(outputs, (leaves[0], leaves[1], exact))

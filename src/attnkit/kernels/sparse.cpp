@@ -22,7 +22,7 @@
 
 namespace {
 
-constexpr int64_t kMaxGroups = 16;  // query heads per key/value head
+constexpr int64_t kMaxGroups = 256;  // query heads per key/value head
 constexpr int64_t kMaxSplits = 8;   // copies of dK and dV that the backward's threads add into
 
 // Everything a call takes besides its tensors (the backward's extends it).
@@ -49,7 +49,7 @@ Operands<T, I> operands(const at::Tensor& q, const at::Tensor& k, const at::Tens
   const int64_t h_kv = k.size(1), s = k.size(2), dv = v.size(3);
   TORCH_CHECK(k.size(0) == b && v.size(0) == b && v.size(1) == h_kv && v.size(2) == s &&
                   k.size(3) == d && h_kv > 0 && h % h_kv == 0 && h / h_kv <= kMaxGroups,
-              "sparse: q (b, h, t, d), k (b, h_kv, s, d), v (b, h_kv, s, dv), h / h_kv <= 16");
+              "sparse: q (b, h, t, d), k (b, h_kv, s, d), v (b, h_kv, s, dv), h / h_kv <= 256");
   TORCH_CHECK(indices.dim() == 4 && indices.is_contiguous() && indices.size(0) == b &&
                   (indices.size(1) == 1 || indices.size(1) == h_kv) && indices.size(2) == t,
               "sparse: indices must be contiguous (b, 1 or h_kv, t, n)");
@@ -165,6 +165,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("v"), py::arg("indices"), py::arg("options"));
   m.def("backward", &backward, "Its gradients: (dq, dk per split, dv per split)", py::arg("q"),
         py::arg("k"), py::arg("v"), py::arg("indices"), py::arg("options"));
-  m.def("has_avx512_bf16", [] { return kPairs<c10::BFloat16, 64>; },
+  m.def("has_avx512_bf16", [] { return kPairs<c10::BFloat16>; },
         "Whether this build multiplies bf16 scores in pairs with AVX512-BF16");
 }

@@ -36,13 +36,14 @@ struct Gradients {
 template <typename T>
 struct BackwardScratch {
   BlockKeys selection;
-  std::vector<float> queries, douts, dq, lse, delta;
+  std::vector<float> queries, douts, dq, lse, delta, weights, dscores;
   std::vector<const T*> query_rows, dout_rows;  // each (query, head)'s rows as given
 
   BackwardScratch(int64_t s, int64_t n, int64_t block, int64_t g, int64_t d, int64_t dv,
                   int64_t shift)
       : selection(s, n, block, shift), queries(block * g * d), douts(block * g * dv),
-        dq(block * g * d), lse(block * g), delta(block * g), query_rows(block * g),
+        dq(block * g * d), lse(block * g), delta(block * g), weights(4 * g), dscores(4 * g),
+        query_rows(block * g),
         dout_rows(block * g) {}
 };
 
@@ -53,24 +54,25 @@ inline void four_keys(const T* const key[4], const T* const value[4], const int6
                       int64_t i, int64_t g, int64_t d, int64_t dv, BackwardScratch<T>& w, float* dk,
                       float* dv_sums, const T* const* query_rows, const T* const* dout_rows,
                       float scale) {
-  float p[16][4], ds[16][4];  // g <= 16 (checked by sparse.cpp)
+  float* p = w.weights.data();  // (g, 4)
+  float* ds = w.dscores.data();
   for (int64_t r = 0; r < g; ++r) {
     const int64_t q = i * g + r;
     float scores[4], dp[4];
     score4<T, D>(w.queries.data() + q * d, query_rows[r], key, scale, d, scores);
     score4<T, D>(w.douts.data() + q * dv, dout_rows[r], value, 1.f, dv, dp);
     for (int u = 0; u < 4; ++u) {
-      p[r][u] = exp_nonpositive(scores[u] - w.lse[q]);
-      ds[r][u] = p[r][u] * (dp[u] - w.delta[q]);
+      p[r * 4 + u] = exp_nonpositive(scores[u] - w.lse[q]);
+      ds[r * 4 + u] = p[r * 4 + u] * (dp[u] - w.delta[q]);
     }
-    add_four<T, D>(w.dq.data() + q * d, ds[r], key, d);
+    add_four<T, D>(w.dq.data() + q * d, ds + r * 4, key, d);
   }
   for (int u = 0; u < 4; ++u) {
     float* dk_row = dk + j[u] * d;
     float* dv_row = dv_sums + j[u] * dv;
     for (int64_t r = 0; r < g; ++r) {  // the queries hold scale * q
-      add_scaled<float, D>(dk_row, ds[r][u], w.queries.data() + (i * g + r) * d, d);
-      add_scaled<float, D>(dv_row, p[r][u], w.douts.data() + (i * g + r) * dv, dv);
+      add_scaled<float, D>(dk_row, ds[r * 4 + u], w.queries.data() + (i * g + r) * d, d);
+      add_scaled<float, D>(dv_row, p[r * 4 + u], w.douts.data() + (i * g + r) * dv, dv);
     }
   }
 }

@@ -191,9 +191,9 @@ inline __m512 load16(const T* row, int64_t c) {
   }
 }
 
-// The vector forms below run on float32, bf16 and fp16 rows whose width is a known multiple of 16.
-template <typename T, int64_t D>
-constexpr bool kVectorWidth = D > 0 && D % 16 == 0 && !std::is_same_v<T, double>;
+// The vector forms below run on float32, bf16 and fp16 rows whose width is a multiple of 16.
+template <typename T>
+constexpr bool kVectorType = !std::is_same_v<T, double>;
 #endif
 
 // The sums of the 16 lanes of each of a, b, c and d, in one vector: the four reductions share
@@ -215,9 +215,10 @@ inline __m128 sum_lanes4(__m512 a, __m512 b, __m512 c, __m512 d) {
 template <typename T, int64_t D>
 inline void dot4(const float* a, const T* const rows[4], int64_t dim, float* out) {
 #if defined(__AVX512F__)
-  if constexpr (kVectorWidth<T, D>) {
+  if (kVectorType<T> && (D ? D : dim) % 16 == 0) {
+    const int64_t n = D ? D : dim;
     __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
-    for (int64_t c = 0; c < D; c += 16) {
+    for (int64_t c = 0; c < n; c += 16) {
       const __m512 x = _mm512_loadu_ps(a + c);
       s0 = _mm512_fmadd_ps(x, load16(rows[0], c), s0);
       s1 = _mm512_fmadd_ps(x, load16(rows[1], c), s1);
@@ -240,22 +241,23 @@ inline void dot4(const float* a, const T* const rows[4], int64_t dim, float* out
 }
 
 // Whether scores of T rows are bf16 pair products (vdpbf16ps: products exact, sums in float32):
-// bf16 rows of a width that is a multiple of 32, in a build with AVX512-BF16.
-template <typename T, int64_t D>
+// bf16 rows, in a build with AVX512-BF16 (of a width that is a multiple of 32, asked at the call).
+template <typename T>
 constexpr bool kPairs =
 #if defined(__AVX512BF16__)
-    std::is_same_v<T, c10::BFloat16> && D > 0 && D % 32 == 0;
+    std::is_same_v<T, c10::BFloat16>;
 #else
     false;
 #endif
 
 // Four dot products of a bf16 row `a` with bf16 rows[0..3], 32 numbers per product, times `scale`.
 template <typename T, int64_t D>
-inline void dot4_pairs(const T* a, const T* const rows[4], float scale, float* out) {
+inline void dot4_pairs(const T* a, const T* const rows[4], float scale, int64_t dim, float* out) {
 #if defined(__AVX512BF16__)
-  if constexpr (kPairs<T, D>) {
+  if constexpr (kPairs<T>) {
+    const int64_t n = D ? D : dim;
     __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
-    for (int64_t c = 0; c < D; c += 32) {
+    for (int64_t c = 0; c < n; c += 32) {
       const __m512bh x = (__m512bh)_mm512_loadu_si512(a + c);
       s0 = _mm512_dpbf16_ps(s0, x, (__m512bh)_mm512_loadu_si512(rows[0] + c));
       s1 = _mm512_dpbf16_ps(s1, x, (__m512bh)_mm512_loadu_si512(rows[1] + c));
@@ -272,8 +274,8 @@ inline void dot4_pairs(const T* a, const T* const rows[4], float scale, float* o
 template <typename T, int64_t D>
 inline void score4(const float* a_float, const T* a, const T* const rows[4], float scale,
                    int64_t dim, float* out) {
-  if constexpr (kPairs<T, D>) {
-    dot4_pairs<T, D>(a, rows, scale, out);
+  if (kPairs<T> && (D ? D : dim) % 32 == 0) {
+    dot4_pairs<T, D>(a, rows, scale, dim, out);
   } else {
     dot4<T, D>(a_float, rows, dim, out);
   }
@@ -284,10 +286,11 @@ inline void score4(const float* a_float, const T* a, const T* const rows[4], flo
 template <typename T, int64_t D>
 inline void add_four(float* into, const float* f, const T* const rows[4], int64_t dim) {
 #if defined(__AVX512F__)
-  if constexpr (kVectorWidth<T, D>) {
+  if (kVectorType<T> && (D ? D : dim) % 16 == 0) {
+    const int64_t n = D ? D : dim;
     const __m512 f0 = _mm512_set1_ps(f[0]), f1 = _mm512_set1_ps(f[1]);
     const __m512 f2 = _mm512_set1_ps(f[2]), f3 = _mm512_set1_ps(f[3]);
-    for (int64_t c = 0; c < D; c += 16) {
+    for (int64_t c = 0; c < n; c += 16) {
       __m512 sum = _mm512_loadu_ps(into + c);
       sum = _mm512_fmadd_ps(f0, load16(rows[0], c), sum);
       sum = _mm512_fmadd_ps(f1, load16(rows[1], c), sum);

@@ -25,7 +25,7 @@ KERNEL = loader.KERNELS["sparse"]
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 """The dtypes the kernel takes (its sums are float32; float64 runs in PyTorch)."""
 
-MAX_GROUPS = 16
+MAX_GROUPS = 256
 """The most query heads per key/value head that the kernel takes."""
 
 
@@ -46,15 +46,10 @@ def refuses(call: Call) -> str | None:
     return None if usable else f"without its kernel: {why}"
 
 
-PAIR_WIDTHS = (64, 128)
-"""The head dims (of keys and values alike) at which the kernel multiplies bf16 scores in pairs."""
-
-
 def pair_products(call: Call) -> bool:
     """Whether the kernel's scores for ``call`` are bf16 pair products (vdpbf16ps, sums in
-    float32): bf16 inputs, head dims of `PAIR_WIDTHS`, a build with AVX512-BF16."""
-    d, dv = call.q.shape[-1], call.v.shape[-1]
-    if call.q.dtype != torch.bfloat16 or d != dv or d not in PAIR_WIDTHS:
+    float32): bf16 inputs whose key head dim is a multiple of 32, a build with AVX512-BF16."""
+    if call.q.dtype != torch.bfloat16 or call.q.shape[-1] % 32:
         return False
     return KERNEL.has_avx512_bf16()
 
@@ -90,20 +85,21 @@ class _Sparse(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, indices, key_mask, settings, call):
         kernel = KERNEL.require("sparse attention's C++ kernel")
-        q, k, v = (_last_dim_contiguous(x.detach()) for x in (q, k, v))
         indices = indices.contiguous()
-        out, lse = kernel.forward(
-            q, k, v, indices, _options(kernel.SparseOptions(), key_mask, settings)
-        )
+        operands = (_last_dim_contiguous(x.detach()) for x in (q, k, v))
+        options = _options(kernel.SparseOptions(), key_mask, settings)
+        out, lse = kernel.forward(*operands, indices, options)
         ctx.save_for_backward(q, k, v, out, lse, indices, key_mask)
-        ctx.kernel, ctx.settings, ctx.call = kernel, settings, call
+        # the call without its tensors: the backward puts the saved ones back
+        ctx.kernel, ctx.settings, ctx.call = kernel, settings, call.with_tensors(*[None] * 6)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout: Tensor | None, dlse: Tensor | None):
         q, k, v, out, lse, indices, key_mask = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph=True: differentiate the PyTorch form
-            return _differentiable(ctx, dout, dlse)
+            call = ctx.call.with_tensors(q, k, v, None, None, key_mask)
+            return _differentiable(call._replace(indices=indices), dout, dlse)
         if dout is None:
             dout = torch.zeros_like(out)
         delta = (dout.float() * out.float()).sum(-1)
@@ -112,14 +108,14 @@ class _Sparse(torch.autograd.Function):
         options = _options(ctx.kernel.SparseBackwardOptions(), key_mask, ctx.settings)
         options.dout = _last_dim_contiguous(dout.to(q.dtype))
         options.lse, options.delta = lse.contiguous(), delta.contiguous()
-        dq, dk, dv = ctx.kernel.backward(q, k, v, indices, options)
+        operands = (_last_dim_contiguous(x.detach()) for x in (q, k, v))
+        dq, dk, dv = ctx.kernel.backward(*operands, indices, options)
         return dq, dk.sum(0).to(k.dtype), dv.sum(0).to(v.dtype), None, None, None, None
 
 
-def _differentiable(ctx, dout: Tensor | None, dlse: Tensor | None) -> tuple:
+def _differentiable(call: Call, dout: Tensor | None, dlse: Tensor | None) -> tuple:
     """The gradients of q, k and v as functions of the inputs (``create_graph=True``): the
     PyTorch form recomputed and differentiated, so that a second derivative is exact."""
-    call = ctx.call
     inputs = [x for x in (call.q, call.k, call.v) if x.requires_grad]
     with torch.enable_grad():
         out, lse = gather.attend(call)
