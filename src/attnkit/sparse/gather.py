@@ -59,8 +59,8 @@ def attend(call: Call) -> tuple[Tensor, Tensor]:
     h_kv, s, dv = k.shape[1], k.shape[2], v.shape[-1]
     g, n = h // h_kv, indices.shape[-1]
     stats = torch.promote_types(q.dtype, torch.float32)
-    if n == 0:  # no query selects a key: 0, lse -inf (sums over nothing, so gradients reach q, k, v)
-        nothing = (q[..., :0].sum(-1, keepdim=True) + k[:, :1, :0].sum() + v[:, :1, :0].sum())
+    if n == 0:  # no query selects a key: 0, lse -inf (sums over nothing: gradients reach q, k, v)
+        nothing = q[..., :0].sum(-1, keepdim=True) + k[:, :1, :0].sum() + v[:, :1, :0].sum()
         return nothing.expand(b, h, t, dv).to(v.dtype), nothing.squeeze(-1).to(stats) - math.inf
     rows = max(1, GATHERED // max(1, b * h_kv * n * (d + dv)))
     outs, lses = [], []
