@@ -23,10 +23,11 @@ SHAPES = {
 }
 MASK_KINDS = ["none", "key_mask", "bool", "float"]
 # The backends that take any shape, with gradients, on any device; the decode kernel (a few queries
-# over a cache, no gradients, CPU only) and the flex backend (torch's compiled FlexAttention, CUDA
-# only) have their own tests in tests/backends/test_decode.py and test_torch_flex.py.
+# over a cache, no gradients, CPU only), the flex backend (torch's compiled FlexAttention, CUDA
+# only) and the sparse backend (calls with indices only) have their own tests in
+# tests/backends/test_decode.py, test_torch_flex.py, test_sparse.py and tests/sparse/.
 GENERAL = ["reference", "sdpa", "tiled"]
-OWN_TESTS = ["decode", "flex"]
+OWN_TESTS = ["decode", "flex", "sparse"]
 assert {*GENERAL, *OWN_TESTS} == set(BACKENDS), "a new backend: add it to GENERAL or give it tests"
 # The tiled backend runs its C++ kernel where the block products are float32 on a CPU, and its
 # PyTorch loop elsewhere; "tiled:loop" forces the loop on the same inputs, so both paths are checked.

@@ -102,6 +102,18 @@ def test_many_query_rows_over_a_bf16_cache_within_twice_the_naive_error(shape, m
     assert error <= 2 * naive_error + 1e-6
 
 
+def test_which_backend_names_the_pair_products_for_many_rows():
+    from attnkit.kernels import cpu
+
+    many = inputs((1, 16, 1, 1, 50, 64), torch.bfloat16)[:3]
+    few = inputs((1, 4, 1, 1, 50, 64), torch.bfloat16)[:3]
+    pairs = decode.KERNEL.has_avx512_bf16() and cpu.has("avx512_bf16")
+    assert choose_backend("decode", call_of(*many, Masks(), 0.125)).products == (
+        "bf16-avx512_bf16" if pairs else "float32"
+    )
+    assert choose_backend("decode", call_of(*few, Masks(), 0.125)).products == "float32"
+
+
 def test_a_real_keys_nan_makes_every_row_that_sees_it_nan_with_many_rows():
     q, k, v, _ = inputs((1, 16, 1, 1, 70, 64), torch.bfloat16)
     k[0, 0, 40, 3] = float("nan")

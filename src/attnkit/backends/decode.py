@@ -33,6 +33,9 @@ MAX_ROWS = 16
 MAX_HEAD_DIM = 576
 """The widest key or value head the kernel takes: multi-head latent attention's decoding step
 attends with keys of the latent and its RoPE key (DeepSeek-V3: 512 + 64)."""
+PAIRS_FROM_ROWS = 8
+"""The fewest query rows per key/value head that the kernel takes as the lanes of bf16 pair
+products (fewer would leave most of a vector's 16 lanes idle); the kernel's ``kPairsFrom``."""
 MIN_KEYS_PER_SPLIT = 1024
 """The shortest split of the keys that a thread streams on its own."""
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -104,6 +107,14 @@ class DecodeBackend(Backend):
         return refuses(call)
 
     def path(self, call: Call) -> Route:
+        """``native``, with bf16 pair products (``"bf16-avx512_bf16"``) where 8 to 16 query rows
+        share a key/value head of a bf16 cache whose head dims are multiples of 32 and the build
+        has AVX512-BF16 (`decode_pairs.h`), else float32."""
+        q, k, v = call.q, call.k, call.v
+        rows = q.shape[1] // k.shape[1] * q.shape[2]
+        pairs = q.dtype == torch.bfloat16 and rows >= PAIRS_FROM_ROWS
+        if pairs and q.shape[-1] % 32 == 0 and v.shape[-1] % 32 == 0 and KERNEL.has_avx512_bf16():
+            return Route("native", "bf16-avx512_bf16")
         return Route("native", "float32")
 
     def run(self, call: Call) -> AttentionOutput:

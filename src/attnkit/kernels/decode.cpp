@@ -277,6 +277,26 @@ inline void scaled_queries(const at::Tensor& q, int64_t batch, int64_t head, int
   }
 }
 
+// A work item as attend_split_pairs (decode_pairs.h) takes it where it applies: many query rows
+// over a bf16 cache whose head dims are multiples of 32, in a build with AVX512-BF16. False where
+// the float32 path must run.
+template <typename T>
+bool attend_in_pairs(const T* q, int64_t q_row_stride, int64_t rows, int64_t d, int64_t dv,
+                     double scale, const T* k, const T* v, int64_t stride_s, int64_t stride_v,
+                     const bool* real, int64_t begin, int64_t end, float* out, float* max_out,
+                     float* sum_out) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (rows >= kPairsFrom && d % 32 == 0 && dv % 32 == 0) {
+      attend_split_pairs(q, q_row_stride, rows, d, dv, static_cast<float>(scale), k, v, stride_s,
+                         stride_v, real, begin, end, out, max_out, sum_out);
+      return true;
+    }
+  }
+#endif
+  return false;
+}
+
 // sinks: the sink logit of each query row of each key/value head (h_kv x rows), or null.
 template <typename T, int64_t D>
 void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -298,20 +318,15 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       const int64_t batch = bh / h_kv, head = bh % h_kv;
       const int64_t begin = std::min(s, split * per_split);
       const int64_t end = std::min(s, begin + per_split);
-#if defined(__AVX512BF16__)
-      if constexpr (std::is_same_v<T, c10::BFloat16>) {
-        if (rows >= kPairsFrom && d % 32 == 0 && dv % 32 == 0) {
-          attend_split_pairs(q.data_ptr<T>() + batch * q.stride(0) + head * q.stride(1),
-                             q.stride(2), rows, d, dv, static_cast<float>(scale),
+      if (attend_in_pairs<T>(q.data_ptr<T>() + batch * q.stride(0) + head * q.stride(1),
+                             q.stride(2), rows, d, dv, scale,
                              kp + batch * k.stride(0) + head * k.stride(1),
                              vp + batch * v.stride(0) + head * v.stride(1), k.stride(2),
                              v.stride(2), mp ? mp + batch * key_mask.stride(0) : nullptr, begin,
                              end, part_out.data() + item * rows * dv,
-                             part_max.data() + item * rows, part_sum.data() + item * rows);
-          continue;
-        }
+                             part_max.data() + item * rows, part_sum.data() + item * rows)) {
+        continue;
       }
-#endif
       scaled_queries<T>(q, batch, head, rows, d, scale, queries);
       auto attend = rows == 1 ? attend_split<T, D, 1> : attend_split<T, D, 0>;
       attend(queries, rows, d, dv, kp + batch * k.stride(0) + head * k.stride(1),
@@ -408,4 +423,11 @@ at::Tensor decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode", &decode, "Attention of a few queries over a key/value cache, in one pass");
   m.def("linear", &linear, "x w_i^T + bias_i for a few rows of x and a few weights, on every thread");
+  m.def("has_avx512_bf16", [] {
+#if defined(__AVX512BF16__)
+    return true;
+#else
+    return false;
+#endif
+  }, "Whether this build takes many rows over a bf16 cache in AVX512-BF16 pair products");
 }

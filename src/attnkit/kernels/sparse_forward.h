@@ -40,6 +40,48 @@ struct Scratch {
         bad(block * g) {}
 };
 
+// The scores of one query's g heads (rows of `queries`, times scale, and of `scores`, n apart)
+// against its keys[begin .. end), four keys at a time.
+template <typename T, typename I, int64_t D>
+void score_run(const Operands<T, I>& x, int64_t batch, int64_t head, int64_t query,
+               const int64_t* keys, int64_t begin, int64_t end, const float* queries,
+               float* scores) {
+  const int64_t g = x.groups(), d = D ? D : x.d, n = x.n;
+  const auto key_row = [&](int64_t j) { return x.key(batch, head, j); };
+  int64_t e = begin;
+  for (; e + 4 <= end; e += 4) {
+    const T* key[4];
+    four_rows<T>(key_row, keys + e, end - e, d, key);
+    for (int64_t r = 0; r < g; ++r) {  // q as given too, for pair products
+      const T* given = x.query(batch, head * g + r, query);
+      score4<T, D>(queries + r * d, given, key, x.scale, d, scores + r * n + e);
+    }
+  }
+  for (; e < end; ++e) {
+    const T* key = key_row(keys[e]);
+    for (int64_t r = 0; r < g; ++r) scores[r * n + e] = dot<T, D>(queries + r * d, key, d);
+  }
+}
+
+// acc (one query's g heads, dv apart) += its weights (n apart) times the values of its
+// keys[begin .. end), four keys at a time.
+template <typename T, typename I, int64_t D>
+void value_run(const Operands<T, I>& x, int64_t batch, int64_t head, const int64_t* keys,
+               int64_t begin, int64_t end, const float* weights, float* acc) {
+  const int64_t g = x.groups(), dv = D ? D : x.dv, n = x.n;
+  const auto value_row = [&](int64_t j) { return x.value(batch, head, j); };
+  int64_t e = begin;
+  for (; e + 4 <= end; e += 4) {
+    const T* value[4];
+    four_rows<T>(value_row, keys + e, end - e, dv, value);
+    for (int64_t r = 0; r < g; ++r) add_four<T, D>(acc + r * dv, weights + r * n + e, value, dv);
+  }
+  for (; e < end; ++e) {
+    const T* value = value_row(keys[e]);
+    for (int64_t r = 0; r < g; ++r) add_scaled<T, D>(acc + r * dv, weights[r * n + e], value, dv);
+  }
+}
+
 // Queries i0 .. i0 + rows - 1 of the g query heads of key/value head `head`: out (b, t, h, dv)
 // memory, lse (b, h, t). Scores, weights and sums are kept per (query, head) row, q = i * g + r.
 template <typename T, typename I, int64_t D>
@@ -64,23 +106,8 @@ void attend_block(const Operands<T, I>& x, int64_t batch, int64_t head, int64_t 
     const bool dense = next_tile_dense(sel, tile, rows);
     for (int64_t i = 0; i < rows; ++i) {
       fetch_next_tile(key_row, key_bytes, sel, tile, i, rows, x.s, dense);
-      const int64_t* keys = sel.row(i);
-      const int64_t end = sel.end(i, tile);
-      int64_t e = sel.begin(i, tile);
-      for (; e + 4 <= end; e += 4) {
-        const T* key[4];
-        four_rows<T>(key_row, keys + e, end - e, d, key);
-        for (int64_t r = 0; r < g; ++r) {
-          const T* query = x.query(batch, head * g + r, i0 + i);  // as given, for pair products
-          score4<T, D>(queries + (i * g + r) * d, query, key, x.scale, d, scores + (i * g + r) * n + e);
-        }
-      }
-      for (; e < end; ++e) {
-        const T* key = key_row(keys[e]);
-        for (int64_t r = 0; r < g; ++r) {
-          scores[(i * g + r) * n + e] = dot<T, D>(queries + (i * g + r) * d, key, d);
-        }
-      }
+      score_run<T, I, D>(x, batch, head, i0 + i, sel.row(i), sel.begin(i, tile), sel.end(i, tile),
+                         queries + i * g * d, scores + i * g * n);
     }
   }
   for (int64_t q = 0; q < rows * g; ++q) {  // each row's softmax
@@ -100,22 +127,8 @@ void attend_block(const Operands<T, I>& x, int64_t batch, int64_t head, int64_t 
     const bool dense = next_tile_dense(sel, tile, rows);
     for (int64_t i = 0; i < rows; ++i) {
       fetch_next_tile(value_row, value_bytes, sel, tile, i, rows, x.s, dense);
-      const int64_t* keys = sel.row(i);
-      const int64_t end = sel.end(i, tile);
-      int64_t e = sel.begin(i, tile);
-      for (; e + 4 <= end; e += 4) {
-        const T* value[4];
-        four_rows<T>(value_row, keys + e, end - e, dv, value);
-        for (int64_t r = 0; r < g; ++r) {
-          add_four<T, D>(acc + (i * g + r) * dv, scores + (i * g + r) * n + e, value, dv);
-        }
-      }
-      for (; e < end; ++e) {
-        const T* value = value_row(keys[e]);
-        for (int64_t r = 0; r < g; ++r) {
-          add_scaled<T, D>(acc + (i * g + r) * dv, scores[(i * g + r) * n + e], value, dv);
-        }
-      }
+      value_run<T, I, D>(x, batch, head, sel.row(i), sel.begin(i, tile), sel.end(i, tile),
+                         scores + i * g * n, acc + i * g * dv);
     }
   }
   for (int64_t i = 0; i < rows; ++i) {
