@@ -49,13 +49,17 @@ struct BackwardScratch {
 
 // Four keys of query i (rows q = i * g + r of the scratch): their weights and dS for each of the g
 // heads, dQ's rows, and the four keys' rows of this split's dK and dV.
-template <typename T, int64_t D>
+// kLocal: the weights and dS of up to 16 heads in arrays of the function's own, which the
+// compiler knows no row of dK or dV can overlap (in the scratch, every store to a row would make
+// it read them again); more heads use the scratch.
+template <typename T, int64_t D, bool kLocal>
 inline void four_keys(const T* const key[4], const T* const value[4], const int64_t* j,
                       int64_t i, int64_t g, int64_t d, int64_t dv, BackwardScratch<T>& w, float* dk,
                       float* dv_sums, const T* const* query_rows, const T* const* dout_rows,
                       float scale) {
-  float* p = w.weights.data();  // (g, 4)
-  float* ds = w.dscores.data();
+  float own_p[kLocal ? 64 : 1], own_ds[kLocal ? 64 : 1];
+  float* p = kLocal ? own_p : w.weights.data();  // (g, 4)
+  float* ds = kLocal ? own_ds : w.dscores.data();
   for (int64_t r = 0; r < g; ++r) {
     const int64_t q = i * g + r;
     float scores[4], dp[4];
@@ -141,8 +145,12 @@ void backward_block(const Operands<T, I>& x, const Gradients<T>& y, int64_t batc
         const T *key[4], *value[4];
         four_rows<T>(key_row, keys + e, end - e, d, key);
         four_rows<T>(value_row, keys + e, end - e, dv, value);
-        four_keys<T, D>(key, value, keys + e, i, g, d, dv, w, dk, dv_sums, query_rows + i * g,
-                        dout_rows + i * g, x.scale);
+        if (g <= 16)
+          four_keys<T, D, true>(key, value, keys + e, i, g, d, dv, w, dk, dv_sums,
+                                query_rows + i * g, dout_rows + i * g, x.scale);
+        else
+          four_keys<T, D, false>(key, value, keys + e, i, g, d, dv, w, dk, dv_sums,
+                                 query_rows + i * g, dout_rows + i * g, x.scale);
       }
       for (; e < end; ++e) {
         one_key<T, D>(key_row(keys[e]), value_row(keys[e]), keys[e], i, g, d, dv, w, dk, dv_sums);
