@@ -49,6 +49,7 @@ from torch.nn.attention.flex_attention import BlockMask
 from attnkit._tracing import traced
 from attnkit.functional import attention
 from attnkit.hf.masks import HFMask, mask_builder
+from attnkit.masks import selection_mask
 from attnkit.varlen import document_mask
 
 
@@ -172,18 +173,11 @@ def _with_selection(masks: dict[str, Any], indices: Tensor, s: int, dropout: flo
     (the sparse backend, ``O(t n d)``), those past the keys given unused (a static cache's empty
     slots); as a dense mask where another mask or dropout needs a dense backend."""
     if dropout or any(masks.get(name) is not None for name in _DENSE_ONLY):
-        return {**masks, "attn_mask": _both(masks.get("attn_mask"), _selected(indices, s))}
+        return {
+            **masks,
+            "attn_mask": _both(masks.get("attn_mask"), selection_mask(indices[:, None], 1, s)),
+        }
     return {**masks, "indices": indices.masked_fill(indices >= s, -1)}
-
-
-def _selected(indices: Tensor, s: int) -> Tensor:
-    """``(b, 1, t, s)`` bool, True at the keys ``indices`` ``(b, t, n)`` names for each query
-    (-1: no key; an index past the keys given: none of them)."""
-    b, t, _ = indices.shape
-    spare = s  # a column for -1 and the indices beyond, dropped after
-    where = indices.long().masked_fill((indices < 0) | (indices >= s), spare)
-    chosen = torch.zeros(b, t, s + 1, dtype=torch.bool, device=indices.device)
-    return chosen.scatter_(-1, where, True)[..., :s, None].permute(0, 3, 1, 2)
 
 
 def _both(mask: Tensor | None, selected: Tensor) -> Tensor:
